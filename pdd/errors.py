@@ -1,0 +1,44 @@
+"""Domain errors of PDD.
+
+Library code raises these; ``pdd.server.errors`` is the one place that maps
+them to gRPC status codes (and the HTTP layer to HTTP codes). Each error says
+what was wrong in words a client can act on.
+"""
+
+from __future__ import annotations
+
+
+class PddError(Exception):
+    """Base of every domain error."""
+
+
+class InvalidArgumentError(PddError, ValueError):
+    """A request field is malformed; ``field`` names it (e.g. ``sampling.top_p``)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.description = message
+
+
+class NotFoundError(PddError, KeyError):
+    """A referenced entity (request, instance, transfer) is unknown."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the plain message
+        return str(self.args[0]) if self.args else ""
+
+
+class ResourceExhaustedError(PddError):
+    """A pool, queue or budget is full; retrying later may succeed."""
+
+
+class UnavailableError(PddError):
+    """A needed peer or role is not reachable or not registered."""
+
+
+class FailedPreconditionError(PddError):
+    """The request is valid but the system is not in a state to run it."""
+
+
+class DeadlineExceededError(PddError):
+    """An operation outlived its deadline."""

@@ -1,0 +1,53 @@
+"""Serving instances as plain data: who they are, where they listen, how loaded.
+
+Shared by the prefix index (kvstore), the router (pure policy) and the
+gateway; no gRPC or Redis here.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class Role(enum.Enum):
+    PREFILL = "prefill"
+    RELAY = "relay"
+    MAIN_DECODE = "main_decode"
+
+
+@dataclass(frozen=True)
+class InstanceRef:
+    instance_id: str
+    # host:port of the instance's gRPC server.
+    address: str
+    role: Role
+    # The cluster it sits in, e.g. "main" (beside prefill) or "remote".
+    cluster: str = "main"
+
+    def __post_init__(self) -> None:
+        if not self.instance_id:
+            raise ValueError("instance_id: must not be empty")
+        if ":" not in self.address:
+            raise ValueError(f"address: expected host:port, got {self.address!r}")
+
+
+@dataclass(frozen=True)
+class InstanceLoad:
+    running_requests: int = 0
+    waiting_requests: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+
+
+@dataclass(frozen=True)
+class Instance:
+    ref: InstanceRef
+    block_size: int
+    model: str = ""
+    load: InstanceLoad = field(default_factory=InstanceLoad)
+    last_heartbeat_ms: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError(f"block_size: must be positive, got {self.block_size}")

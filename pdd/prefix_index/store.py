@@ -1,0 +1,65 @@
+"""The kvstore's domain: instance registry + prefix index over one Redis.
+
+Life of a prediction: the gateway sends a prompt's token ids (and cache
+salt) → the live instances are read from the registry (filtered by id/role)
+→ each instance's chained block hashes are tested against its block set →
+per instance, the leading tokens it holds and the hit rate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from redis.asyncio import Redis
+
+from pdd.engine.radix_cache import CacheEvent
+from pdd.errors import InvalidArgumentError, NotFoundError
+from pdd.instance import Instance, InstanceLoad, Role
+from pdd.prefix_index.index import PrefixIndex
+from pdd.prefix_index.registry import InstanceRegistry
+
+
+@dataclass(frozen=True)
+class Hit:
+    instance: Instance
+    cached_tokens: int
+    hit_rate: float
+
+
+class PrefixStore:
+    def __init__(self, redis: Redis, prefix: str = "pdd") -> None:
+        self.redis = redis
+        self.registry = InstanceRegistry(redis, prefix)
+        self.index = PrefixIndex(redis, self.registry)
+
+    async def register(self, inst: Instance, ttl_ms: int, *, reset_index: bool = False) -> None:
+        await self.registry.register(inst, ttl_ms, reset_index=reset_index)
+
+    async def heartbeat(self, instance_id: str, load: InstanceLoad) -> bool:
+        return await self.registry.heartbeat(instance_id, load)
+
+    async def deregister(self, instance_id: str) -> bool:
+        return await self.registry.deregister(instance_id)
+
+    async def list(self, role: Role | None = None) -> list[Instance]:
+        return await self.registry.list(role)
+
+    async def publish(self, instance_id: str, events: Iterable[CacheEvent]) -> int:
+        if await self.registry.get(instance_id) is None:
+            raise NotFoundError(f"instance_id: {instance_id!r} is not registered (lease expired?)")
+        return await self.index.apply(instance_id, events)
+
+    async def predict(
+        self, prompt: Sequence[int], salt: str = "", *,
+        instance_ids: Sequence[str] = (), role: Role | None = None,
+    ) -> list[Hit]:
+        if not prompt:
+            raise InvalidArgumentError("prompt_token_ids", "must not be empty")
+        live = await self.registry.list(role)
+        if instance_ids:
+            wanted = set(instance_ids)
+            live = [i for i in live if i.ref.instance_id in wanted]
+        cached = await self.index.cached_tokens(prompt, salt, live)
+        n = len(prompt)
+        return [Hit(i, cached[i.ref.instance_id], cached[i.ref.instance_id] / n) for i in live]

@@ -1,0 +1,31 @@
+"""Settings every service's gRPC server shares."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    # 0 picks a free port (tests); the bound port is reported at start-up.
+    port: int = 0
+    # Seconds in-flight calls get to finish on SIGTERM.
+    grace_s: float = 5.0
+    max_message_bytes: int = 64 * 1024 * 1024
+    log_level: str = "INFO"
+    log_json: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port: must be in 0..65535, got {self.port}")
+        if self.grace_s < 0:
+            raise ValueError(f"grace_s: must be >= 0, got {self.grace_s}")
+        if self.max_message_bytes < 1024:
+            raise ValueError(f"max_message_bytes: must be >= 1024, got {self.max_message_bytes}")
+        if not self.host:
+            raise ValueError("host: must not be empty")
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"

@@ -1,0 +1,21 @@
+"""Configuration of the kvstore service."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdd.server.config import ServerConfig
+
+
+@dataclass(frozen=True)
+class KvstoreConfig:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    # Namespace of every key, so several stacks (or tests) can share one Redis.
+    key_prefix: str = "pdd"
+
+    def __post_init__(self) -> None:
+        if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"redis_url: expected redis://, rediss:// or unix://, got {self.redis_url!r}")
+        if not self.key_prefix or ":" in self.key_prefix:
+            raise ValueError(f"key_prefix: must be non-empty without ':', got {self.key_prefix!r}")

@@ -1,0 +1,67 @@
+"""kvstore's gRPC face: proto → domain → ``PrefixStore`` → proto.
+
+The domain (registry + prefix index over Redis) lives in ``pdd.prefix_index``.
+"""
+
+from __future__ import annotations
+
+import grpc
+from redis.asyncio import Redis
+
+from pdd.convert import kvstore as conv
+from pdd.convert.common import role_from_pb
+from pdd.gen.kvstore.v1 import kvstore_service_pb2 as pb
+from pdd.gen.kvstore.v1 import kvstore_service_pb2_grpc as pb_grpc
+from pdd.prefix_index.store import PrefixStore
+from pdd.server.bootstrap import ServiceSpec
+from services.kvstore.config import KvstoreConfig
+
+
+class KvstoreServicer(pb_grpc.KvstoreServiceServicer):
+    def __init__(self, store: PrefixStore) -> None:
+        self.store = store
+
+    async def RegisterInstance(self, request: pb.RegisterInstanceRequest, context) -> pb.RegisterInstanceResponse:
+        inst, ttl_ms = conv.register_from_pb(request)
+        await self.store.register(inst, ttl_ms, reset_index=request.reset_index)
+        return pb.RegisterInstanceResponse(ttl_ms=ttl_ms)
+
+    async def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:
+        known = await self.store.heartbeat(conv.require_instance_id(request.instance_id),
+                                           conv.load_from_pb(request.load))
+        return pb.HeartbeatResponse(known=known)
+
+    async def DeregisterInstance(self, request, context) -> pb.DeregisterInstanceResponse:
+        await self.store.deregister(conv.require_instance_id(request.instance_id))
+        return pb.DeregisterInstanceResponse()
+
+    async def ListInstances(self, request: pb.ListInstancesRequest, context) -> pb.ListInstancesResponse:
+        instances = await self.store.list(role_from_pb(request.role, "role", optional=True))
+        return pb.ListInstancesResponse(instances=[conv.instance_to_pb(i) for i in instances])
+
+    async def PublishCacheEvents(self, request: pb.PublishCacheEventsRequest, context) -> pb.PublishCacheEventsResponse:
+        instance_id = conv.require_instance_id(request.instance_id)
+        events = [conv.cache_event_from_pb(ev, i) for i, ev in enumerate(request.events)]
+        return pb.PublishCacheEventsResponse(applied=await self.store.publish(instance_id, events))
+
+    async def PredictHits(self, request: pb.PredictHitsRequest, context) -> pb.PredictHitsResponse:
+        hits = await self.store.predict(**conv.predict_from_pb(request))
+        return pb.PredictHitsResponse(hits=[conv.hit_to_pb(h) for h in hits])
+
+
+def build(config: KvstoreConfig) -> ServiceSpec:
+    """The kvstore as a ServiceSpec for the shared bootstrap."""
+    redis = Redis.from_url(config.redis_url)
+    servicer = KvstoreServicer(PrefixStore(redis, config.key_prefix))
+
+    async def start() -> None:
+        await redis.ping()  # fail fast (and visibly) when Redis is not there
+
+    async def stop() -> None:
+        await redis.aclose()
+
+    def register(server: grpc.aio.Server) -> None:
+        pb_grpc.add_KvstoreServiceServicer_to_server(servicer, server)
+
+    return ServiceSpec("kvstore", [pb.DESCRIPTOR.services_by_name["KvstoreService"].full_name],
+                       register, start, stop)
