@@ -38,9 +38,10 @@ class PrefixIndex:
             for ev in events:
                 if ev.kind == "stored" and ev.block_hashes:
                     pipe.sadd(key, *map(_member, ev.block_hashes))
-                elif ev.kind == "evicted" and ev.block_hashes:
+                elif ev.kind in ("evicted", "cleared") and ev.block_hashes:
                     pipe.srem(key, *map(_member, ev.block_hashes))
                 elif ev.kind == "cleared":
+                    # NOTE: a cleared event without hashes means "everything this instance had".
                     pipe.delete(key)
                 elif ev.kind not in ("stored", "evicted"):
                     raise ValueError(f"events.kind: unknown cache event kind {ev.kind!r}")

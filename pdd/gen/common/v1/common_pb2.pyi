@@ -139,18 +139,18 @@ class KvTransferHeader(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., start_token: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_chunks: _Optional[int] = ..., total_bytes: _Optional[int] = ..., compression: _Optional[_Union[KvCompression, str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class KvChunk(_message.Message):
-    __slots__ = ("request_id", "index", "offset", "data", "crc32c")
+    __slots__ = ("request_id", "index", "offset", "data", "crc32")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
-    CRC32C_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     index: int
     offset: int
     data: bytes
-    crc32c: int
-    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32c: _Optional[int] = ...) -> None: ...
+    crc32: int
+    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
 
 class TokenDelta(_message.Message):
     __slots__ = ("start_position", "token_ids", "stage")

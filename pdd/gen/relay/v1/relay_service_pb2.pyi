@@ -136,18 +136,18 @@ class PushKvResponse(_message.Message):
     def __init__(self, bytes_received: _Optional[int] = ..., chunks_received: _Optional[int] = ...) -> None: ...
 
 class CompleteTransferRequest(_message.Message):
-    __slots__ = ("transfer_id", "request_id", "header", "output_token_ids", "crc32c")
+    __slots__ = ("transfer_id", "request_id", "header", "output_token_ids", "crc32")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     HEADER_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    CRC32C_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     request_id: str
     header: _common_pb2.KvTransferHeader
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    crc32c: int
-    def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., header: _Optional[_Union[_common_pb2.KvTransferHeader, _Mapping]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., crc32c: _Optional[int] = ...) -> None: ...
+    crc32: int
+    def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., header: _Optional[_Union[_common_pb2.KvTransferHeader, _Mapping]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., crc32: _Optional[int] = ...) -> None: ...
 
 class CompleteTransferResponse(_message.Message):
     __slots__ = ("accepted",)

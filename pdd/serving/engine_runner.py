@@ -1,0 +1,101 @@
+"""An asyncio face for the (synchronous, single-threaded) engine.
+
+The engine is not thread-safe, so every touch of it — a step, adding or
+aborting a request, importing or exporting KV — runs on one dedicated worker
+thread, in submission order. The step loop runs on that thread too: between
+two steps, queued mutations run. Each step's outputs are routed to the
+asyncio queue of the request they belong to.
+
+Life of a request through the runner: ``open(request_id)`` gives its token
+queue → ``call(engine.add_request, ...)`` → the loop steps while the engine
+has schedulable work → each ``StepOutput`` lands in the queue → a finished
+output closes it (``None`` follows) → ``close(request_id)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import structlog
+
+log = structlog.get_logger(__name__)
+T = TypeVar("T")
+
+
+class EngineRunner:
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.steps = 0
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._task = asyncio.create_task(self._run(), name="engine-loop")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        self._pool.shutdown(wait=True)
+
+    async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run ``fn(*args, **kwargs)`` on the engine thread between steps."""
+        assert self._loop is not None, "EngineRunner.start() was not awaited"
+        result = await self._loop.run_in_executor(self._pool, lambda: fn(*args, **kwargs))
+        self._wake.set()
+        return result
+
+    def call_threadsafe(self, fn: Callable[[], None]) -> None:
+        """Schedule ``fn`` on the asyncio loop from the engine thread (e.g. cache events)."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(fn)
+
+    def open(self, request_id: str) -> asyncio.Queue:
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = q
+        return q
+
+    def close(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not await loop.run_in_executor(self._pool, self.engine.has_schedulable):
+                self._wake.clear()
+                # NOTE: re-check after clearing: a call() may have landed in between.
+                if not await loop.run_in_executor(self._pool, self.engine.has_schedulable):
+                    await self._wake.wait()
+                continue
+            try:
+                outputs = await loop.run_in_executor(self._pool, self.engine.step)
+            except Exception:  # noqa: BLE001 — a failed step must not kill the service silently
+                log.exception("engine_step_failed")
+                await self._fail_all()
+                continue
+            self.steps += 1
+            for out in outputs:
+                q = self._queues.get(out.request_id)
+                if q is not None:
+                    q.put_nowait(out)
+
+    async def _fail_all(self) -> None:
+        for request_id, q in list(self._queues.items()):
+            q.put_nowait(RuntimeError("engine step failed"))
+            try:
+                await self.call(self.engine.abort, request_id)
+            except Exception:  # noqa: BLE001
+                log.exception("abort_failed", request_id=request_id)

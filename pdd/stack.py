@@ -1,0 +1,126 @@
+"""The whole PDD stack on one machine, each service its own process.
+
+Life of ``pdd up``: Redis (an embedded real server unless a URL is given) →
+kvstore → main_decode instances, each behind a WAN link emulator (so every
+byte to the "remote" cluster crosses the emulated link) → prefill and relay
+instances → gateway. Each prints where it listens; ``stop()`` sends SIGTERM
+to all, in reverse order.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pdd.launcher import Process, free_port, start_module, start_redis
+
+
+@dataclass(frozen=True)
+class LinkSettings:
+    # 0 means unlimited.
+    mbps: float = 0.0
+    delay_ms: float = 0.0
+    jitter_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("mbps", "delay_ms", "jitter_ms"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+
+    @property
+    def shaped(self) -> bool:
+        return bool(self.mbps or self.delay_ms or self.jitter_ms)
+
+    def flags(self) -> list[str]:
+        return ["--mbps", str(self.mbps), "--delay-ms", str(self.delay_ms), "--jitter-ms", str(self.jitter_ms)]
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    model: str = "smollm2"
+    redis_url: str = ""
+    gateway_port: int = 50050
+    http_port: int = 0
+    prefill: int = 1
+    relay: int = 1
+    main_decode: int = 1
+    wan: LinkSettings = field(default_factory=LinkSettings)
+    # Extra flags for every engine-bearing service (e.g. ["--block-size", "8"]).
+    engine_flags: tuple[str, ...] = ()
+    gateway_flags: tuple[str, ...] = ()
+    log_dir: Path = Path("pdd-logs")
+    key_prefix: str = "pdd"
+
+    def __post_init__(self) -> None:
+        for name in ("prefill", "relay", "main_decode"):
+            if getattr(self, name) < (0 if name == "relay" else 1):
+                raise ValueError(f"{name}: too few instances ({getattr(self, name)})")
+        if not 0 <= self.gateway_port < 65536:
+            raise ValueError(f"gateway_port: must be in 0..65535, got {self.gateway_port}")
+
+
+class Stack:
+    def __init__(self, config: StackConfig) -> None:
+        self.config = config
+        self.processes: list[Process] = []
+        self.redis: subprocess.Popen | None = None
+        self.redis_url = config.redis_url
+
+    def by_name(self, name: str) -> Process:
+        return next(p for p in self.processes if p.name == name)
+
+    @property
+    def gateway(self) -> Process:
+        return self.by_name("gateway")
+
+    def _start(self, name: str, module: str, args: list[str]) -> Process:
+        p = start_module(name, module, [*args, "--log-format", "json"], log_dir=self.config.log_dir)
+        self.processes.append(p)
+        return p
+
+    def start(self) -> Stack:
+        cfg = self.config
+        cfg.log_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            if not self.redis_url:
+                self.redis, self.redis_url = start_redis(cfg.log_dir)
+            kv = self._start("kvstore", "services.kvstore", ["--port", "0", "--redis-url", self.redis_url,
+                                                             "--key-prefix", cfg.key_prefix])
+            common = ["--port", "0", "--kvstore", kv.address, "--model", cfg.model, *cfg.engine_flags]
+            for i in range(cfg.main_decode):
+                name = f"main_decode-{i}"
+                md_port = free_port()
+                # NOTE: everyone reaches MainDecode through the WAN emulator, so MainDecode
+                # advertises the emulator's address, not its own.
+                link = self._start(f"wan-{i}", "pdd.kv.link_emulator",
+                                   ["--listen", "127.0.0.1:0", "--upstream", f"127.0.0.1:{md_port}",
+                                    *cfg.wan.flags()])
+                self._start(name, "services.main_decode", [*common, "--port", str(md_port), "--instance-id", name,
+                                                           "--cluster", "remote", "--advertise-address", link.address])
+            for i in range(cfg.prefill):
+                self._start(f"prefill-{i}", "services.prefill", [*common, "--instance-id", f"prefill-{i}"])
+            for i in range(cfg.relay):
+                self._start(f"relay-{i}", "services.relay", [*common, "--instance-id", f"relay-{i}"])
+            self._start("gateway", "services.gateway", ["--port", str(cfg.gateway_port), "--kvstore", kv.address,
+                                                        "--model", cfg.model, "--http-port", str(cfg.http_port),
+                                                        *cfg.gateway_flags])
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> dict[str, int]:
+        codes = {p.name: p.stop() for p in reversed(self.processes)}
+        self.processes.clear()
+        if self.redis is not None:
+            self.redis.terminate()
+            self.redis.wait(timeout=10)
+            self.redis = None
+        return codes
+
+    def __enter__(self) -> Stack:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
