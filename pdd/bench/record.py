@@ -1,0 +1,79 @@
+"""What the load generator measured about one request (plain data, JSON round-trip).
+
+Times are milliseconds. ``token_times_ms`` are arrival times of each output token
+relative to the moment the request was sent (tokens delivered in one message
+share a time); ``token_stages`` says which service produced each ("relay",
+"main_decode", ...). ``itl_ms`` holds the gaps between consecutive messages that
+carried tokens, as vLLM's ``bench serve`` counts them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+
+@dataclass
+class RequestResult:
+    request_id: str
+    session_id: str = ""
+    turn: int = 0
+    # When the request was sent, relative to the start of the run.
+    start_ms: float = 0.0
+    prompt_tokens: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    token_times_ms: list[float] = field(default_factory=list)
+    token_stages: list[str] = field(default_factory=list)
+    ttft_ms: float | None = None
+    itl_ms: list[float] = field(default_factory=list)
+    tpot_ms: float | None = None
+    e2el_ms: float | None = None
+    # "p-md" | "p-rld-md" | "" (unknown, e.g. on error)
+    pipeline: str = ""
+    handoff_mode: str = ""
+    handoff_at_token: int = 0
+    # Gap between the last relay token and the first main_decode token.
+    handoff_gap_ms: float | None = None
+    rld_tokens: int = 0
+    md_tokens: int = 0
+    predicted_hit: float | None = None
+    actual_hit: float | None = None
+    expected_hit: float | None = None
+    wan_bytes: int = 0
+    wan_transfer_ms: float = 0.0
+    server_ttft_ms: float | None = None
+    finish_reason: str = ""
+    # gRPC status code name (e.g. "RESOURCE_EXHAUSTED") and message; None when it succeeded.
+    error_code: str | None = None
+    error_message: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.error_code is None
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: Mapping) -> RequestResult:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def write_records(records: Iterable[RequestResult], path: str | Path) -> None:
+    with open(path, "w") as f:
+        for r in records:
+            f.write(json.dumps(r.to_json(), separators=(",", ":")) + "\n")
+
+
+def read_records(path: str | Path) -> list[RequestResult]:
+    with open(path) as f:
+        return [RequestResult.from_json(json.loads(line)) for line in f if line.strip()]
+
+
+def records_path(result_path: str | Path) -> Path:
+    """Where the per-request records of a RESULT file live: ``X.json`` → ``X.records.jsonl``."""
+    p = Path(result_path)
+    return p.with_name(p.stem + ".records.jsonl")
