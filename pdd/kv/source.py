@@ -1,0 +1,90 @@
+"""Where a sender reads the KV bytes it pushes: ``KvSource``.
+
+A transfer reads its payload span by span (one chunk at a time) through
+``await source.read(offset, length)``. The read waits until the producer has
+produced that span, so a prefill that is still computing later layers can start
+the push with the first ones. Senders read ahead by at most a bounded number of
+chunks, so a slow link holds the producer back instead of piling up encoded
+chunks (back-pressure).
+
+A span may be read again later: a resumed push resends chunks the receiver
+lacks. ``StreamedSource`` therefore keeps what it pulled — bounded by the
+payload's declared size, like the sender's KV pool that holds the same bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterable, AsyncIterator
+from typing import Protocol
+
+from pdd.errors import FailedPreconditionError, InvalidArgumentError
+
+
+class KvSource(Protocol):
+    @property
+    def total_bytes(self) -> int: ...
+
+    async def read(self, offset: int, length: int) -> memoryview:
+        """Bytes ``[offset, offset + length)`` of the payload, once produced."""
+        ...
+
+
+def _check_span(offset: int, length: int, total: int) -> None:
+    if offset < 0 or length < 0 or offset + length > total:
+        raise InvalidArgumentError("span", f"[{offset}, {offset + length}) outside the payload of {total} bytes")
+
+
+class BytesSource:
+    """A payload already in memory; reads are zero-copy views."""
+
+    def __init__(self, payload: bytes | bytearray | memoryview) -> None:
+        self._view = memoryview(payload).cast("B")
+
+    @property
+    def total_bytes(self) -> int:
+        return self._view.nbytes
+
+    async def read(self, offset: int, length: int) -> memoryview:
+        _check_span(offset, length, self._view.nbytes)
+        return self._view[offset:offset + length]
+
+
+class StreamedSource:
+    """A payload produced piece by piece by an async iterator, pulled only as far as reads need."""
+
+    def __init__(self, total_bytes: int, pieces: AsyncIterable[bytes | bytearray | memoryview]) -> None:
+        if total_bytes < 0:
+            raise ValueError(f"total_bytes: must be >= 0, got {total_bytes}")
+        self._total = total_bytes
+        self._buffer = bytearray(total_bytes)
+        self._pieces: AsyncIterator[bytes | bytearray | memoryview] = aiter(pieces)
+        self._produced = 0
+        self._lock = asyncio.Lock()
+
+    @property
+    def total_bytes(self) -> int:
+        return self._total
+
+    @property
+    def produced(self) -> int:
+        """Bytes pulled from the producer so far."""
+        return self._produced
+
+    async def read(self, offset: int, length: int) -> memoryview:
+        _check_span(offset, length, self._total)
+        end = offset + length
+        if self._produced < end:
+            async with self._lock:  # one puller at a time keeps pieces in order
+                while self._produced < end:
+                    try:
+                        piece = await anext(self._pieces)
+                    except StopAsyncIteration:
+                        raise FailedPreconditionError(
+                            f"KV producer stopped after {self._produced} of {self._total} bytes") from None
+                    piece = memoryview(piece).cast("B")
+                    if self._produced + piece.nbytes > self._total:
+                        raise InvalidArgumentError("payload", f"producer overran the declared {self._total} bytes")
+                    self._buffer[self._produced:self._produced + piece.nbytes] = piece
+                    self._produced += piece.nbytes
+        return memoryview(self._buffer)[offset:end]
