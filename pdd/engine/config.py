@@ -1,0 +1,49 @@
+"""``EngineConfig``: pool size, batching limits, dtype and device of one engine."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from pdd.engine.model_config import parse_dtype
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    block_size: int = 16
+    num_blocks: int | None = None  # explicit pool size; None → sized from kv_cache_bytes
+    kv_cache_bytes: int = 512 * 2**20
+    max_num_batched_tokens: int = 2048  # the per-step token budget (decode tokens + prefill chunks)
+    max_num_seqs: int = 64  # running (unpaused) requests at once
+    max_model_len: int | None = None  # None → the model's max_position_embeddings
+    dtype: str | None = None  # compute and KV dtype; None → the checkpoint's (float32 for GGUF)
+    device: str = "cpu"  # "cpu", "cuda", "cuda:N" or "auto" (CUDA when available)
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
+        if self.kv_cache_bytes <= 0:
+            raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.dtype is not None:
+            parse_dtype(self.dtype)
+        if self.device != "auto" and not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device must be 'cpu', 'cuda[:N]' or 'auto', got {self.device!r}")
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device(self.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r} requested but CUDA is not available")
+        return device

@@ -1,0 +1,163 @@
+"""The Llama-family decoder (RMSNorm, RoPE, GQA, SwiGLU; optional q/k/v/o biases) over paged KV.
+
+Tokens arrive flattened: ``input_ids [N]`` and ``positions [N]`` for every
+sequence of a step, with an ``AttentionMetadata`` saying where each sequence's
+K/V lives. q/k/v and gate/up are fused into one matmul each (loaded from the
+Hugging Face tensors by ``load_hf_weights``); logits are computed only for the
+rows that are sampled.
+
+NOTE: every projection stores its weight transposed (``[in, out]``) and runs
+``torch.mm``: on CPU, MKL's GEMM is 1.3-2.5x faster that way than ``F.linear``'s
+``x @ W.T`` for decode-sized batches (and for 2K-token prefill). A tied LM head
+therefore keeps its own transposed copy of the embedding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdd.engine.attention import AttentionMetadata, paged_attention
+from pdd.engine.kv_cache import KvCache
+from pdd.engine.model_config import ModelConfig
+from pdd.engine.rope import apply_rotary
+
+
+class Linear(nn.Module):
+    """``x @ W.T + b`` with ``W.T`` stored contiguous as ``weight_t [in, out]``; ``x`` is 2-D."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool):
+        super().__init__()
+        self.weight_t = nn.Parameter(torch.empty(in_features, out_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is None:
+            return torch.mm(x, self.weight_t)
+        return torch.addmm(self.bias, x, self.weight_t)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # NOTE: normalise in float32 then cast back before the weight, as transformers' LlamaRMSNorm.
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KvCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        n, h, kv = x.shape[0], self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(n, h + 2 * kv, self.head_dim)  # [N, H + 2KV, D]
+        qk = apply_rotary(qkv[:, :h + kv], cos, sin)  # [N, H + KV, D]: q and k rotated together
+        new_kv = torch.cat([qk[:, h:], qkv[:, h + kv:]], dim=1).view(n, 2, kv, self.head_dim)  # [N, 2, KV, D]
+        out = paged_attention(qk[:, :h], new_kv, cache, self.layer, meta)  # [N, H, D]
+        return self.o_proj(out.reshape(n, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.intermediate = config.intermediate_size
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KvCache,
+                meta: AttentionMetadata, logit_rows: torch.Tensor) -> torch.Tensor:
+        """``input_ids [N]``, ``cos/sin [N, 1, D]`` → logits ``[len(logit_rows), V]`` (float32)."""
+        x = self.embed_tokens(input_ids)  # [N, hidden]
+        for layer in self.layers:
+            x = layer(x, cos, sin, cache, meta)
+        x = self.norm(x.index_select(0, logit_rows))  # [S, hidden]
+        return self.lm_head(x).float()
+
+    @torch.no_grad()
+    def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up; every parameter must be set."""
+        cfg, done = self.config, set()
+
+        def take(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise ValueError(f"checkpoint is missing tensor {name!r}")
+            done.add(name)
+            return weights[name]
+
+        def put(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
+            if param.dim() == 2 and param is not self.embed_tokens.weight:
+                value = value.t()  # Linear.weight_t is [in, out]
+            if tuple(param.shape) != tuple(value.shape):
+                raise ValueError(f"{name}: expected shape {tuple(param.shape)}, got {tuple(value.shape)}")
+            param.copy_(value)
+
+        put(self.embed_tokens.weight, take("model.embed_tokens.weight"), "embed_tokens")
+        put(self.norm.weight, take("model.norm.weight"), "norm")
+        head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+        put(self.lm_head.weight_t, take(head), "lm_head")
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = [take(f"{p}self_attn.{x}_proj.weight") for x in "qkv"]
+            put(attn.qkv_proj.weight_t, torch.cat(qkv), p + "qkv")
+            if cfg.qkv_bias:
+                qkv_bias = [take(f"{p}self_attn.{x}_proj.bias") for x in "qkv"]
+                put(attn.qkv_proj.bias, torch.cat(qkv_bias), p + "qkv.bias")
+            put(attn.o_proj.weight_t, take(p + "self_attn.o_proj.weight"), p + "o_proj")
+            if cfg.o_bias:
+                put(attn.o_proj.bias, take(p + "self_attn.o_proj.bias"), p + "o_proj.bias")
+            gate_up = [take(f"{p}mlp.{x}_proj.weight") for x in ("gate", "up")]
+            put(mlp.gate_up_proj.weight_t, torch.cat(gate_up), p + "gate_up")
+            put(mlp.down_proj.weight_t, take(p + "mlp.down_proj.weight"), p + "down_proj")
+            if cfg.mlp_bias:
+                put(mlp.gate_up_proj.bias, torch.cat([take(f"{p}mlp.{x}_proj.bias") for x in ("gate", "up")]),
+                    p + "gate_up.bias")
+                put(mlp.down_proj.bias, take(p + "mlp.down_proj.bias"), p + "down_proj.bias")
+            put(layer.input_layernorm.weight, take(p + "input_layernorm.weight"), p + "input_layernorm")
+            put(layer.post_attention_layernorm.weight, take(p + "post_attention_layernorm.weight"),
+                p + "post_attention_layernorm")
+        unused = set(weights) - done - {"lm_head.weight"}
+        unused = {n for n in unused if not n.endswith("rotary_emb.inv_freq")}
+        if unused:
+            raise ValueError(f"checkpoint has unexpected tensors: {sorted(unused)[:5]}")

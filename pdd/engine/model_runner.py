@@ -1,0 +1,92 @@
+"""``ModelRunner``: turns a scheduled batch into flat tensors, runs the model, returns logits.
+
+Rows are laid out decode-first (one token per decoding sequence), then the
+prefill chunks; only the last row of a sequence that has now computed every
+known token is turned into logits. Block tables are padded into one tensor per
+group so each layer does one gather and one SDPA per group, never a Python
+loop over sequences.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdd.engine.attention import AttentionMetadata
+from pdd.engine.block_manager import BlockManager
+from pdd.engine.kv_cache import KvCache
+from pdd.engine.model import LlamaModel
+from pdd.engine.rope import RotaryTable
+from pdd.engine.sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, cache: KvCache, blocks: BlockManager, rope: RotaryTable,
+                 device: torch.device):
+        self.model, self.cache, self.blocks, self.rope, self.device = model, cache, blocks, rope, device
+        self.block_size = blocks.block_size
+        self.num_forwards = 0
+
+    @torch.inference_mode()
+    def run(self, batch: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor]:
+        """Forward ``batch``; returns the sequences to sample and their logits ``[S, V]`` (float32)."""
+        decode = [(s, n) for s, n in batch if n == 1]
+        prefill = [(s, n) for s, n in batch if n > 1]
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sampled: list[Sequence] = []
+        rows: list[int] = []
+        scratch = self.cache.scratch_slot
+        for s, n in decode + prefill:
+            start = s.num_computed
+            ids.extend(s.token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            slots.extend(self.blocks.slots(s, start, start + n, scratch))
+            if start + n == s.num_tokens and s.finish_when_computed is None:
+                sampled.append(s)
+                rows.append(len(ids) - 1)
+        meta = AttentionMetadata(slot_mapping=self._tensor(slots), num_decode=len(decode))
+        if decode:
+            self._decode_meta(meta, [s for s, _ in decode])
+        if prefill:
+            self._prefill_meta(meta, prefill)
+        cos, sin = self.rope.lookup(self._tensor(positions))
+        logits = self.model(self._tensor(ids), cos, sin, self.cache, meta, self._tensor(rows))
+        self.num_forwards += 1
+        return sampled, logits
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
+
+    def _tables(self, seqs: list[Sequence], context: list[int]) -> tuple[torch.Tensor, int]:
+        """Block tables padded to the longest context → ``[B, MB]`` and ``MB * block_size``."""
+        mb = -(-max(context) // self.block_size)
+        rows = [s.block_table[:mb] + [0] * (mb - min(mb, len(s.block_table))) for s in seqs]
+        return self._tensor(rows), mb * self.block_size
+
+    def _decode_meta(self, meta: AttentionMetadata, seqs: list[Sequence]) -> None:
+        context = [s.num_computed + 1 for s in seqs]
+        meta.decode_block_tables, length = self._tables(seqs, context)
+        ctx = torch.tensor(context).to(self.device)
+        mask = torch.arange(length, device=self.device)[None, :] < ctx[:, None]  # [B, L]
+        meta.decode_mask = mask[:, None, None, :]  # [B, 1, 1, L]
+
+    def _prefill_meta(self, meta: AttentionMetadata, chunks: list[tuple[Sequence, int]]) -> None:
+        seqs = [s for s, _ in chunks]
+        if len(chunks) == 1 and seqs[0].num_computed == 0:
+            meta.prefill_causal_only = True
+            return
+        lens = [n for _, n in chunks]
+        starts = [s.num_computed for s in seqs]
+        tq = max(lens)
+        meta.prefill_block_tables, length = self._tables(seqs, [c + n for c, n in zip(starts, lens)])
+        q_pos = torch.tensor(starts)[:, None] + torch.arange(tq)[None, :]  # [Bp, Tq]
+        mask = torch.arange(length)[None, None, :] <= q_pos[:, :, None]  # [Bp, Tq, L]
+        meta.prefill_mask = mask.unsqueeze(1).to(self.device)  # [Bp, 1, Tq, L]
+        if any(n != tq for n in lens):
+            pad, valid, offset = [], [], 0
+            for b, n in enumerate(lens):
+                pad.extend(offset + min(i, n - 1) for i in range(tq))
+                valid.extend(b * tq + i for i in range(n))
+                offset += n
+            meta.prefill_pad_index, meta.prefill_valid_index = self._tensor(pad), self._tensor(valid)
