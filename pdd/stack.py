@@ -93,7 +93,7 @@ class Stack:
                 md_port = free_port()
                 # NOTE: everyone reaches MainDecode through the WAN emulator, so MainDecode
                 # advertises the emulator's address, not its own.
-                link = self._start(f"wan-{i}", "pdd.kv.link_emulator",
+                link = self._start(f"wan-{i}", "services.wan_link",
                                    ["--listen", "127.0.0.1:0", "--upstream", f"127.0.0.1:{md_port}",
                                     *cfg.wan.flags()])
                 self._start(name, "services.main_decode", [*common, "--port", str(md_port), "--instance-id", name,

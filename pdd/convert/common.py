@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pdd.engine.sampling import SamplingParams
 from pdd.errors import InvalidArgumentError
 from pdd.gen.common.v1 import common_pb2
 from pdd.instance import InstanceRef, Role
+from pdd.routing.policy import HandoffMode, Pipeline
 
 _ROLE_TO_PB = {
     Role.PREFILL: common_pb2.ROLE_PREFILL,
@@ -41,3 +43,70 @@ def instance_ref_from_pb(msg: common_pb2.InstanceRef, field: str = "ref") -> Ins
     role = role_from_pb(msg.role, f"{field}.role")
     assert role is not None
     return InstanceRef(msg.instance_id, msg.address, role, msg.cluster or "main")
+
+
+# --- sampling -------------------------------------------------------------
+
+def sampling_to_pb(sp: SamplingParams) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams(max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p,
+                                    top_k=sp.top_k, stop_token_ids=list(sp.stop_token_ids),
+                                    ignore_eos=sp.ignore_eos)
+    if sp.seed is not None:
+        msg.seed = sp.seed
+    return msg
+
+
+def sampling_from_pb(msg: common_pb2.SamplingParams, field: str = "sampling") -> SamplingParams:
+    """Validated sampling; an unset top_p (0) means 1.0 (no truncation)."""
+    if msg.max_tokens == 0:
+        raise InvalidArgumentError(f"{field}.max_tokens", "must be positive")
+    if not msg.temperature >= 0.0:  # also rejects NaN
+        raise InvalidArgumentError(f"{field}.temperature", f"must be >= 0, got {msg.temperature}")
+    top_p = msg.top_p or 1.0
+    if not 0.0 < top_p <= 1.0:
+        raise InvalidArgumentError(f"{field}.top_p", f"must be in (0, 1], got {msg.top_p}")
+    return SamplingParams(max_tokens=msg.max_tokens, temperature=msg.temperature, top_p=top_p, top_k=msg.top_k,
+                          seed=msg.seed if msg.HasField("seed") else None,
+                          stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos)
+
+
+# --- enums ----------------------------------------------------------------
+
+_PIPELINE = {Pipeline.P_MD: common_pb2.PIPELINE_P_MD, Pipeline.P_RLD_MD: common_pb2.PIPELINE_P_RLD_MD}
+_HANDOFF = {HandoffMode.ONE_SHOT: common_pb2.HANDOFF_MODE_ONE_SHOT,
+            HandoffMode.CATCH_UP: common_pb2.HANDOFF_MODE_CATCH_UP}
+_FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
+           "cancelled": common_pb2.FINISH_REASON_CANCELLED, "error": common_pb2.FINISH_REASON_ERROR}
+
+
+def _from(table: dict, value: int, field: str, optional: bool):
+    if value == 0 and optional:
+        return None
+    for k, v in table.items():
+        if v == value:
+            return k
+    raise InvalidArgumentError(field, f"unknown value {value}")
+
+
+def pipeline_to_pb(p: Pipeline | None) -> int:
+    return _PIPELINE[p] if p is not None else common_pb2.PIPELINE_UNSPECIFIED
+
+
+def pipeline_from_pb(value: int, field: str = "pipeline", *, optional: bool = True) -> Pipeline | None:
+    return _from(_PIPELINE, value, field, optional)
+
+
+def handoff_to_pb(mode: HandoffMode | None) -> int:
+    return _HANDOFF[mode] if mode is not None else common_pb2.HANDOFF_MODE_UNSPECIFIED
+
+
+def handoff_from_pb(value: int, field: str = "handoff_mode", *, optional: bool = True) -> HandoffMode | None:
+    return _from(_HANDOFF, value, field, optional)
+
+
+def finish_to_pb(reason: str | None) -> int:
+    return _FINISH.get(reason or "", common_pb2.FINISH_REASON_UNSPECIFIED)
+
+
+def finish_from_pb(value: int) -> str | None:
+    return _from(_FINISH, value, "finish_reason", True)

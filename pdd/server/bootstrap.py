@@ -3,7 +3,8 @@
 Life of a server: build an asyncio ``grpc.aio`` server with the context
 interceptor → the service registers its servicers → ``grpc.health.v1`` and
 reflection are added → the domain's ``start()`` runs (connect Redis, load the
-model, ...) → health turns SERVING and one line ``PDD_LISTENING <service>
+model, ...) → the server starts → ``serving(port)`` runs (register with
+kvstore) → health turns SERVING and one line ``PDD_LISTENING <service>
 <host:port>`` is printed on stdout (launchers parse it when port 0 was asked)
 → SIGTERM/SIGINT: health turns NOT_SERVING, in-flight calls get ``grace_s``
 to finish, the domain's ``stop()`` runs, the process exits 0.
@@ -12,6 +13,7 @@ to finish, the domain's ``stop()`` runs, the process exits 0.
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Sequence
@@ -45,6 +47,8 @@ class ServiceSpec:
     register: Callable[[grpc.aio.Server], None]
     start: Hook = field(default=_noop)
     stop: Hook = field(default=_noop)
+    # Runs once the server accepts calls, with the bound port (e.g. register with kvstore).
+    serving: Callable[[int], Awaitable[None]] | None = None
 
 
 class GrpcServer:
@@ -74,6 +78,8 @@ class GrpcServer:
             raise OSError(f"could not bind {self.config.address}")
         await spec.start()
         await self._server.start()
+        if spec.serving is not None:
+            await spec.serving(self.port)
         await self._set_status(health_pb2.HealthCheckResponse.SERVING)
         log.info("server_started", address=f"{self.config.host}:{self.port}")
         return self.port
@@ -109,6 +115,8 @@ async def serve(config: ServerConfig, spec: ServiceSpec) -> None:
 
 def run(config: ServerConfig, spec: ServiceSpec) -> None:
     """Blocking entry point for ``services/<name>/__main__.py``."""
+    # NOTE: `kill -USR1 <pid>` dumps every thread's stack to stderr (diagnosing a stuck service).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         asyncio.run(serve(config, spec))
     except KeyboardInterrupt:

@@ -31,3 +31,49 @@ def add_server_flags(parser: argparse.ArgumentParser, default_port: int) -> None
 def server_config(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(host=args.host, port=args.port, grace_s=args.grace_s,
                         log_level=args.log_level, log_json=args.log_format == "json")
+
+
+def add_instance_flags(parser: argparse.ArgumentParser, role: str) -> None:
+    """Flags of a serving instance (prefill, relay, main_decode)."""
+    g = parser.add_argument_group("instance")
+    g.add_argument("--instance-id", default=env("PDD_INSTANCE_ID", f"{role}-0"), help="env PDD_INSTANCE_ID")
+    g.add_argument("--kvstore", default=env("PDD_KVSTORE", "127.0.0.1:50051"), help="env PDD_KVSTORE")
+    g.add_argument("--cluster", default=env("PDD_CLUSTER", "remote" if role == "main_decode" else "main"),
+                   help="env PDD_CLUSTER")
+    g.add_argument("--advertise-address", default=env("PDD_ADVERTISE_ADDRESS", ""),
+                   help="host:port others use to reach this instance (default: the bound address)")
+    g.add_argument("--lease-ttl-ms", type=int, default=int(env("PDD_LEASE_TTL_MS", "6000")))
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=env("PDD_MODEL", "smollm2"),
+                   help="smollm2 | PATH (.gguf or HF dir) | tiny:SEED[,k=v] (env PDD_MODEL)")
+    g.add_argument("--dtype", default=env("PDD_DTYPE", "") or None, help="compute/KV dtype (env PDD_DTYPE)")
+    g.add_argument("--device", default=env("PDD_DEVICE", "cpu"), help="cpu | cuda[:N] | auto (env PDD_DEVICE)")
+    g.add_argument("--block-size", type=int, default=int(env("PDD_BLOCK_SIZE", "16")))
+    g.add_argument("--kv-cache-mb", type=int, default=int(env("PDD_KV_CACHE_MB", "512")),
+                   help="KV pool size (env PDD_KV_CACHE_MB)")
+    g.add_argument("--max-num-seqs", type=int, default=int(env("PDD_MAX_NUM_SEQS", "64")))
+    g.add_argument("--max-num-batched-tokens", type=int, default=int(env("PDD_MAX_BATCHED_TOKENS", "2048")))
+    g.add_argument("--threads", type=int, default=int(env("PDD_THREADS", "0")),
+                   help="torch intra-op threads, 0 = torch's default (env PDD_THREADS)")
+
+
+def engine_config(args: argparse.Namespace):
+    from pdd.engine.config import EngineConfig  # NOTE: lazy: torch is heavy for non-engine services
+
+    return EngineConfig(block_size=args.block_size, kv_cache_bytes=args.kv_cache_mb * 2**20,
+                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                        dtype=args.dtype, device=args.device)
+
+
+def instance_config(args: argparse.Namespace, role):
+    """The ``InstanceConfig`` of an engine-bearing service from its flags."""
+    from pdd.instance import InstanceRef
+    from pdd.serving.engine_instance import InstanceConfig
+
+    address = args.advertise_address or f"{args.host}:0"
+    return InstanceConfig(ref=InstanceRef(args.instance_id, address, role, args.cluster),
+                          kvstore_address=args.kvstore, model=args.model, engine=engine_config(args),
+                          lease_ttl_ms=args.lease_ttl_ms, threads=args.threads)

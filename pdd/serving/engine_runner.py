@@ -25,6 +25,11 @@ log = structlog.get_logger(__name__)
 T = TypeVar("T")
 
 
+def _log_failure(future: concurrent.futures.Future) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.error("engine_call_failed", error=repr(future.exception()))
+
+
 class EngineRunner:
     def __init__(self, engine: Any) -> None:
         self.engine = engine
@@ -55,6 +60,12 @@ class EngineRunner:
         self._wake.set()
         return result
 
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Queue ``fn(*args)`` on the engine thread without waiting (cleanup that must not be cancelled)."""
+        future = self._pool.submit(fn, *args)
+        future.add_done_callback(_log_failure)
+        self._wake.set()
+
     def call_threadsafe(self, fn: Callable[[], None]) -> None:
         """Schedule ``fn`` on the asyncio loop from the engine thread (e.g. cache events)."""
         if self._loop is not None:
@@ -73,24 +84,38 @@ class EngineRunner:
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
+        schedulable = self.engine.has_schedulable
         while True:
-            if not await loop.run_in_executor(self._pool, self.engine.has_schedulable):
+            if not await loop.run_in_executor(self._pool, schedulable):
                 self._wake.clear()
                 # NOTE: re-check after clearing: a call() may have landed in between.
-                if not await loop.run_in_executor(self._pool, self.engine.has_schedulable):
+                if not await loop.run_in_executor(self._pool, schedulable):
                     await self._wake.wait()
                 continue
             try:
-                outputs = await loop.run_in_executor(self._pool, self.engine.step)
+                outputs, progressed = await loop.run_in_executor(self._pool, self._step)
             except Exception:  # noqa: BLE001 — a failed step must not kill the service silently
                 log.exception("engine_step_failed")
                 await self._fail_all()
                 continue
             self.steps += 1
+            if not progressed:
+                # NOTE: nothing fit (pool full of paused/kept requests); wait for a change, don't spin.
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), 0.05)
+                except asyncio.TimeoutError:
+                    pass
             for out in outputs:
                 q = self._queues.get(out.request_id)
                 if q is not None:
                     q.put_nowait(out)
+
+    def _step(self) -> tuple[list, bool]:
+        """One engine step on the engine thread; whether it moved any request forward."""
+        before = self.engine.num_computed_total()
+        outputs = self.engine.step()
+        return outputs, bool(outputs) or self.engine.num_computed_total() != before
 
     async def _fail_all(self) -> None:
         for request_id, q in list(self._queues.items()):

@@ -1,0 +1,110 @@
+"""Converters for the stage services: ``pdd.prefill.v1``, ``pdd.relay.v1``, ``pdd.main_decode.v1``.
+
+Requests are validated here (the field is named in the error); events of the
+domain generators in ``pdd.serving`` become response messages here.
+"""
+
+from __future__ import annotations
+
+from pdd.convert.common import (finish_to_pb, handoff_from_pb, handoff_to_pb, instance_ref_from_pb,
+                                pipeline_from_pb, sampling_from_pb)
+from pdd.errors import InvalidArgumentError
+from pdd.gen.common.v1 import common_pb2
+from pdd.gen.main_decode.v1 import main_decode_service_pb2 as md_pb
+from pdd.gen.prefill.v1 import prefill_service_pb2 as p_pb
+from pdd.gen.relay.v1 import relay_service_pb2 as r_pb
+from pdd.routing.policy import HandoffMode, Pipeline
+from pdd.serving import main_decode as md
+from pdd.serving import prefill as p
+from pdd.serving import relay as r
+from pdd.serving.engine_instance import CacheReport
+
+
+def _common(msg, vocab: int) -> tuple[str, tuple[int, ...]]:
+    if not msg.request_id:
+        raise InvalidArgumentError("request_id", "must not be empty")
+    if not msg.prompt_token_ids:
+        raise InvalidArgumentError("prompt_token_ids", "must not be empty")
+    for i, t in enumerate(msg.prompt_token_ids):
+        if t >= vocab:
+            raise InvalidArgumentError(f"prompt_token_ids[{i}]", f"token id {t} is outside the vocabulary ({vocab})")
+    return msg.request_id, tuple(msg.prompt_token_ids)
+
+
+def _pipeline(value: int) -> Pipeline:
+    pipeline = pipeline_from_pb(value, "pipeline")
+    if pipeline is None:
+        raise InvalidArgumentError("pipeline", "must be P_MD or P_RLD_MD")
+    return pipeline
+
+
+def prefill_job_from_pb(msg: p_pb.PrefillRequest, vocab: int) -> p.PrefillJob:
+    rid, prompt = _common(msg, vocab)
+    pipeline = _pipeline(msg.pipeline)
+    relay = instance_ref_from_pb(msg.relay, "relay") if msg.HasField("relay") else None
+    if not msg.HasField("main_decode"):
+        raise InvalidArgumentError("main_decode", "is required")
+    return p.PrefillJob(rid, prompt, sampling_from_pb(msg.sampling), msg.cache_salt, pipeline,
+                        instance_ref_from_pb(msg.main_decode, "main_decode"), msg.main_decode_cached_tokens, relay)
+
+
+def prefill_event_to_pb(ev: p.FirstToken | p.TransferDone) -> p_pb.PrefillResponse:
+    if isinstance(ev, p.FirstToken):
+        return p_pb.PrefillResponse(first_token=p_pb.FirstToken(
+            token_id=ev.token_id, prompt_tokens=ev.prompt_tokens, cached_tokens=ev.cached_tokens,
+            prefill_ms=ev.prefill_ms))
+    return p_pb.PrefillResponse(transfer_done=p_pb.TransferDone(
+        relay_kv_bytes=ev.relay_kv_bytes, wan_kv_bytes=ev.wan_kv_bytes, relay_transfer_ms=ev.relay_transfer_ms,
+        wan_transfer_ms=ev.wan_transfer_ms, wan_queue_ms=ev.wan_queue_ms, fast_link=ev.fast_link))
+
+
+def relay_job_from_pb(msg: r_pb.DecodeRequest, vocab: int) -> r.RelayJob:
+    rid, prompt = _common(msg, vocab)
+    if not msg.HasField("main_decode"):
+        raise InvalidArgumentError("main_decode", "is required")
+    mode = handoff_from_pb(msg.handoff_mode, "handoff_mode") or HandoffMode.ONE_SHOT
+    return r.RelayJob(rid, prompt, sampling_from_pb(msg.sampling), msg.cache_salt,
+                      instance_ref_from_pb(msg.main_decode, "main_decode"), mode)
+
+
+def relay_event_to_pb(ev) -> r_pb.DecodeResponse:
+    if isinstance(ev, r.Accepted):
+        return r_pb.DecodeResponse(accepted=r_pb.Accepted())
+    if isinstance(ev, r.Tokens):
+        return r_pb.DecodeResponse(tokens=common_pb2.TokenDelta(
+            start_position=ev.start_position, token_ids=list(ev.token_ids), stage=common_pb2.STAGE_RELAY))
+    if isinstance(ev, r.HandedOff):
+        return r_pb.DecodeResponse(handed_off=r_pb.HandedOff(
+            at_position=ev.at_position, mode=handoff_to_pb(ev.mode), rounds=ev.rounds, handoff_ms=ev.handoff_ms))
+    return r_pb.DecodeResponse(finished=r_pb.Finished(finish_reason=finish_to_pb(ev.finish_reason),
+                                                      completion_tokens=ev.completion_tokens))
+
+
+def md_job_from_pb(msg: md_pb.DecodeRequest, vocab: int) -> md.MdJob:
+    rid, prompt = _common(msg, vocab)
+    return md.MdJob(rid, prompt, sampling_from_pb(msg.sampling), msg.cache_salt, _pipeline(msg.pipeline))
+
+
+def md_event_to_pb(ev, instance_id: str) -> md_pb.DecodeResponse:
+    if isinstance(ev, md.Accepted):
+        return md_pb.DecodeResponse(accepted=md_pb.Accepted(instance_id=instance_id, cached_tokens=ev.cached_tokens))
+    if isinstance(ev, md.Tokens):
+        return md_pb.DecodeResponse(tokens=common_pb2.TokenDelta(
+            start_position=ev.start_position, token_ids=list(ev.token_ids), stage=common_pb2.STAGE_MAIN_DECODE))
+    return md_pb.DecodeResponse(finished=md_pb.Finished(
+        finish_reason=finish_to_pb(ev.finish_reason), completion_tokens=ev.completion_tokens, md_tokens=ev.md_tokens,
+        wan_kv_bytes_received=ev.wan_kv_bytes, extend_ms=ev.extend_ms))
+
+
+def handoff_from_request(msg: md_pb.TokenHandoffRequest, index: int) -> tuple[str, int, list[int], bool]:
+    if not msg.request_id:
+        raise InvalidArgumentError(f"handoff[{index}].request_id", "must not be empty")
+    if not msg.token_ids and not msg.final:
+        raise InvalidArgumentError(f"handoff[{index}].token_ids", "must not be empty in a non-final batch")
+    return msg.request_id, msg.start_position, list(msg.token_ids), msg.final
+
+
+def cache_report_to_pb(report: CacheReport, response_type):
+    return response_type(cached_prefix_tokens=report.cached_prefix_tokens, kv_blocks_used=report.kv_blocks_used,
+                         kv_blocks_total=report.kv_blocks_total, request_holds_kv=report.request_holds_kv,
+                         block_size=report.block_size)

@@ -1,0 +1,115 @@
+"""What prefill, relay and main_decode share: an engine, its loop, its membership.
+
+Life: ``start()`` builds the engine (loading the model), starts its step loop
+and registers the instance with kvstore; cache events of the engine's radix
+cache are forwarded to kvstore in order; ``stop()`` deregisters and stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import structlog
+import torch
+
+from pdd.engine.config import EngineConfig
+from pdd.engine.engine import Engine
+from pdd.engine.radix_cache import CacheEvent
+from pdd.instance import Instance, InstanceLoad, InstanceRef
+from pdd.serving.engine_runner import EngineRunner
+from pdd.serving.membership import Membership
+from pdd.serving.model_spec import load_model
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class InstanceConfig:
+    ref: InstanceRef
+    kvstore_address: str
+    model: str
+    engine: EngineConfig
+    lease_ttl_ms: int = 6000
+    # torch intra-op threads; 0 keeps torch's default.
+    threads: int = 0
+
+    def __post_init__(self) -> None:
+        if self.lease_ttl_ms < 300:
+            raise ValueError(f"lease_ttl_ms: must be >= 300, got {self.lease_ttl_ms}")
+        if self.threads < 0:
+            raise ValueError(f"threads: must be >= 0, got {self.threads}")
+
+
+@dataclass(frozen=True)
+class CacheReport:
+    cached_prefix_tokens: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    request_holds_kv: bool
+    block_size: int
+
+
+class EngineInstance:
+    def __init__(self, config: InstanceConfig, *, publish_cache_events: bool = True) -> None:
+        self.config = config
+        self.publish_cache_events = publish_cache_events
+        self.engine: Engine | None = None
+        self.runner: EngineRunner | None = None
+        self.membership: Membership | None = None
+
+    async def start(self) -> None:
+        cfg = self.config
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        ckpt = await asyncio.to_thread(load_model, cfg.model)
+        self.engine = await asyncio.to_thread(Engine, ckpt, cfg.engine, self._on_cache_event)
+        self.runner = EngineRunner(self.engine)
+        await self.runner.start()
+
+    async def register(self, port: int) -> None:
+        """Join the stack (kvstore) once the gRPC server accepts calls on ``port``."""
+        cfg = self.config
+        ref = cfg.ref
+        if ref.address.endswith(":0"):  # NOTE: no advertised address: the bound one
+            ref = InstanceRef(ref.instance_id, f"{ref.address.rpartition(':')[0]}:{port}", ref.role, ref.cluster)
+        assert self.engine is not None
+        self.membership = Membership(cfg.kvstore_address, Instance(ref, self.engine.block_size, cfg.model),
+                                     ttl_ms=cfg.lease_ttl_ms, load=self.load, snapshot=self._snapshot)
+        await self.membership.start()
+        log.info("instance_ready", address=ref.address, instance_id=cfg.ref.instance_id, role=cfg.ref.role.value,
+                 blocks=self.engine.num_blocks, block_size=self.engine.block_size, dtype=str(self.engine.dtype))
+
+    async def stop(self) -> None:
+        if self.membership is not None:
+            await self.membership.stop()
+        if self.runner is not None:
+            await self.runner.stop()
+
+    def _on_cache_event(self, event: CacheEvent) -> None:
+        # NOTE: runs on the engine thread; hop to the event loop to keep event order.
+        if self.publish_cache_events and self.runner is not None and self.membership is not None:
+            membership = self.membership
+            self.runner.call_threadsafe(lambda: membership.publish(event))
+
+    def _snapshot(self) -> list[CacheEvent]:
+        return []  # NOTE: a re-registered instance starts from an empty index; new events rebuild it
+
+    def load(self) -> InstanceLoad:
+        eng = self.engine
+        if eng is None:
+            return InstanceLoad()
+        used, total = eng.kv_usage()
+        running = sum(1 for s in eng.scheduler.running if not s.paused) if hasattr(eng.scheduler, "running") else 0
+        return InstanceLoad(running_requests=running, waiting_requests=0, kv_blocks_used=used, kv_blocks_total=total)
+
+    async def describe(self, token_ids: list[int], salt: str, request_id: str) -> CacheReport:
+        eng = self.engine
+        assert eng is not None and self.runner is not None
+
+        def read() -> CacheReport:
+            used, total = eng.kv_usage()
+            return CacheReport(eng.prefix_match_len(token_ids, salt) if token_ids else 0, used, total,
+                               bool(request_id) and eng.holds_request(request_id), eng.block_size)
+
+        return await self.runner.call(read)

@@ -1,0 +1,288 @@
+"""The gateway's request life: predict, route, fan out, merge one stream.
+
+Life of a request:
+  1. kvstore: live instances + predicted prefix hits of the prompt;
+  2. router (pure policy): pipeline P-MD or P-RLD-MD, the instances, the
+     handoff mode;
+  3. main_decode.Decode is opened first: MainDecode matches the prompt in its
+     DRC and *locks* the hit, answering how many tokens it holds — so the
+     push can start exactly there and nothing is evicted meanwhile;
+  4. P-RLD-MD: relay.Decode is opened (the relay waits for its KV);
+  5. prefill.Prefill: the first token comes back as soon as it is sampled
+     (it is output position 0), KV flows to the relay (fast link) and the
+     delta to MainDecode (WAN);
+  6. relay and main_decode token deltas are merged by output position —
+     duplicates dropped, gaps buffered — into one unbroken stream; the relay
+     says where it handed over, MainDecode continues from there;
+  7. the final message carries finish reason and measured stats.
+A client that goes away cancels every call, and each service frees the
+request's KV when its call is cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+
+import grpc
+import structlog
+
+from pdd.convert.common import (finish_from_pb, handoff_to_pb, instance_ref_to_pb, pipeline_to_pb,
+                                sampling_to_pb)
+from pdd.convert.kvstore import load_from_pb
+from pdd.convert.common import instance_ref_from_pb
+from pdd.engine.sampling import SamplingParams
+from pdd.errors import FailedPreconditionError, UnavailableError
+from pdd.gen.common.v1 import common_pb2
+from pdd.gen.kvstore.v1 import kvstore_service_pb2 as kv_pb
+from pdd.gen.kvstore.v1 import kvstore_service_pb2_grpc as kv_grpc
+from pdd.gen.main_decode.v1 import main_decode_service_pb2 as md_pb
+from pdd.gen.main_decode.v1 import main_decode_service_pb2_grpc as md_grpc
+from pdd.gen.prefill.v1 import prefill_service_pb2 as p_pb
+from pdd.gen.prefill.v1 import prefill_service_pb2_grpc as p_grpc
+from pdd.gen.relay.v1 import relay_service_pb2 as r_pb
+from pdd.gen.relay.v1 import relay_service_pb2_grpc as r_grpc
+from pdd.instance import Instance
+from pdd.routing.policy import HandoffMode, NoInstanceError, Pipeline, Route, RoutingConfig, route
+from pdd.serving.channels import Channels
+from pdd.server.interceptors import outgoing_metadata
+
+log = structlog.get_logger(__name__)
+
+STAGE_PREFILL, STAGE_RELAY, STAGE_MD = common_pb2.STAGE_PREFILL, common_pb2.STAGE_RELAY, common_pb2.STAGE_MAIN_DECODE
+
+
+@dataclass(frozen=True)
+class GenerateJob:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    session_id: str = ""
+    cache_salt: str = ""
+    force_pipeline: Pipeline | None = None
+    handoff_mode: HandoffMode | None = None
+
+
+@dataclass
+class RequestStats:
+    pipeline: Pipeline | None = None
+    handoff_mode: HandoffMode | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    rld_tokens: int = 0
+    md_tokens: int = 0
+    predicted_hit_rate: float = 0.0
+    md_cached_tokens: int = 0
+    prefill_cached_tokens: int = 0
+    wan_kv_bytes: int = 0
+    wan_transfer_ms: float = 0.0
+    ttft_ms: float = 0.0
+    e2e_ms: float = 0.0
+    handoff_at_token: int = 0
+    prefill_instance: str = ""
+    relay_instance: str = ""
+    main_decode_instance: str = ""
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    start_position: int
+    token_ids: tuple[int, ...]
+    stage: int
+
+
+@dataclass(frozen=True)
+class FinalEvent:
+    finish_reason: str | None
+    stats: RequestStats
+
+
+@dataclass
+class _Merge:
+    """Orders token deltas from several stages by output position."""
+
+    next_pos: int = 0
+    pending: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+    def add(self, start: int, tokens: list[int], stage: int) -> list[TokenEvent]:
+        for i, tok in enumerate(tokens):
+            pos = start + i
+            if pos >= self.next_pos and pos not in self.pending:
+                self.pending[pos] = (tok, stage)
+        out: list[TokenEvent] = []
+        while self.next_pos in self.pending:
+            tok, stage = self.pending.pop(self.next_pos)
+            if out and out[-1].stage == stage:
+                last = out[-1]
+                out[-1] = TokenEvent(last.start_position, (*last.token_ids, tok), stage)
+            else:
+                out.append(TokenEvent(self.next_pos, (tok,), stage))
+            self.next_pos += 1
+        return out
+
+
+class Gateway:
+    def __init__(self, kvstore_address: str, routing: RoutingConfig = RoutingConfig(),
+                 rng: random.Random | None = None, stage_timeout_s: float = 600.0) -> None:
+        self.channels = Channels()
+        self._kvstore_address = kvstore_address
+        self.routing = routing
+        self.rng = rng or random.Random()
+        self.stage_timeout_s = stage_timeout_s
+
+    async def close(self) -> None:
+        await self.channels.close()
+
+    @property
+    def _kv(self) -> kv_grpc.KvstoreServiceStub:
+        # NOTE: channels are made on first use, inside the server's event loop.
+        return kv_grpc.KvstoreServiceStub(self.channels.get(self._kvstore_address))
+
+    async def instances(self) -> list[Instance]:
+        resp = await self._kv.ListInstances(kv_pb.ListInstancesRequest(), timeout=5.0)
+        return [Instance(instance_ref_from_pb(i.ref), i.block_size, i.model, load_from_pb(i.load),
+                         i.last_heartbeat_ms) for i in resp.instances]
+
+    async def plan(self, job: GenerateJob) -> Route:
+        resp = await self._kv.PredictHits(kv_pb.PredictHitsRequest(
+            prompt_token_ids=list(job.prompt_token_ids), cache_salt=job.cache_salt), timeout=5.0)
+        instances = [Instance(instance_ref_from_pb(h.instance.ref), h.instance.block_size, h.instance.model,
+                              load_from_pb(h.instance.load)) for h in resp.hits]
+        cached = {h.instance.ref.instance_id: h.cached_tokens for h in resp.hits}
+        try:
+            return route(len(job.prompt_token_ids), instances, cached, self.rng, self.routing,
+                         force_pipeline=job.force_pipeline, force_handoff=job.handoff_mode)
+        except NoInstanceError as exc:
+            raise UnavailableError(str(exc)) from None
+
+    async def generate(self, job: GenerateJob) -> AsyncIterator[TokenEvent | FinalEvent]:
+        t0 = time.perf_counter()
+        sampling = job.sampling
+        if not sampling.greedy and sampling.seed is None:
+            # NOTE: every engine must draw from the same seed, or a handoff changes the sample.
+            sampling = replace(sampling, seed=self.rng.getrandbits(63))
+        plan = await self.plan(job)
+        stats = RequestStats(pipeline=plan.pipeline, handoff_mode=plan.handoff_mode,
+                             prompt_tokens=len(job.prompt_token_ids), predicted_hit_rate=plan.predicted_hit_rate,
+                             prefill_instance=plan.prefill.ref.instance_id,
+                             main_decode_instance=plan.main_decode.ref.instance_id,
+                             relay_instance=plan.relay.ref.instance_id if plan.relay else "")
+        log.info("routed", pipeline=plan.pipeline.value, predicted_hit=round(plan.predicted_hit_rate, 4),
+                 prefill=stats.prefill_instance, relay=stats.relay_instance, main_decode=stats.main_decode_instance)
+        md_call = self._md_decode(job, sampling, plan)
+        calls: list[grpc.aio.Call] = [md_call]
+        queue: asyncio.Queue = asyncio.Queue()
+        readers: list[asyncio.Task] = []
+        try:
+            accepted = await self._first(md_call, "main_decode")
+            stats.md_cached_tokens = accepted.accepted.cached_tokens
+            relay_call = None
+            if plan.pipeline is Pipeline.P_RLD_MD:
+                relay_call = self._relay_decode(job, sampling, plan)
+                calls.append(relay_call)
+                await self._first(relay_call, "relay")
+            p_call = self._prefill(job, sampling, plan, stats.md_cached_tokens)
+            calls.append(p_call)
+            readers = [asyncio.create_task(self._pump(name, call, queue))
+                       for name, call in (("prefill", p_call), ("main_decode", md_call), ("relay", relay_call))
+                       if call is not None]
+            async for event in self._merge(queue, stats, t0, len(readers)):
+                yield event
+        finally:
+            for task in readers:
+                task.cancel()
+            for call in calls:
+                call.cancel()
+
+    async def _merge(self, queue: asyncio.Queue, stats: RequestStats, t0: float, live: int) -> AsyncIterator[TokenEvent | FinalEvent]:
+        merge = _Merge()
+        finish: str | None = None
+        completion_tokens: int | None = None
+        # NOTE: every service ends its stream when its part is done (prefill after TransferDone,
+        # relay after HandedOff/Finished, main_decode after Finished), so all ends = request done.
+        while live:
+            name, msg = await queue.get()
+            if msg is None:
+                live -= 1
+                continue
+            if isinstance(msg, BaseException):
+                raise msg
+            events: list[TokenEvent] = []
+            which = msg.WhichOneof("event")
+            if which == "first_token":
+                stats.ttft_ms = (time.perf_counter() - t0) * 1000
+                stats.prefill_cached_tokens = msg.first_token.cached_tokens
+                events = merge.add(0, [msg.first_token.token_id], STAGE_PREFILL)
+            elif which == "transfer_done":
+                stats.wan_kv_bytes = msg.transfer_done.wan_kv_bytes
+                stats.wan_transfer_ms = msg.transfer_done.wan_transfer_ms
+            elif which == "tokens":
+                events = merge.add(msg.tokens.start_position, list(msg.tokens.token_ids), msg.tokens.stage)
+            elif which == "handed_off":
+                stats.handoff_at_token = msg.handed_off.at_position
+            elif which == "finished":
+                finish = finish_from_pb(msg.finished.finish_reason) or finish
+                completion_tokens = max(completion_tokens or 0, msg.finished.completion_tokens)
+            for ev in events:
+                stats.completion_tokens += len(ev.token_ids)
+                if ev.stage == STAGE_RELAY:
+                    stats.rld_tokens += len(ev.token_ids)
+                elif ev.stage == STAGE_MD:
+                    stats.md_tokens += len(ev.token_ids)
+                yield ev
+        if merge.pending or (completion_tokens is not None and merge.next_pos < completion_tokens):
+            raise FailedPreconditionError(
+                f"token stream has a gap: delivered {merge.next_pos} of {completion_tokens} tokens")
+        stats.e2e_ms = (time.perf_counter() - t0) * 1000
+        yield FinalEvent(finish, stats)
+
+    async def _pump(self, name: str, call, queue: asyncio.Queue) -> None:
+        # NOTE: read(), not `async for`: grpc.aio forbids mixing both on one call (_first used read()).
+        try:
+            while (msg := await call.read()) is not grpc.aio.EOF:
+                queue.put_nowait((name, msg))
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.CANCELLED:
+                queue.put_nowait((name, exc))
+        except Exception as exc:  # noqa: BLE001 — never let a stage's stream fail silently
+            queue.put_nowait((name, exc))
+        queue.put_nowait((name, None))
+
+    async def _first(self, call, name: str):
+        msg = await call.read()
+        if msg is grpc.aio.EOF or msg.WhichOneof("event") != "accepted":
+            raise UnavailableError(f"{name} closed the stream before accepting the request")
+        return msg
+
+    def _md_decode(self, job: GenerateJob, sampling: SamplingParams, plan: Route):
+        stub = md_grpc.MainDecodeServiceStub(self.channels.get(plan.main_decode.ref.address))
+        return stub.Decode(md_pb.DecodeRequest(
+            request_id=job.request_id, prompt_token_ids=list(job.prompt_token_ids),
+            sampling=sampling_to_pb(sampling), cache_salt=job.cache_salt,
+            pipeline=pipeline_to_pb(plan.pipeline)), metadata=outgoing_metadata(), timeout=self.stage_timeout_s)
+
+    def _relay_decode(self, job: GenerateJob, sampling: SamplingParams, plan: Route):
+        assert plan.relay is not None
+        stub = r_grpc.RelayServiceStub(self.channels.get(plan.relay.ref.address))
+        return stub.Decode(r_pb.DecodeRequest(
+            request_id=job.request_id, prompt_token_ids=list(job.prompt_token_ids),
+            sampling=sampling_to_pb(sampling), cache_salt=job.cache_salt,
+            main_decode=instance_ref_to_pb(plan.main_decode.ref), handoff_mode=handoff_to_pb(plan.handoff_mode)),
+            metadata=outgoing_metadata(), timeout=self.stage_timeout_s)
+
+    def _prefill(self, job: GenerateJob, sampling: SamplingParams, plan: Route, md_cached: int):
+        stub = p_grpc.PrefillServiceStub(self.channels.get(plan.prefill.ref.address))
+        return stub.Prefill(p_pb.PrefillRequest(
+            request_id=job.request_id, prompt_token_ids=list(job.prompt_token_ids),
+            sampling=sampling_to_pb(sampling), cache_salt=job.cache_salt, pipeline=pipeline_to_pb(plan.pipeline),
+            relay=instance_ref_to_pb(plan.relay.ref) if plan.relay else None,
+            main_decode=instance_ref_to_pb(plan.main_decode.ref), main_decode_cached_tokens=md_cached),
+            metadata=outgoing_metadata(), timeout=self.stage_timeout_s)
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex

@@ -1,0 +1,246 @@
+"""MainDecode's request life: DRC hit → KV delta → (handoff) → decode.
+
+Life of a request (one ``decode`` generator per request, opened by the gateway):
+  1. ``add_request(paused)``: the prompt is matched against the DRC (the
+     engine's radix cache of prompts *and* outputs); the hit is locked and
+     reported — prefill pushes KV only from there on;
+  2. the pushed delta is reassembled by the ``KvReceiver`` (chunks in any
+     order, duplicates ignored, checksums checked) and imported;
+  3. P-MD: prefill's first token is appended and decoding starts at once;
+     P-RLD-MD: the relay hands over with ``handoff`` — token IDs only. Each
+     batch is *extended* in one forward pass (``append_tokens``); MainDecode
+     starts emitting at the final batch's end. A request that already
+     finished upstream is extended into the DRC and emits nothing;
+  4. every output is streamed with its position; finishing inserts prompt +
+     output into the DRC (cache events reach kvstore), so the session's next
+     turn hits here.
+Cancellation (the gateway's call ends) aborts the request and frees its KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import structlog
+
+from pdd.engine.sampling import SamplingParams
+from pdd.errors import DeadlineExceededError, FailedPreconditionError, InvalidArgumentError, NotFoundError
+from pdd.kv.receiver import KvReceiver
+from pdd.routing.policy import Pipeline
+from pdd.serving.engine_instance import EngineInstance
+from pdd.serving.kv_bridge import import_range
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class MdJob:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    cache_salt: str
+    pipeline: Pipeline
+
+
+@dataclass(frozen=True)
+class Accepted:
+    cached_tokens: int
+
+
+@dataclass(frozen=True)
+class Tokens:
+    start_position: int
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Finished:
+    finish_reason: str | None
+    completion_tokens: int
+    md_tokens: int
+    wan_kv_bytes: int
+    extend_ms: float
+
+
+@dataclass
+class _State:
+    job: MdJob
+    queue: asyncio.Queue
+    kv_ready: asyncio.Event = field(default_factory=asyncio.Event)
+    progress: asyncio.Condition = field(default_factory=asyncio.Condition)
+    # Highest output position the engine has produced (or reached by an extension).
+    produced: int = -1
+    finished: bool = False
+    finish_reason: str | None = None
+    outputs: dict[int, int] = field(default_factory=dict)
+    wan_bytes: int = 0
+    extend_s: float = 0.0
+
+
+class MainDecode:
+    def __init__(self, instance: EngineInstance, receiver: KvReceiver, *, kv_timeout_s: float = 600.0) -> None:
+        self.instance = instance
+        self.receiver = receiver
+        self.kv_timeout_s = kv_timeout_s
+        self._requests: dict[str, _State] = {}
+
+    @property
+    def runner(self):
+        return self.instance.runner
+
+    @property
+    def engine(self):
+        return self.instance.engine
+
+    async def decode(self, job: MdJob) -> AsyncIterator[Accepted | Tokens | Finished]:
+        rid = job.request_id
+        if rid in self._requests:
+            raise InvalidArgumentError("request_id", f"{rid!r} is already decoding here")
+        state = _State(job, self.runner.open(rid))
+        self._requests[rid] = state
+        done = False
+        kv_task: asyncio.Task | None = None
+        try:
+            def admit() -> int:
+                self.engine.add_request(rid, job.prompt_token_ids, job.sampling, salt=job.cache_salt, paused=True)
+                return self.engine.num_cached_tokens(rid)
+
+            cached = await self.runner.call(admit)
+            log.info("md_accepted", cached_tokens=cached, prompt_tokens=len(job.prompt_token_ids))
+            yield Accepted(cached)
+            kv_task = asyncio.create_task(self._receive_kv(state))
+            emit_from: int | None = None
+            md_tokens = 0
+            while True:
+                item = await state.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if isinstance(item, tuple):  # ("emit_from", n): the position MainDecode speaks from
+                    emit_from = item[1]
+                    ready = sorted(p for p in state.outputs if p >= emit_from)
+                    if ready:
+                        md_tokens += len(ready)
+                        yield Tokens(ready[0], tuple(state.outputs[p] for p in ready))
+                    if state.finished:
+                        done = True
+                        yield self._finished(state, state.finish_reason, md_tokens)
+                        return
+                    continue
+                await self._note(state, item)
+                if item.token_id is not None and emit_from is not None and item.position >= emit_from:
+                    md_tokens += 1
+                    yield Tokens(item.position, (item.token_id,))
+                if item.finished:
+                    state.finish_reason = item.finish_reason
+                    if emit_from is not None:
+                        done = True
+                        yield self._finished(state, item.finish_reason, md_tokens)
+                        return
+        finally:
+            if kv_task is not None:
+                kv_task.cancel()
+            self._requests.pop(rid, None)
+            self.runner.close(rid)
+            if not done:
+                self.receiver.discard(rid)
+                self.runner.submit(self.engine.abort, rid)  # NOTE: not awaited: runs even when cancelled
+                log.info("md_request_aborted")
+
+    def _finished(self, state: _State, reason: str | None, md_tokens: int) -> Finished:
+        return Finished(reason, max(state.outputs, default=-1) + 1, md_tokens, state.wan_bytes,
+                        state.extend_s * 1000)
+
+    async def _note(self, state: _State, out) -> None:
+        if out.token_id is not None:
+            state.outputs[out.position] = out.token_id
+        async with state.progress:
+            state.produced = max(state.produced, out.position)
+            state.finished = state.finished or out.finished
+            state.progress.notify_all()
+
+    async def _receive_kv(self, state: _State) -> None:
+        rid = state.job.request_id
+        try:
+            kv = await self.receiver.wait_complete(rid, self.kv_timeout_s)
+            t0 = time.perf_counter()
+            await self.runner.call(import_range, self.engine, rid, kv.header, kv.payload)
+            self.receiver.pop(rid)
+            state.wan_bytes = kv.wire_bytes
+            state.kv_ready.set()
+            log.info("md_kv_imported", tokens=kv.header.num_tokens, wire_bytes=kv.wire_bytes,
+                     transfer_s=round(kv.elapsed_s, 4), import_ms=round((time.perf_counter() - t0) * 1000, 2))
+            if state.job.pipeline is Pipeline.P_MD:
+                first = list(kv.output_token_ids)
+                await self._extend(state, 0, first)
+                state.queue.put_nowait(("emit_from", len(first)))
+        except Exception as exc:  # noqa: BLE001 — surfaced on the request's stream
+            state.queue.put_nowait(exc)
+
+    async def _extend(self, state: _State, start: int, token_ids: list[int]) -> None:
+        """Append known outputs (extend) and let the engine compute them in one pass."""
+        rid = state.job.request_id
+        t0 = time.perf_counter()
+
+        def run() -> None:
+            if not self.engine.holds_request(rid):
+                return
+            self.engine.append_tokens(rid, token_ids, start)
+            self.engine.resume(rid)
+
+        await self.runner.call(run)
+        for i, tok in enumerate(token_ids):
+            state.outputs.setdefault(start + i, tok)
+        state.extend_s += time.perf_counter() - t0
+
+    async def wait_kv_ready(self, request_id: str, timeout_s: float) -> bool:
+        state = self._requests.get(request_id)
+        if state is None:
+            raise NotFoundError(f"request_id: {request_id!r} is not decoding here")
+        try:
+            await asyncio.wait_for(state.kv_ready.wait(), timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    async def handoff(self, request_id: str, start: int, token_ids: list[int], *, final: bool) -> int:
+        """Extend ``token_ids`` at output ``start``; returns the outputs now computed here."""
+        state = self._requests.get(request_id)
+        if state is None:
+            raise NotFoundError(f"request_id: {request_id!r} is not decoding here")
+        try:
+            await asyncio.wait_for(state.kv_ready.wait(), self.kv_timeout_s)
+        except asyncio.TimeoutError:
+            raise DeadlineExceededError(f"KV of {request_id} did not arrive in {self.kv_timeout_s} s") from None
+        target = start + len(token_ids)
+        if state.finished:
+            # NOTE: MainDecode ran ahead to the end during catch-up; it must agree with the relay.
+            mine = [state.outputs.get(start + i) for i in range(len(token_ids))]
+            if mine != list(token_ids):
+                raise FailedPreconditionError(f"handoff tokens disagree with {request_id}'s finished outputs")
+        else:
+            t0 = time.perf_counter()
+            await self._extend(state, start, token_ids)
+            async with state.progress:
+                # The extension is computed once the engine produced the position after it (or finished).
+                await state.progress.wait_for(lambda: state.produced >= target or state.finished)
+            state.extend_s += time.perf_counter() - t0
+            if not final:
+                await self.runner.call(self._pause_if_held, request_id)
+        if final:
+            state.queue.put_nowait(("emit_from", target))
+        return target
+
+    def _pause_if_held(self, request_id: str) -> None:
+        if self.engine.holds_request(request_id):
+            self.engine.pause(request_id)
+
+    async def cancel(self, request_id: str) -> bool:
+        state = self._requests.get(request_id)
+        self.receiver.discard(request_id)
+        aborted = await self.runner.call(self.engine.abort, request_id)
+        if state is not None:
+            state.queue.put_nowait(FailedPreconditionError(f"request {request_id} was cancelled"))
+        return aborted or state is not None

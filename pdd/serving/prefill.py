@@ -1,0 +1,217 @@
+"""Prefill's request life: compute the uncached suffix, sample, ship the KV.
+
+Life of a request (one ``prefill`` generator per request, opened by the gateway):
+  1. ``add_request`` with ``max_tokens=1``: the prompt is matched against
+     prefill's own radix cache, only the rest is computed (chunked), and the
+     first token is sampled with the request's own sampling settings — the
+     draw depends only on (seed, position), so every stage agrees;
+  2. the first token is reported at once (it is the user's TTFT);
+  3. the KV leaves the engine in the canonical wire format and goes, at the
+     same time, (a) in full to the relay over the fast link (P-RLD-MD only)
+     and (b) from ``main_decode_cached_tokens`` on — only what MainDecode's
+     DRC lacks — over the WAN as a resumable ``PushKv`` stream, waiting for a
+     slot of the link's bounded stream pool;
+  4. the request's KV is released as soon as it is exported (its prompt
+     blocks stay in the radix cache for the next turn), and ``TransferDone``
+     reports bytes and times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+
+import structlog
+
+from pdd.engine.sampling import SamplingParams
+from pdd.errors import FailedPreconditionError, InvalidArgumentError
+from pdd.gen.main_decode.v1 import main_decode_service_pb2_grpc as md_grpc
+from pdd.gen.relay.v1 import relay_service_pb2_grpc as r_grpc
+from pdd.instance import InstanceRef
+from pdd.kv import convert as kv_convert
+from pdd.kv.fast_link.region import PrepareRequest
+from pdd.kv.fast_link.select import usable_transports
+from pdd.kv.fast_link.sender import FastLinkSender
+from pdd.kv.fast_link.shm import ShmSenderBackend
+from pdd.kv.fast_link.state import TransferState, Transport
+from pdd.kv.fast_link.tcp import TcpSenderBackend
+from pdd.kv.layout import KvDtype
+from pdd.kv.source import BytesSource
+from pdd.kv.stream_pool import StreamPool
+from pdd.kv.transfer import DEFAULT_CHUNK_BYTES, Compression
+from pdd.kv.wan import KvPusher, PusherConfig
+from pdd.routing.policy import Pipeline
+from pdd.server.interceptors import outgoing_metadata
+from pdd.serving.channels import Channels
+from pdd.serving.engine_instance import EngineInstance
+from pdd.serving.kv_bridge import export_range
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class PrefillJob:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    cache_salt: str
+    pipeline: Pipeline
+    main_decode: InstanceRef
+    main_decode_cached_tokens: int
+    relay: InstanceRef | None = None
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    # Concurrent KV pushes per WAN link (the report's connection pool).
+    wan_streams: int = 4
+    wan_chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    # KV dtype on the WAN (None: the engine's); e.g. bfloat16 halves the bytes.
+    wan_dtype: KvDtype | None = None
+    wan_compression: Compression = Compression.NONE
+    # Fast-link transports in preference order ("auto": RDMA, then shm, then TCP).
+    fast_link: str = "auto"
+    # Whether the relay shares this host (enables the shared-memory transport).
+    relay_same_host: bool = True
+
+    def __post_init__(self) -> None:
+        if self.wan_streams < 1:
+            raise ValueError(f"wan_streams: must be >= 1, got {self.wan_streams}")
+        if self.wan_chunk_bytes < 1024:
+            raise ValueError(f"wan_chunk_bytes: must be >= 1024, got {self.wan_chunk_bytes}")
+
+
+@dataclass(frozen=True)
+class FirstToken:
+    token_id: int
+    prompt_tokens: int
+    cached_tokens: int
+    prefill_ms: float
+
+
+@dataclass(frozen=True)
+class TransferDone:
+    relay_kv_bytes: int
+    wan_kv_bytes: int
+    relay_transfer_ms: float
+    wan_transfer_ms: float
+    wan_queue_ms: float
+    fast_link: str
+
+
+class Prefill:
+    def __init__(self, instance: EngineInstance, channels: Channels, config: PrefillConfig = PrefillConfig()) -> None:
+        self.instance = instance
+        self.channels = channels
+        self.config = config
+        self._pools: dict[str, StreamPool] = {}
+        self._active: set[str] = set()
+
+    @property
+    def runner(self):
+        return self.instance.runner
+
+    @property
+    def engine(self):
+        return self.instance.engine
+
+    def _transports(self) -> tuple[Transport, ...]:
+        usable = usable_transports(self.config.relay_same_host)
+        if self.config.fast_link == "auto":
+            return usable
+        wanted = [Transport(t.strip()) for t in self.config.fast_link.split(",")]
+        return tuple(t for t in wanted if t in usable) or (Transport.TCP,)
+
+    async def prefill(self, job: PrefillJob) -> AsyncIterator[FirstToken | TransferDone]:
+        rid = job.request_id
+        n = len(job.prompt_token_ids)
+        if not 0 <= job.main_decode_cached_tokens <= n:
+            raise InvalidArgumentError("main_decode_cached_tokens", f"must be in [0, {n}]")
+        if job.pipeline is Pipeline.P_RLD_MD and job.relay is None:
+            raise InvalidArgumentError("relay", "is required for the P-RLD-MD pipeline")
+        if rid in self._active:
+            raise InvalidArgumentError("request_id", f"{rid!r} is already being prefilled here")
+        self._active.add(rid)
+        queue = self.runner.open(rid)
+        held = False
+        try:
+            t0 = time.perf_counter()
+
+            def admit() -> int:
+                self.engine.add_request(rid, job.prompt_token_ids, replace(job.sampling, max_tokens=1),
+                                        salt=job.cache_salt, keep_after_finish=True)
+                return self.engine.num_cached_tokens(rid)
+
+            cached = await self.runner.call(admit)
+            held = True
+            out = await queue.get()
+            if isinstance(out, BaseException):
+                raise out
+            prefill_ms = (time.perf_counter() - t0) * 1000
+            log.info("prefilled", prompt_tokens=n, cached_tokens=cached, prefill_ms=round(prefill_ms, 2))
+            yield FirstToken(out.token_id, n, cached, prefill_ms)
+            cfg = self.config
+
+            def export():
+                try:
+                    wan = export_range(self.engine, rid, job.main_decode_cached_tokens, n, job.prompt_token_ids,
+                                       job.cache_salt, wire_dtype=cfg.wan_dtype, compression=cfg.wan_compression,
+                                       chunk_bytes=cfg.wan_chunk_bytes)
+                    fast = None
+                    if job.pipeline is Pipeline.P_RLD_MD:
+                        fast = export_range(self.engine, rid, 0, n, job.prompt_token_ids, job.cache_salt)
+                    return wan, fast
+                finally:
+                    self.engine.release(rid)
+
+            (wan_header, wan_bytes), fast = await self.runner.call(export)
+            held = False
+            first = (out.token_id,)
+            jobs = [self._push_wan(job, wan_header, wan_bytes, first)]
+            if fast is not None:
+                jobs.append(self._send_fast(job, *fast, first))
+            results = await asyncio.gather(*jobs)
+            wan = results[0]
+            relay = results[1] if fast is not None else (0, 0.0, "")
+            yield TransferDone(relay[0], wan.wire_bytes, relay[1] * 1000, wan.elapsed_s * 1000,
+                               wan.queue_wait_s * 1000, relay[2])
+        finally:
+            self._active.discard(rid)
+            self.runner.close(rid)
+            if held:
+                self.runner.submit(self._drop, rid)  # NOTE: not awaited: runs even when cancelled
+
+    def _drop(self, rid: str) -> None:
+        self.engine.abort(rid)  # NOTE: frees a kept (finished) request too
+
+    async def _push_wan(self, job: PrefillJob, header, payload: memoryview, first: tuple[int, ...]):
+        address = job.main_decode.address
+        pool = self._pools.setdefault(address, StreamPool(self.config.wan_streams))
+        stub = md_grpc.MainDecodeServiceStub(self.channels.get(address))
+        pusher = KvPusher.for_stub(stub, config=PusherConfig(), pool=pool, metadata=outgoing_metadata())
+        report = await pusher.push(header, BytesSource(payload), output_token_ids=first)
+        log.info("wan_pushed", bytes=report.wire_bytes, tokens=header.num_tokens, start=header.start_token,
+                 queue_ms=round(report.queue_wait_s * 1000, 2), elapsed_ms=round(report.elapsed_s * 1000, 2))
+        return report
+
+    async def _send_fast(self, job: PrefillJob, header, payload: memoryview, first: tuple[int, ...]):
+        assert job.relay is not None
+        stub = r_grpc.RelayServiceStub(self.channels.get(job.relay.address))
+        meta = outgoing_metadata()
+        request = PrepareRequest(job.request_id, header.layout, header.num_tokens, header.total_bytes,
+                                 self._transports())
+        reservation = kv_convert.reservation_from_pb(
+            await stub.PrepareTransfer(kv_convert.prepare_request_to_pb(request), metadata=meta), request)
+        sender = FastLinkSender([ShmSenderBackend(), TcpSenderBackend.for_stub(stub, metadata=meta)])
+
+        async def complete(completion):
+            resp = await stub.CompleteTransfer(kv_convert.completion_to_pb(completion), metadata=meta)
+            return resp.accepted
+
+        t0 = time.perf_counter()
+        report = await sender.send(reservation, header, BytesSource(payload), complete, first)
+        if report.state is not TransferState.COMPLETED:
+            raise FailedPreconditionError(f"fast link to {job.relay.instance_id} failed: {report.state.value}")
+        return header.total_bytes, time.perf_counter() - t0, reservation.transport.value

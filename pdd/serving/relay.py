@@ -1,0 +1,247 @@
+"""RelayDecode's request life: fast-link KV → decode at once → hand over by token IDs.
+
+Life of a request (one ``decode`` generator per request, opened by the gateway):
+  1. ``add_request(paused)``; the relay waits for prefill to write the full KV
+     over the fast link (RDMA, shared memory or TCP: ``FastLinkReceiver``);
+  2. the KV is imported, prefill's first token appended, and decoding starts
+     at once — every token streams to the gateway with its position;
+  3. meanwhile ``WaitKvReady`` long-polls MainDecode; once MainDecode holds
+     the KV, the handoff (``TokenHandoff``, token IDs only):
+     - one-shot: pause, send every output, stop;
+     - catch-up: send what exists while still decoding; MainDecode extends
+       it; repeat with the newer tokens until the gap is small, then pause and
+       send the rest as the final batch;
+     the relay then frees the request's KV at once;
+  4. a request that finishes here first still hands its final tokens over
+     (``request_finished``), so MainDecode's DRC holds prompt + output.
+Cancellation (the gateway's call ends) aborts the request and frees its KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+import structlog
+
+from pdd.convert.common import handoff_to_pb
+from pdd.engine.sampling import SamplingParams
+from pdd.errors import DeadlineExceededError, InvalidArgumentError
+from pdd.gen.main_decode.v1 import main_decode_service_pb2 as md_pb
+from pdd.gen.main_decode.v1 import main_decode_service_pb2_grpc as md_grpc
+from pdd.instance import InstanceRef
+from pdd.kv.fast_link.receiver import FastLinkReceiver
+from pdd.routing.policy import HandoffMode
+from pdd.server.interceptors import outgoing_metadata
+from pdd.serving.channels import Channels
+from pdd.serving.engine_instance import EngineInstance
+from pdd.serving.kv_bridge import import_range
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class RelayJob:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    cache_salt: str
+    main_decode: InstanceRef
+    handoff_mode: HandoffMode
+
+
+@dataclass(frozen=True)
+class RelayConfig:
+    kv_timeout_s: float = 60.0
+    # How long a request that finished here waits for MainDecode to hold the KV.
+    finished_handoff_timeout_s: float = 600.0
+    # Catch-up stops once MainDecode is at most this many tokens behind.
+    catch_up_gap: int = 2
+    max_catch_up_rounds: int = 8
+
+    def __post_init__(self) -> None:
+        if self.catch_up_gap < 0:
+            raise ValueError(f"catch_up_gap: must be >= 0, got {self.catch_up_gap}")
+        if self.max_catch_up_rounds < 0:
+            raise ValueError(f"max_catch_up_rounds: must be >= 0, got {self.max_catch_up_rounds}")
+
+
+@dataclass(frozen=True)
+class Accepted:
+    pass
+
+
+@dataclass(frozen=True)
+class Tokens:
+    start_position: int
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class HandedOff:
+    at_position: int
+    mode: HandoffMode
+    rounds: int
+    handoff_ms: float
+
+
+@dataclass(frozen=True)
+class Finished:
+    finish_reason: str | None
+    completion_tokens: int
+
+
+class Relay:
+    def __init__(self, instance: EngineInstance, fast: FastLinkReceiver, channels: Channels,
+                 config: RelayConfig = RelayConfig()) -> None:
+        self.instance = instance
+        self.fast = fast
+        self.channels = channels
+        self.config = config
+        self._active: set[str] = set()
+
+    @property
+    def runner(self):
+        return self.instance.runner
+
+    @property
+    def engine(self):
+        return self.instance.engine
+
+    async def decode(self, job: RelayJob) -> AsyncIterator[Accepted | Tokens | HandedOff | Finished]:
+        rid = job.request_id
+        if rid in self._active:
+            raise InvalidArgumentError("request_id", f"{rid!r} is already decoding here")
+        self._active.add(rid)
+        queue = self.runner.open(rid)
+        md = md_grpc.MainDecodeServiceStub(self.channels.get(job.main_decode.address))
+        tasks: list[asyncio.Task] = []
+        try:
+            await self.runner.call(self.engine.add_request, rid, job.prompt_token_ids, job.sampling,
+                                   salt=job.cache_salt, paused=True)
+            yield Accepted()
+            region = await self.fast.wait_complete(rid, self.config.kv_timeout_s)
+            try:
+                await self.runner.call(import_range, self.engine, rid, region.header, region.view)
+            finally:
+                self.fast.release(region.transfer_id)
+            first = list(region.output_token_ids)
+
+            def start() -> None:
+                self.engine.append_tokens(rid, first, 0)
+                self.engine.resume(rid)
+
+            await self.runner.call(start)
+            kv_ready = asyncio.create_task(self._wait_md(md, rid))
+            tasks.append(kv_ready)
+            kv_ready.add_done_callback(lambda t: queue.put_nowait(("kv_ready", t)))
+            finished: tuple[str | None, int] | None = None
+            outputs = list(first)  # NOTE: the engine forgets a finished request; keep its outputs here
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if isinstance(item, tuple):
+                    kind, value = item
+                    if kind == "kv_ready" and finished is None:
+                        value.result()  # NOTE: surfaces MainDecode errors on this stream
+                        handoff = asyncio.create_task(self._handoff(md, job, queue, len(first)))
+                        tasks.append(handoff)
+                        handoff.add_done_callback(lambda t: t.cancelled() or t.exception() is None
+                                                  or queue.put_nowait(t.exception()))
+                    elif kind == "handed_off":
+                        yield value
+                        return
+                    continue
+                if item.token_id is not None and item.position >= len(first):
+                    del outputs[item.position:]
+                    outputs.append(item.token_id)
+                    yield Tokens(item.position, (item.token_id,))
+                if item.finished and finished is None:
+                    finished = (item.finish_reason, item.position + 1)
+                    for t in tasks:
+                        t.cancel()
+                    await self._hand_over_finished(md, job, outputs[:item.position + 1])
+                    yield Finished(*finished)
+                    return
+        finally:
+            for t in tasks:
+                t.cancel()
+            self._active.discard(rid)
+            self.runner.close(rid)
+            self.fast.cancel(rid)
+            self.runner.submit(self.engine.abort, rid)  # NOTE: not awaited: runs even when cancelled
+
+    async def _wait_md(self, md, rid: str, timeout_s: float | None = None) -> None:
+        deadline = time.monotonic() + (timeout_s or self.config.finished_handoff_timeout_s)
+        while True:
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0:
+                raise DeadlineExceededError(f"main_decode did not receive the KV of {rid} in time")
+            resp = await md.WaitKvReady(md_pb.WaitKvReadyRequest(request_id=rid, timeout_ms=min(left_ms, 30_000)),
+                                        metadata=outgoing_metadata())
+            if resp.ready:
+                return
+
+    async def _handoff(self, md, job: RelayJob, queue: asyncio.Queue, first_len: int) -> None:
+        """Hand the request over; puts ("handed_off", HandedOff) on the request's queue."""
+        rid = job.request_id
+        t0 = time.perf_counter()
+        mode = job.handoff_mode
+        rounds_left = self.config.max_catch_up_rounds if mode is HandoffMode.CATCH_UP else 0
+        call = md.TokenHandoff(metadata=outgoing_metadata())
+        sent = rounds = 0
+        try:
+            while rounds_left > 0:
+                outputs = await self.runner.call(self._read, rid)
+                if outputs is None:
+                    call.cancel()
+                    return  # NOTE: it finished here meanwhile; decode() hands it over as finished
+                if len(outputs) - sent <= self.config.catch_up_gap:
+                    break
+                await call.write(md_pb.TokenHandoffRequest(request_id=rid, start_position=sent,
+                                                           token_ids=outputs[sent:], mode=handoff_to_pb(mode)))
+                ack = await call.read()
+                sent, rounds, rounds_left = ack.extended_through, rounds + 1, rounds_left - 1
+            # NOTE: after pause returns, every output of the last step is already on the queue.
+            outputs = await self.runner.call(self._pause_and_read, rid)
+            if outputs is None:
+                call.cancel()
+                return
+            await call.write(md_pb.TokenHandoffRequest(request_id=rid, start_position=sent,
+                                                       token_ids=outputs[sent:], final=True,
+                                                       mode=handoff_to_pb(mode)))
+            await call.read()
+            await call.done_writing()
+        except grpc.aio.AioRpcError:
+            call.cancel()
+            raise
+        rounds += 1
+        log.info("handed_off", at=len(outputs), mode=mode.value, rounds=rounds)
+        queue.put_nowait(("handed_off", HandedOff(len(outputs), mode, rounds, (time.perf_counter() - t0) * 1000)))
+
+    def _read(self, rid: str) -> list[int] | None:
+        return self.engine.output_token_ids(rid) if self.engine.holds_request(rid) else None
+
+    def _pause_and_read(self, rid: str) -> list[int] | None:
+        if not self.engine.holds_request(rid):
+            return None
+        self.engine.pause(rid)
+        return self.engine.output_token_ids(rid)
+
+    async def _hand_over_finished(self, md, job: RelayJob, outputs: list[int]) -> None:
+        """The request finished here first: MainDecode still gets every token for its DRC."""
+        rid = job.request_id
+        await self._wait_md(md, rid)
+        call = md.TokenHandoff(metadata=outgoing_metadata())
+        await call.write(md_pb.TokenHandoffRequest(request_id=rid, start_position=0, token_ids=outputs, final=True,
+                                                   request_finished=True, mode=handoff_to_pb(job.handoff_mode)))
+        await call.read()
+        await call.done_writing()
+
+    async def cancel(self, request_id: str) -> bool:
+        self.fast.cancel(request_id)
+        return await self.runner.call(self.engine.abort, request_id)

@@ -1,0 +1,53 @@
+"""The gateway's gRPC face: GenerateRequest → GenerateJob → Gateway → deltas.
+
+The request life is in ``pdd.serving.gateway``; this module only converts.
+"""
+
+from __future__ import annotations
+
+import random
+
+import grpc
+import structlog
+
+from pdd.convert.gateway import ModelInfo, event_to_pb, generate_from_pb, model_info_to_pb
+from pdd.gen.gateway.v1 import gateway_service_pb2 as pb
+from pdd.gen.gateway.v1 import gateway_service_pb2_grpc as pb_grpc
+from pdd.server.bootstrap import ServiceSpec
+from pdd.serving.detokenizer import Detokenizer
+from pdd.serving.gateway import Gateway, TokenEvent
+from pdd.serving.model_info import load_model_info
+from services.gateway.config import GatewayConfig
+
+
+class GatewayServicer(pb_grpc.GatewayServiceServicer):
+    def __init__(self, gateway: Gateway, info: ModelInfo, decode) -> None:
+        self.gateway = gateway
+        self.info = info
+        self.decode = decode
+
+    async def Generate(self, request: pb.GenerateRequest, context):
+        job = generate_from_pb(request, self.info)
+        # NOTE: the request's own id, not the interceptor's, is what every hop logs and forwards.
+        structlog.contextvars.bind_contextvars(request_id=job.request_id)
+        detok = Detokenizer(self.decode)
+        async for ev in self.gateway.generate(job):
+            text = detok.add(ev.token_ids) if isinstance(ev, TokenEvent) else ""
+            yield event_to_pb(ev, job.request_id, text)
+
+    async def GetModelInfo(self, request, context) -> pb.GetModelInfoResponse:
+        return model_info_to_pb(self.info)
+
+
+def build(config: GatewayConfig) -> ServiceSpec:
+    info, decode = load_model_info(config.model)
+    gateway = Gateway(config.kvstore_address, config.routing,
+                      random.Random(config.seed) if config.seed is not None else random.Random(),
+                      config.stage_timeout_s)
+    servicer = GatewayServicer(gateway, info, decode)
+
+    def register(server: grpc.aio.Server) -> None:
+        pb_grpc.add_GatewayServiceServicer_to_server(servicer, server)
+
+    return ServiceSpec("gateway", [pb.DESCRIPTOR.services_by_name["GatewayService"].full_name],
+                       register, stop=gateway.close)

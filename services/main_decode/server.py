@@ -1,0 +1,78 @@
+"""main_decode's gRPC face: messages → ``pdd.serving.main_decode.MainDecode`` → messages."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from pdd.convert import stages as conv
+
+from pdd.gen.main_decode.v1 import main_decode_service_pb2 as pb
+from pdd.gen.main_decode.v1 import main_decode_service_pb2_grpc as pb_grpc
+from pdd.kv import convert as kv_convert
+from pdd.kv.receiver import KvReceiver
+from pdd.server.bootstrap import ServiceSpec
+from pdd.serving.engine_instance import EngineInstance
+from pdd.serving.main_decode import MainDecode
+from services.main_decode.config import MainDecodeConfig
+
+
+class MainDecodeServicer(pb_grpc.MainDecodeServiceServicer):
+    def __init__(self, instance: EngineInstance, md: MainDecode, receiver: KvReceiver) -> None:
+        self.instance = instance
+        self.md = md
+        self.receiver = receiver
+
+    @property
+    def vocab(self) -> int:
+        return self.instance.engine.model_config.vocab_size
+
+    async def Decode(self, request: pb.DecodeRequest, context):
+        job = conv.md_job_from_pb(request, self.vocab)
+        async for ev in self.md.decode(job):
+            yield conv.md_event_to_pb(ev, self.instance.config.ref.instance_id)
+
+    async def PushKv(self, request_iterator, context) -> pb.PushKvResponse:
+        status = await self.receiver.receive(kv_convert.push_items_from_pb(request_iterator))
+        return kv_convert.push_response_to_pb(status)
+
+    async def GetKvTransfer(self, request: pb.GetKvTransferRequest, context) -> pb.GetKvTransferResponse:
+        return kv_convert.transfer_status_to_pb(self.receiver.status(request.request_id))
+
+    async def WaitKvReady(self, request: pb.WaitKvReadyRequest, context) -> pb.WaitKvReadyResponse:
+        timeout = (request.timeout_ms or 30_000) / 1000
+        return pb.WaitKvReadyResponse(ready=await self.md.wait_kv_ready(request.request_id, timeout))
+
+    async def TokenHandoff(self, request_iterator, context):
+        index = 0
+        async for msg in request_iterator:
+            rid, start, tokens, final = conv.handoff_from_request(msg, index)
+            index += 1
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            through = await self.md.handoff(rid, start, tokens, final=final)
+            yield pb.TokenHandoffResponse(extended_through=through, extend_ms=(loop.time() - t0) * 1000)
+
+    async def Cancel(self, request: pb.CancelRequest, context) -> pb.CancelResponse:
+        return pb.CancelResponse(cancelled=await self.md.cancel(request.request_id))
+
+    async def DescribeCache(self, request: pb.DescribeCacheRequest, context) -> pb.DescribeCacheResponse:
+        report = await self.instance.describe(list(request.token_ids), request.cache_salt, request.request_id)
+        return conv.cache_report_to_pb(report, pb.DescribeCacheResponse)
+
+
+def build(config: MainDecodeConfig) -> ServiceSpec:
+    instance = EngineInstance(config.instance)
+    receiver = KvReceiver(config.receiver)
+    md = MainDecode(instance, receiver, kv_timeout_s=config.kv_timeout_s)
+    servicer = MainDecodeServicer(instance, md, receiver)
+
+    def register(server: grpc.aio.Server) -> None:
+        pb_grpc.add_MainDecodeServiceServicer_to_server(servicer, server)
+
+    return ServiceSpec("main_decode", [pb.DESCRIPTOR.services_by_name["MainDecodeService"].full_name],
+                       register, start=instance.start, stop=instance.stop, serving=instance.register)
+
+
+

@@ -1,0 +1,49 @@
+"""prefill's gRPC face: messages → ``pdd.serving.prefill.Prefill`` → messages."""
+
+from __future__ import annotations
+
+import grpc
+
+from pdd.convert import stages as conv
+from pdd.gen.prefill.v1 import prefill_service_pb2 as pb
+from pdd.gen.prefill.v1 import prefill_service_pb2_grpc as pb_grpc
+from pdd.server.bootstrap import ServiceSpec
+from pdd.serving.channels import Channels
+from pdd.serving.engine_instance import EngineInstance
+from pdd.serving.prefill import Prefill
+from services.prefill.config import PrefillServiceConfig
+
+
+class PrefillServicer(pb_grpc.PrefillServiceServicer):
+    def __init__(self, instance: EngineInstance, prefill: Prefill) -> None:
+        self.instance = instance
+        self.prefill = prefill
+
+    async def Prefill(self, request: pb.PrefillRequest, context):
+        job = conv.prefill_job_from_pb(request, self.instance.engine.model_config.vocab_size)
+        async for ev in self.prefill.prefill(job):
+            yield conv.prefill_event_to_pb(ev)
+
+    async def Cancel(self, request: pb.CancelRequest, context) -> pb.CancelResponse:
+        return pb.CancelResponse(cancelled=await self.instance.runner.call(self.instance.engine.abort,
+                                                                           request.request_id))
+
+    async def DescribeCache(self, request: pb.DescribeCacheRequest, context) -> pb.DescribeCacheResponse:
+        report = await self.instance.describe(list(request.token_ids), request.cache_salt, request.request_id)
+        return conv.cache_report_to_pb(report, pb.DescribeCacheResponse)
+
+
+def build(config: PrefillServiceConfig) -> ServiceSpec:
+    instance = EngineInstance(config.instance)
+    channels = Channels()
+    servicer = PrefillServicer(instance, Prefill(instance, channels, config.prefill))
+
+    async def stop() -> None:
+        await instance.stop()
+        await channels.close()
+
+    def register(server: grpc.aio.Server) -> None:
+        pb_grpc.add_PrefillServiceServicer_to_server(servicer, server)
+
+    return ServiceSpec("prefill", [pb.DESCRIPTOR.services_by_name["PrefillService"].full_name], register,
+                       start=instance.start, stop=stop, serving=instance.register)

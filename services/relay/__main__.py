@@ -1,0 +1,36 @@
+"""``python -m services.relay``: RelayDecode beside prefill (fast-link KV, token handoff)."""
+
+from __future__ import annotations
+
+import argparse
+
+from pdd.instance import Role
+from pdd.server.bootstrap import run
+from pdd.server.flags import add_engine_flags, add_instance_flags, add_server_flags, env, instance_config, server_config
+from pdd.telemetry.logging import configure_logging
+
+DEFAULT_PORT = 50053
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m services.relay", description=__doc__)
+    add_server_flags(parser, DEFAULT_PORT)
+    add_instance_flags(parser, "relay")
+    add_engine_flags(parser)
+    parser.add_argument("--fast-link", default=env("PDD_FAST_LINK", "auto"),
+                        help="transports offered: auto | comma list of rdma,shm,tcp (env PDD_FAST_LINK)")
+    parser.add_argument("--catch-up-gap", type=int, default=int(env("PDD_CATCH_UP_GAP", "2")))
+    args = parser.parse_args(argv)
+    server = server_config(args)
+    configure_logging("relay", level=server.log_level, json=server.log_json)
+    from pdd.serving.relay import RelayConfig  # NOTE: after logging: imports torch
+    from services.relay.config import RelayServiceConfig
+    from services.relay.server import build
+
+    config = RelayServiceConfig(server=server, instance=instance_config(args, Role.RELAY),
+                                relay=RelayConfig(catch_up_gap=args.catch_up_gap), transports=args.fast_link)
+    run(config.server, build(config))
+
+
+if __name__ == "__main__":
+    main()
