@@ -123,15 +123,19 @@ class KvPusher:
         return cls(push, get_transfer, config=config, pool=pool)
 
     async def push(self, header: TransferHeader, source: KvSource,
-                   output_token_ids: Sequence[int] = ()) -> PushReport:
+                   output_token_ids: Sequence[int] | asyncio.Future = ()) -> PushReport:
+        """Push ``header``'s range from ``source``; the commit carries ``output_token_ids``.
+
+        ``output_token_ids`` may be a future (prefill pushes while still computing, before its
+        first token is sampled); it is awaited only when the commit is due.
+        """
         if source.total_bytes != header.total_bytes:
             raise errors.InvalidArgumentError("source", f"holds {source.total_bytes} bytes, "
                                                         f"header says {header.total_bytes}")
         slot = self.pool.slot() if self.pool is not None else _no_wait()
         async with slot as waited:
             start = time.monotonic()
-            attempts, tally = await self._push_until_complete(header, source, Commit(header.request_id,
-                                                                                   tuple(output_token_ids)))
+            attempts, tally = await self._push_until_complete(header, source, output_token_ids)
             report = PushReport(header.request_id, attempts, tally.chunks, max(0, tally.chunks - header.num_chunks),
                                 tally.wire_bytes, waited, time.monotonic() - start)
         log.info("kv_push_complete", request_id=header.request_id, bytes=header.total_bytes,
@@ -140,7 +144,7 @@ class KvPusher:
         return report
 
     async def _push_until_complete(self, header: TransferHeader, source: KvSource,
-                                   commit: Commit) -> tuple[int, _Tally]:
+                                   commit: Sequence[int] | asyncio.Future) -> tuple[int, _Tally]:
         tally = _Tally()
         todo: list[int] = list(range(header.num_chunks))
         for attempt in range(1, self.config.max_retries + 2):
@@ -189,8 +193,8 @@ class KvPusher:
             return TransferStatus(request_id, False, num_chunks, tuple(range(num_chunks)))
         return status
 
-    async def _stream(self, header: TransferHeader, source: KvSource, indices: list[int], commit: Commit,
-                      tally: _Tally) -> TransferStatus:
+    async def _stream(self, header: TransferHeader, source: KvSource, indices: list[int],
+                      commit: Sequence[int] | asyncio.Future, tally: _Tally) -> TransferStatus:
         requests = self._requests(header, source, indices, commit, tally)
         try:
             response = await self._push(requests)
@@ -199,8 +203,8 @@ class KvPusher:
                 await requests.aclose()
         return convert.push_response_from_pb(response)
 
-    async def _requests(self, header: TransferHeader, source: KvSource, indices: list[int], commit: Commit,
-                        tally: _Tally) -> AsyncIterator[mdpb.PushKvRequest]:
+    async def _requests(self, header: TransferHeader, source: KvSource, indices: list[int],
+                        commit: Sequence[int] | asyncio.Future, tally: _Tally) -> AsyncIterator[mdpb.PushKvRequest]:
         yield convert.push_request_to_pb(header)
         queue: asyncio.Queue[object] = asyncio.Queue(maxsize=self.config.max_buffered_chunks)
         encoder = asyncio.create_task(self._encode(header, source, indices, queue))
@@ -213,7 +217,8 @@ class KvPusher:
                 tally.chunks += 1
                 tally.wire_bytes += len(chunk.data)
                 yield convert.push_request_to_pb(chunk)
-            yield convert.push_request_to_pb(commit)
+            ids = await commit if isinstance(commit, asyncio.Future) else commit
+            yield convert.push_request_to_pb(Commit(header.request_id, tuple(ids)))
         finally:
             encoder.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -1,8 +1,13 @@
-"""One long-lived gRPC channel per peer address (HTTP/2 multiplexes calls)."""
+"""One long-lived gRPC channel per peer address (HTTP/2 multiplexes calls).
+
+Every outgoing channel between services is made here (TLS per ``pdd.server.tls``).
+"""
 
 from __future__ import annotations
 
 import grpc
+
+from pdd.server.tls import TlsConfig, installed, open_channel
 
 _OPTIONS = [
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
@@ -12,13 +17,15 @@ _OPTIONS = [
 
 
 class Channels:
-    def __init__(self) -> None:
+    def __init__(self, tls: TlsConfig | None = None) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
+        # NOTE: default: the process's TLS settings, installed from the service's flags.
+        self.tls = installed() if tls is None else tls
 
     def get(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
         if ch is None:
-            ch = self._channels[address] = grpc.aio.insecure_channel(address, options=_OPTIONS)
+            ch = self._channels[address] = open_channel(address, self.tls, _OPTIONS)
         return ch
 
     async def close(self) -> None:

@@ -20,6 +20,7 @@ from pdd.instance import Instance, InstanceLoad, InstanceRef
 from pdd.serving.engine_runner import EngineRunner
 from pdd.serving.membership import Membership
 from pdd.serving.model_spec import load_model
+from pdd.telemetry import metrics
 
 log = structlog.get_logger(__name__)
 
@@ -66,6 +67,7 @@ class EngineInstance:
         self.engine = await asyncio.to_thread(Engine, ckpt, cfg.engine, self._on_cache_event)
         self.runner = EngineRunner(self.engine)
         await self.runner.start()
+        metrics.LIVE.watch_engine(cfg.ref.instance_id, cfg.ref.role.value, lambda: self.engine)
 
     async def register(self, port: int) -> None:
         """Join the stack (kvstore) once the gRPC server accepts calls on ``port``."""
@@ -81,6 +83,7 @@ class EngineInstance:
                  blocks=self.engine.num_blocks, block_size=self.engine.block_size, dtype=str(self.engine.dtype))
 
     async def stop(self) -> None:
+        metrics.LIVE.forget(self.config.ref.instance_id)
         if self.membership is not None:
             await self.membership.stop()
         if self.runner is not None:

@@ -35,6 +35,8 @@ class EngineRunner:
         self.engine = engine
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._queues: dict[str, asyncio.Queue] = {}
+        # Requests whose computed-token count is reported after every step ("computed", n).
+        self._watched: set[str] = set()
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -78,6 +80,11 @@ class EngineRunner:
 
     def close(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
+        self._watched.discard(request_id)
+
+    def watch(self, request_id: str) -> None:
+        """Also put ``("computed", n)`` on the request's queue after each step (KV streaming)."""
+        self._watched.add(request_id)
 
     def wake(self) -> None:
         self._wake.set()
@@ -93,7 +100,8 @@ class EngineRunner:
                     await self._wake.wait()
                 continue
             try:
-                outputs, progressed = await loop.run_in_executor(self._pool, self._step)
+                outputs, progressed, computed = await loop.run_in_executor(
+                    self._pool, self._step, tuple(self._watched))
             except Exception:  # noqa: BLE001 — a failed step must not kill the service silently
                 log.exception("engine_step_failed")
                 await self._fail_all()
@@ -106,16 +114,23 @@ class EngineRunner:
                     await asyncio.wait_for(self._wake.wait(), 0.05)
                 except asyncio.TimeoutError:
                     pass
+            # NOTE: progress before outputs: a request's last chunk is reported before its token.
+            for request_id, n in computed:
+                q = self._queues.get(request_id)
+                if q is not None:
+                    q.put_nowait(("computed", n))
             for out in outputs:
                 q = self._queues.get(out.request_id)
                 if q is not None:
                     q.put_nowait(out)
 
-    def _step(self) -> tuple[list, bool]:
-        """One engine step on the engine thread; whether it moved any request forward."""
-        before = self.engine.num_computed_total()
-        outputs = self.engine.step()
-        return outputs, bool(outputs) or self.engine.num_computed_total() != before
+    def _step(self, watched: tuple[str, ...]) -> tuple[list, bool, list[tuple[str, int]]]:
+        """One engine step on the engine thread: outputs, whether anything moved, watched progress."""
+        eng = self.engine
+        before = eng.num_computed_total()
+        outputs = eng.step()
+        computed = [(rid, eng.num_cached_tokens(rid)) for rid in watched if eng.holds_request(rid)]
+        return outputs, bool(outputs) or eng.num_computed_total() != before, computed
 
     async def _fail_all(self) -> None:
         for request_id, q in list(self._queues.items()):

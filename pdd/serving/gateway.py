@@ -22,6 +22,7 @@ request's KV when its call is cancelled.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 import uuid
@@ -50,10 +51,12 @@ from pdd.instance import Instance
 from pdd.routing.policy import HandoffMode, NoInstanceError, Pipeline, Route, RoutingConfig, route
 from pdd.serving.channels import Channels
 from pdd.server.interceptors import outgoing_metadata
+from pdd.telemetry.metrics import RequestTracker
 
 log = structlog.get_logger(__name__)
 
 STAGE_PREFILL, STAGE_RELAY, STAGE_MD = common_pb2.STAGE_PREFILL, common_pb2.STAGE_RELAY, common_pb2.STAGE_MAIN_DECODE
+_STAGE_NAMES = {STAGE_PREFILL: "prefill", STAGE_RELAY: "relay", STAGE_MD: "main_decode"}
 
 
 @dataclass(frozen=True)
@@ -149,7 +152,8 @@ class Gateway:
 
     async def plan(self, job: GenerateJob) -> Route:
         resp = await self._kv.PredictHits(kv_pb.PredictHitsRequest(
-            prompt_token_ids=list(job.prompt_token_ids), cache_salt=job.cache_salt), timeout=5.0)
+            prompt_token_ids=list(job.prompt_token_ids), cache_salt=job.cache_salt), timeout=5.0,
+            metadata=outgoing_metadata())
         instances = [Instance(instance_ref_from_pb(h.instance.ref), h.instance.block_size, h.instance.model,
                               load_from_pb(h.instance.load)) for h in resp.hits]
         cached = {h.instance.ref.instance_id: h.cached_tokens for h in resp.hits}
@@ -160,6 +164,23 @@ class Gateway:
             raise UnavailableError(str(exc)) from None
 
     async def generate(self, job: GenerateJob) -> AsyncIterator[TokenEvent | FinalEvent]:
+        tracker = RequestTracker()
+        try:
+            # NOTE: aclosing: a client that goes away must cancel the stage calls at once, not at GC.
+            async with contextlib.aclosing(self._generate(job, tracker)) as events:
+                async for event in events:
+                    if isinstance(event, TokenEvent):
+                        tracker.tokens(len(event.token_ids), _STAGE_NAMES.get(event.stage, "unknown"))
+                    else:
+                        tracker.finished(event.finish_reason)
+                    yield event
+        except Exception:
+            tracker.failed()
+            raise
+        finally:
+            tracker.close()
+
+    async def _generate(self, job: GenerateJob, tracker: RequestTracker) -> AsyncIterator[TokenEvent | FinalEvent]:
         t0 = time.perf_counter()
         sampling = job.sampling
         if not sampling.greedy and sampling.seed is None:
@@ -171,6 +192,7 @@ class Gateway:
                              prefill_instance=plan.prefill.ref.instance_id,
                              main_decode_instance=plan.main_decode.ref.instance_id,
                              relay_instance=plan.relay.ref.instance_id if plan.relay else "")
+        tracker.routed(plan.pipeline.value, len(job.prompt_token_ids))
         log.info("routed", pipeline=plan.pipeline.value, predicted_hit=round(plan.predicted_hit_rate, 4),
                  prefill=stats.prefill_instance, relay=stats.relay_instance, main_decode=stats.main_decode_instance)
         md_call = self._md_decode(job, sampling, plan)

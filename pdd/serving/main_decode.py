@@ -32,6 +32,7 @@ from pdd.kv.receiver import KvReceiver
 from pdd.routing.policy import Pipeline
 from pdd.serving.engine_instance import EngineInstance
 from pdd.serving.kv_bridge import import_range
+from pdd.telemetry import metrics
 
 log = structlog.get_logger(__name__)
 
@@ -109,6 +110,8 @@ class MainDecode:
                 return self.engine.num_cached_tokens(rid)
 
             cached = await self.runner.call(admit)
+            metrics.PREFIX_QUERIES.labels("main_decode").inc(len(job.prompt_token_ids))
+            metrics.PREFIX_HITS.labels("main_decode").inc(cached)
             log.info("md_accepted", cached_tokens=cached, prompt_tokens=len(job.prompt_token_ids))
             yield Accepted(cached)
             kv_task = asyncio.create_task(self._receive_kv(state))
@@ -169,6 +172,8 @@ class MainDecode:
             await self.runner.call(import_range, self.engine, rid, kv.header, kv.payload)
             self.receiver.pop(rid)
             state.wan_bytes = kv.wire_bytes
+            metrics.WAN_BYTES.labels("received").inc(kv.wire_bytes)
+            metrics.WAN_TRANSFER.labels("received").observe(kv.elapsed_s)
             state.kv_ready.set()
             log.info("md_kv_imported", tokens=kv.header.num_tokens, wire_bytes=kv.wire_bytes,
                      transfer_s=round(kv.elapsed_s, 4), import_ms=round((time.perf_counter() - t0) * 1000, 2))

@@ -22,6 +22,7 @@ from pdd.engine.radix_cache import CacheEvent
 from pdd.gen.kvstore.v1 import kvstore_service_pb2 as pb
 from pdd.gen.kvstore.v1 import kvstore_service_pb2_grpc as pb_grpc
 from pdd.instance import Instance, InstanceLoad
+from pdd.server.tls import TlsConfig, open_channel
 
 log = structlog.get_logger(__name__)
 
@@ -31,12 +32,12 @@ MAX_EVENTS_PER_CALL = 256
 class Membership:
     def __init__(self, kvstore_address: str, instance: Instance, *, ttl_ms: int = 6000,
                  load: Callable[[], InstanceLoad] = InstanceLoad,
-                 snapshot: Callable[[], list[CacheEvent]] = list) -> None:
+                 snapshot: Callable[[], list[CacheEvent]] = list, tls: TlsConfig | None = None) -> None:
         self.instance = instance
         self.ttl_ms = ttl_ms
         self._load = load
         self._snapshot = snapshot
-        self._channel = grpc.aio.insecure_channel(kvstore_address)
+        self._channel = open_channel(kvstore_address, tls)
         self._stub = pb_grpc.KvstoreServiceStub(self._channel)
         self._events: asyncio.Queue[CacheEvent] = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []

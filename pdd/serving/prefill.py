@@ -38,15 +38,16 @@ from pdd.kv.fast_link.shm import ShmSenderBackend
 from pdd.kv.fast_link.state import TransferState, Transport
 from pdd.kv.fast_link.tcp import TcpSenderBackend
 from pdd.kv.layout import KvDtype
-from pdd.kv.source import BytesSource
+from pdd.kv.source import StreamedSource
 from pdd.kv.stream_pool import StreamPool
-from pdd.kv.transfer import DEFAULT_CHUNK_BYTES, Compression
+from pdd.kv.transfer import DEFAULT_CHUNK_BYTES, Compression, TransferHeader
 from pdd.kv.wan import KvPusher, PusherConfig
 from pdd.routing.policy import Pipeline
 from pdd.server.interceptors import outgoing_metadata
 from pdd.serving.channels import Channels
 from pdd.serving.engine_instance import EngineInstance
-from pdd.serving.kv_bridge import export_range
+from pdd.serving.kv_bridge import export_tokens, range_header, wire_bytes
+from pdd.telemetry import metrics
 
 log = structlog.get_logger(__name__)
 
@@ -101,6 +102,25 @@ class TransferDone:
     fast_link: str
 
 
+class _Link:
+    """One outgoing KV range: its header and a source fed token by token as prefill computes."""
+
+    def __init__(self, header: TransferHeader) -> None:
+        self.header = header
+        self._pieces: asyncio.Queue = asyncio.Queue()
+        self.source = StreamedSource(header.total_bytes, self._drain())
+
+    def feed(self, kv_token_major, start: int) -> None:
+        """Tokens ``[start, start + len(kv))`` were computed; queue the part inside this range."""
+        lo = max(start, self.header.start_token) - start
+        if lo < kv_token_major.shape[0]:
+            self._pieces.put_nowait(wire_bytes(kv_token_major[lo:], self.header.layout))
+
+    async def _drain(self):
+        while True:
+            yield await self._pieces.get()
+
+
 class Prefill:
     def __init__(self, instance: EngineInstance, channels: Channels, config: PrefillConfig = PrefillConfig()) -> None:
         self.instance = instance
@@ -127,7 +147,8 @@ class Prefill:
     async def prefill(self, job: PrefillJob) -> AsyncIterator[FirstToken | TransferDone]:
         rid = job.request_id
         n = len(job.prompt_token_ids)
-        if not 0 <= job.main_decode_cached_tokens <= n:
+        md_from = job.main_decode_cached_tokens
+        if not 0 <= md_from <= n:
             raise InvalidArgumentError("main_decode_cached_tokens", f"must be in [0, {n}]")
         if job.pipeline is Pipeline.P_RLD_MD and job.relay is None:
             raise InvalidArgumentError("relay", "is required for the P-RLD-MD pipeline")
@@ -135,7 +156,19 @@ class Prefill:
             raise InvalidArgumentError("request_id", f"{rid!r} is already being prefilled here")
         self._active.add(rid)
         queue = self.runner.open(rid)
-        held = False
+        self.runner.watch(rid)
+        cfg = self.config
+        first: asyncio.Future = asyncio.get_running_loop().create_future()
+        links: list[_Link] = [_Link(range_header(self.engine, rid, md_from, n, job.prompt_token_ids, job.cache_salt,
+                                                 wire_dtype=cfg.wan_dtype, compression=cfg.wan_compression,
+                                                 chunk_bytes=cfg.wan_chunk_bytes))]
+        if job.pipeline is Pipeline.P_RLD_MD:
+            links.append(_Link(range_header(self.engine, rid, 0, n, job.prompt_token_ids, job.cache_salt)))
+        # NOTE: both pushes start now and stream each chunk of the prompt as soon as it is computed.
+        tasks = [asyncio.create_task(self._push_wan(job, links[0], first))]
+        if len(links) > 1:
+            tasks.append(asyncio.create_task(self._send_fast(job, links[1], first)))
+        held = finished = False
         try:
             t0 = time.perf_counter()
 
@@ -146,58 +179,67 @@ class Prefill:
 
             cached = await self.runner.call(admit)
             held = True
-            out = await queue.get()
-            if isinstance(out, BaseException):
-                raise out
+            exported = 0
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                done = not isinstance(item, tuple)
+                upto = n if done else min(item[1], n)
+                if upto > exported:
+                    kv = await self.runner.call(export_tokens, self.engine, rid, exported, upto)
+                    for link in links:
+                        link.feed(kv, exported)
+                    exported = upto
+                if done:
+                    break
+            token = item.token_id
             prefill_ms = (time.perf_counter() - t0) * 1000
             log.info("prefilled", prompt_tokens=n, cached_tokens=cached, prefill_ms=round(prefill_ms, 2))
-            yield FirstToken(out.token_id, n, cached, prefill_ms)
-            cfg = self.config
-
-            def export():
-                try:
-                    wan = export_range(self.engine, rid, job.main_decode_cached_tokens, n, job.prompt_token_ids,
-                                       job.cache_salt, wire_dtype=cfg.wan_dtype, compression=cfg.wan_compression,
-                                       chunk_bytes=cfg.wan_chunk_bytes)
-                    fast = None
-                    if job.pipeline is Pipeline.P_RLD_MD:
-                        fast = export_range(self.engine, rid, 0, n, job.prompt_token_ids, job.cache_salt)
-                    return wan, fast
-                finally:
-                    self.engine.release(rid)
-
-            (wan_header, wan_bytes), fast = await self.runner.call(export)
+            first.set_result((token,))
+            await self.runner.call(self.engine.release, rid)
             held = False
-            first = (out.token_id,)
-            jobs = [self._push_wan(job, wan_header, wan_bytes, first)]
-            if fast is not None:
-                jobs.append(self._send_fast(job, *fast, first))
-            results = await asyncio.gather(*jobs)
+            yield FirstToken(token, n, cached, prefill_ms)
+            results = await asyncio.gather(*tasks)
             wan = results[0]
-            relay = results[1] if fast is not None else (0, 0.0, "")
+            relay = results[1] if len(results) > 1 else (0, 0.0, "")
+            finished = True
             yield TransferDone(relay[0], wan.wire_bytes, relay[1] * 1000, wan.elapsed_s * 1000,
                                wan.queue_wait_s * 1000, relay[2])
         finally:
             self._active.discard(rid)
             self.runner.close(rid)
+            if not finished:
+                for task in tasks:
+                    task.cancel()
+                if not first.done():
+                    first.cancel()
             if held:
                 self.runner.submit(self._drop, rid)  # NOTE: not awaited: runs even when cancelled
 
     def _drop(self, rid: str) -> None:
         self.engine.abort(rid)  # NOTE: frees a kept (finished) request too
 
-    async def _push_wan(self, job: PrefillJob, header, payload: memoryview, first: tuple[int, ...]):
+    async def _push_wan(self, job: PrefillJob, link: _Link, first: asyncio.Future):
+        header = link.header
         address = job.main_decode.address
-        pool = self._pools.setdefault(address, StreamPool(self.config.wan_streams))
+        pool = self._pools.get(address)
+        if pool is None:
+            pool = self._pools[address] = StreamPool(self.config.wan_streams)
+            metrics.LIVE.watch_pool(pool)
         stub = md_grpc.MainDecodeServiceStub(self.channels.get(address))
         pusher = KvPusher.for_stub(stub, config=PusherConfig(), pool=pool, metadata=outgoing_metadata())
-        report = await pusher.push(header, BytesSource(payload), output_token_ids=first)
+        report = await pusher.push(header, link.source, output_token_ids=first)
+        metrics.WAN_BYTES.labels("sent").inc(report.wire_bytes)
+        metrics.WAN_TRANSFER.labels("sent").observe(report.elapsed_s)
+        metrics.WAN_QUEUE.observe(report.queue_wait_s)
         log.info("wan_pushed", bytes=report.wire_bytes, tokens=header.num_tokens, start=header.start_token,
                  queue_ms=round(report.queue_wait_s * 1000, 2), elapsed_ms=round(report.elapsed_s * 1000, 2))
         return report
 
-    async def _send_fast(self, job: PrefillJob, header, payload: memoryview, first: tuple[int, ...]):
+    async def _send_fast(self, job: PrefillJob, link: _Link, first: asyncio.Future):
         assert job.relay is not None
+        header = link.header
         stub = r_grpc.RelayServiceStub(self.channels.get(job.relay.address))
         meta = outgoing_metadata()
         request = PrepareRequest(job.request_id, header.layout, header.num_tokens, header.total_bytes,
@@ -211,7 +253,10 @@ class Prefill:
             return resp.accepted
 
         t0 = time.perf_counter()
-        report = await sender.send(reservation, header, BytesSource(payload), complete, first)
+        report = await sender.send(reservation, header, link.source, complete, first)
         if report.state is not TransferState.COMPLETED:
             raise FailedPreconditionError(f"fast link to {job.relay.instance_id} failed: {report.state.value}")
-        return header.total_bytes, time.perf_counter() - t0, reservation.transport.value
+        elapsed, transport = time.perf_counter() - t0, reservation.transport.value
+        metrics.FAST_LINK_BYTES.labels(transport).inc(header.total_bytes)
+        metrics.FAST_LINK_TRANSFER.labels(transport).observe(elapsed)
+        return header.total_bytes, elapsed, transport

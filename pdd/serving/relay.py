@@ -39,6 +39,7 @@ from pdd.server.interceptors import outgoing_metadata
 from pdd.serving.channels import Channels
 from pdd.serving.engine_instance import EngineInstance
 from pdd.serving.kv_bridge import import_range
+from pdd.telemetry import metrics
 
 log = structlog.get_logger(__name__)
 
@@ -220,6 +221,8 @@ class Relay:
             call.cancel()
             raise
         rounds += 1
+        metrics.HANDOFFS.labels(mode.value, "live").inc()
+        metrics.HANDOFF_TIME.labels(mode.value).observe(time.perf_counter() - t0)
         log.info("handed_off", at=len(outputs), mode=mode.value, rounds=rounds)
         queue.put_nowait(("handed_off", HandedOff(len(outputs), mode, rounds, (time.perf_counter() - t0) * 1000)))
 
@@ -241,6 +244,7 @@ class Relay:
                                                    request_finished=True, mode=handoff_to_pb(job.handoff_mode)))
         await call.read()
         await call.done_writing()
+        metrics.HANDOFFS.labels(job.handoff_mode.value, "finished").inc()
 
     async def cancel(self, request_id: str) -> bool:
         self.fast.cancel(request_id)

@@ -15,6 +15,8 @@ A transport error while writing also ends FAILED and raises the domain error.
 
 from __future__ import annotations
 
+import asyncio
+
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -59,7 +61,7 @@ class FastLinkSender:
         return tuple(self._backends)
 
     async def send(self, reservation: Reservation, header: TransferHeader, source: KvSource,
-                   complete: CompleteFn, output_token_ids: Sequence[int] = ()) -> SendReport:
+                   complete: CompleteFn, output_token_ids: Sequence[int] | asyncio.Future = ()) -> SendReport:
         backend = self._backends.get(reservation.transport)
         if backend is None:
             raise UnavailableError(f"this sender has no {reservation.transport.value} transport")
@@ -86,6 +88,8 @@ class FastLinkSender:
         finally:
             writer.close()
         written = time.monotonic()
+        if isinstance(output_token_ids, asyncio.Future):  # NOTE: known only once the producer finished
+            output_token_ids = await output_token_ids
         outcome = await complete(Completion(reservation.transfer_id, header, value, tuple(output_token_ids)))
         accepted = outcome is True or outcome is TransferState.COMPLETED
         state = advance(state, TransferState.COMPLETED if accepted else TransferState.FAILED,
