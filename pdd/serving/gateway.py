@@ -110,6 +110,8 @@ class _Merge:
 
     next_pos: int = 0
     pending: dict[int, tuple[int, int]] = field(default_factory=dict)
+    # Every token streamed so far, in order: the whole state a handoff needs besides KV.
+    emitted: list[int] = field(default_factory=list)
 
     def add(self, start: int, tokens: list[int], stage: int) -> list[TokenEvent]:
         for i, tok in enumerate(tokens):
@@ -119,6 +121,7 @@ class _Merge:
         out: list[TokenEvent] = []
         while self.next_pos in self.pending:
             tok, stage = self.pending.pop(self.next_pos)
+            self.emitted.append(tok)
             if out and out[-1].stage == stage:
                 last = out[-1]
                 out[-1] = TokenEvent(last.start_position, (*last.token_ids, tok), stage)
@@ -212,7 +215,7 @@ class Gateway:
             readers = [asyncio.create_task(self._pump(name, call, queue))
                        for name, call in (("prefill", p_call), ("main_decode", md_call), ("relay", relay_call))
                        if call is not None]
-            async for event in self._merge(queue, stats, t0, len(readers)):
+            async for event in self._merge(queue, stats, t0, len(readers), plan, job.request_id):
                 yield event
         finally:
             for task in readers:
@@ -220,8 +223,10 @@ class Gateway:
             for call in calls:
                 call.cancel()
 
-    async def _merge(self, queue: asyncio.Queue, stats: RequestStats, t0: float, live: int) -> AsyncIterator[TokenEvent | FinalEvent]:
+    async def _merge(self, queue: asyncio.Queue, stats: RequestStats, t0: float, live: int, plan: Route,
+                     request_id: str) -> AsyncIterator[TokenEvent | FinalEvent]:
         merge = _Merge()
+        relay_done = False
         finish: str | None = None
         completion_tokens: int | None = None
         # NOTE: every service ends its stream when its part is done (prefill after TransferDone,
@@ -232,6 +237,12 @@ class Gateway:
                 live -= 1
                 continue
             if isinstance(msg, BaseException):
+                if name == "relay" and not relay_done:
+                    # NOTE: the relay is gone mid-request: drive the handoff from the tokens streamed.
+                    await self._take_over(plan, request_id, merge.emitted, msg)
+                    stats.handoff_at_token = len(merge.emitted)
+                    relay_done = True
+                    continue
                 raise msg
             events: list[TokenEvent] = []
             which = msg.WhichOneof("event")
@@ -246,7 +257,9 @@ class Gateway:
                 events = merge.add(msg.tokens.start_position, list(msg.tokens.token_ids), msg.tokens.stage)
             elif which == "handed_off":
                 stats.handoff_at_token = msg.handed_off.at_position
+                relay_done = True
             elif which == "finished":
+                relay_done = relay_done or name == "relay"
                 finish = finish_from_pb(msg.finished.finish_reason) or finish
                 completion_tokens = max(completion_tokens or 0, msg.finished.completion_tokens)
             for ev in events:
@@ -261,6 +274,16 @@ class Gateway:
                 f"token stream has a gap: delivered {merge.next_pos} of {completion_tokens} tokens")
         stats.e2e_ms = (time.perf_counter() - t0) * 1000
         yield FinalEvent(finish, stats)
+
+    async def _take_over(self, plan: Route, request_id: str, tokens: list[int], cause: BaseException) -> None:
+        """Hand the request to MainDecode ourselves: token IDs are all it needs besides its KV."""
+        log.warning("relay_lost_gateway_handoff", at=len(tokens), error=str(cause)[:200])
+        stub = md_grpc.MainDecodeServiceStub(self.channels.get(plan.main_decode.ref.address))
+        request = md_pb.TokenHandoffRequest(request_id=request_id, start_position=0, token_ids=tokens, final=True,
+                                            mode=handoff_to_pb(plan.handoff_mode))
+        async for _ in stub.TokenHandoff(iter([request]), metadata=outgoing_metadata(),
+                                         timeout=self.stage_timeout_s):
+            pass
 
     async def _pump(self, name: str, call, queue: asyncio.Queue) -> None:
         # NOTE: read(), not `async for`: grpc.aio forbids mixing both on one call (_first used read()).

@@ -179,6 +179,8 @@ class Prefill:
 
             cached = await self.runner.call(admit)
             held = True
+            metrics.PREFIX_QUERIES.labels("prefill").inc(n)
+            metrics.PREFIX_HITS.labels("prefill").inc(cached)
             exported = 0
             while True:
                 item = await queue.get()
@@ -200,9 +202,17 @@ class Prefill:
             await self.runner.call(self.engine.release, rid)
             held = False
             yield FirstToken(token, n, cached, prefill_ms)
-            results = await asyncio.gather(*tasks)
-            wan = results[0]
-            relay = results[1] if len(results) > 1 else (0, 0.0, "")
+            wan = await tasks[0]
+            relay = (0, 0.0, "")
+            if len(tasks) > 1:
+                try:
+                    relay = await tasks[1]
+                except Exception as exc:  # noqa: BLE001
+                    # NOTE: a lost relay must not fail the request: MainDecode has its KV over the
+                    # WAN, and the gateway hands the tokens it streamed over to MainDecode itself.
+                    log.warning("fast_link_failed", relay=job.relay.instance_id if job.relay else "",
+                                error=f"{type(exc).__name__}: {exc}")
+                    relay = (0, 0.0, "failed")
             finished = True
             yield TransferDone(relay[0], wan.wire_bytes, relay[1] * 1000, wan.elapsed_s * 1000,
                                wan.queue_wait_s * 1000, relay[2])

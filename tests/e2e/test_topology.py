@@ -1,0 +1,91 @@
+"""A stack with two MainDecode instances (each behind its own WAN link), and a relay that dies.
+
+Runs its own stack: the last test kills the relay process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import grpc
+import pytest
+
+from pdd.engine.config import EngineConfig
+from pdd.engine.engine import Engine
+from pdd.engine.sampling import SamplingParams
+from pdd.gen.common.v1 import common_pb2
+from pdd.gen.kvstore.v1 import kvstore_service_pb2 as kv_pb
+from pdd.gen.kvstore.v1 import kvstore_service_pb2_grpc as kv_grpc
+from pdd.serving.model_spec import load_model
+from pdd.stack import Stack, StackConfig
+from tests.e2e.conftest import BLOCK, TINY
+from tests.e2e.test_pipeline import prompts, run
+
+
+@pytest.fixture(scope="module")
+def stack(redis_url, tmp_path_factory):
+    config = StackConfig(model=TINY, redis_url=redis_url, gateway_port=0, main_decode=2,
+                         engine_flags=("--block-size", str(BLOCK), "--kv-cache-mb", "32", "--threads", "1",
+                                       "--lease-ttl-ms", "3000"),
+                         gateway_flags=("--seed", "0", "--stage-timeout-s", "60"),
+                         log_dir=tmp_path_factory.mktemp("topology") / "logs", key_prefix="topology")
+    s = Stack(config).start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return Engine(load_model(TINY), EngineConfig(block_size=BLOCK))
+
+
+async def _wait_indexed(stack, prompt, salt, want):
+    async with grpc.aio.insecure_channel(stack.by_name("kvstore").address) as ch:
+        kv = kv_grpc.KvstoreServiceStub(ch)
+        for _ in range(100):
+            hits = await kv.PredictHits(kv_pb.PredictHitsRequest(prompt_token_ids=prompt, cache_salt=salt,
+                                                                 role=common_pb2.ROLE_MAIN_DECODE))
+            if max(h.cached_tokens for h in hits.hits) >= want:
+                return
+            await asyncio.sleep(0.05)
+
+
+async def test_sessions_stick_to_the_main_decode_holding_their_prefix(stack):
+    chosen = {}
+    for s in range(4):
+        salt = f"session-{s}"
+        turn1 = prompts(100 + s, 1)[0] + [5] * 140  # long enough that the DRC hit is >= 0.95
+        out1, _, f1 = await run(stack, turn1, 8, cache_salt=salt, force_pipeline=common_pb2.PIPELINE_P_MD)
+        turn2 = turn1 + out1 + [1, 2, 3]
+        held = (len(turn1) + len(out1) - 1) // BLOCK * BLOCK
+        await _wait_indexed(stack, turn2, salt, held)
+        _, _, f2 = await run(stack, turn2, 4, cache_salt=salt)
+        assert f2.stats.main_decode_instance == f1.stats.main_decode_instance
+        assert f2.stats.md_cached_tokens == held
+        assert f2.stats.pipeline == common_pb2.PIPELINE_P_MD  # high hit: no relay
+        chosen[s] = f1.stats.main_decode_instance
+    assert set(chosen.values()) == {"main_decode-0", "main_decode-1"}, "load spreads over both instances"
+
+
+async def test_gateway_drives_the_handoff_when_the_relay_dies(stack, reference):
+    p = prompts(77, 1)[0]
+    relay = stack.by_name("relay-0")
+    tokens = []
+    final = None
+    from pdd.client import generate_stream
+
+    async for resp in generate_stream(stack.gateway.address, p, max_tokens=300, ignore_eos=True, timeout=60,
+                                      force_pipeline=common_pb2.PIPELINE_P_RLD_MD,
+                                      handoff_mode=common_pb2.HANDOFF_MODE_ONE_SHOT, cache_salt="dies"):
+        assert resp.start_position == len(tokens) or not resp.token_ids
+        tokens.extend(resp.token_ids)
+        if len(tokens) >= 2 and relay.alive():
+            relay.proc.send_signal(signal.SIGKILL)
+        if resp.HasField("stats"):
+            final = resp
+    assert final is not None and len(tokens) == 300
+    assert tokens == reference.generate([p], SamplingParams(max_tokens=300, ignore_eos=True))[0]
+    assert final.stats.handoff_at_token >= 2
+    if "relay_lost_gateway_handoff" not in stack.gateway.log_path.read_text():
+        pytest.fail("the relay handed over before it was killed; the gateway's takeover did not run")
