@@ -102,6 +102,21 @@ class TransferDone:
     fast_link: str
 
 
+def offered_transports(preference: str, same_host: bool) -> tuple[Transport, ...]:
+    """The fast-link transports prefill offers the relay, best first: probed once, logged."""
+    usable = usable_transports(same_host)
+    if preference == "auto":
+        offered = usable
+    else:
+        wanted = [Transport(t.strip()) for t in preference.split(",")]
+        offered = tuple(t for t in wanted if t in usable)
+        if not offered:
+            raise ValueError(f"fast_link: none of {preference!r} is usable here (usable: "
+                             f"{[t.value for t in usable]})")
+    log.info("fast_link_transports", offered=[t.value for t in offered], same_host=same_host)
+    return offered
+
+
 class _Link:
     """One outgoing KV range: its header and a source fed token by token as prefill computes."""
 
@@ -128,6 +143,7 @@ class Prefill:
         self.config = config
         self._pools: dict[str, StreamPool] = {}
         self._active: set[str] = set()
+        self.transports = offered_transports(config.fast_link, config.relay_same_host)
 
     @property
     def runner(self):
@@ -136,13 +152,6 @@ class Prefill:
     @property
     def engine(self):
         return self.instance.engine
-
-    def _transports(self) -> tuple[Transport, ...]:
-        usable = usable_transports(self.config.relay_same_host)
-        if self.config.fast_link == "auto":
-            return usable
-        wanted = [Transport(t.strip()) for t in self.config.fast_link.split(",")]
-        return tuple(t for t in wanted if t in usable) or (Transport.TCP,)
 
     async def prefill(self, job: PrefillJob) -> AsyncIterator[FirstToken | TransferDone]:
         rid = job.request_id
@@ -253,7 +262,7 @@ class Prefill:
         stub = r_grpc.RelayServiceStub(self.channels.get(job.relay.address))
         meta = outgoing_metadata()
         request = PrepareRequest(job.request_id, header.layout, header.num_tokens, header.total_bytes,
-                                 self._transports())
+                                 self.transports)
         reservation = kv_convert.reservation_from_pb(
             await stub.PrepareTransfer(kv_convert.prepare_request_to_pb(request), metadata=meta), request)
         sender = FastLinkSender([ShmSenderBackend(), TcpSenderBackend.for_stub(stub, metadata=meta)])
