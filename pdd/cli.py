@@ -3,8 +3,8 @@
   pdd up        the whole local stack, each service its own process
   pdd generate  stream a completion from a running gateway
   pdd demo      the main job: stack + agentic trace in three modes + report
-  pdd bench     benchmarks (engine, link, serving modes)
-  pdd trace     trace generation
+  pdd bench     benchmarks: [run] one serving mode, compare, sim, link, engine
+  pdd trace     traces: gen (agentic), mooncake (map a Mooncake trace)
 """
 
 from __future__ import annotations
@@ -41,7 +41,9 @@ def _stack_config(args: argparse.Namespace, **over) -> StackConfig:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    stack = Stack(_stack_config(args, gateway_port=args.gateway_port, http_port=args.http_port))
+    stack = Stack(_stack_config(args, gateway_port=args.gateway_port, http_port=args.http_port,
+                                metrics=args.metrics, metrics_port_base=args.metrics_port_base,
+                                gateway_flags=tuple(f for k in args.api_key for f in ("--api-key", k))))
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
@@ -49,7 +51,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     try:
         print(f"redis        {stack.redis_url}")
         for p in stack.processes:
-            print(f"{p.name:<12} {p.address:<22} log {p.log_path}")
+            metrics = f"metrics {stack.metrics[p.name]:<22}" if p.name in stack.metrics else " " * 30
+            print(f"{p.name:<12} {p.address:<22} {metrics} log {p.log_path}")
+        if stack.http_address:
+            print(f"openai-api   http://{stack.http_address}/v1   (/health /ready /metrics)")
         print(f"\nready: pdd generate --gateway {stack.gateway.address} \"Hello\"   (Ctrl-C stops everything)",
               flush=True)
         while not done.wait(1.0):
@@ -82,14 +87,47 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return asyncio.run(run())
 
 
+# NOTE: each tool parses its own flags; these tables only route `pdd bench X` / `pdd trace X` to it.
+BENCH = {"run": "pdd.bench.runner", "compare": "pdd.bench.report", "sim": "pdd.bench.simulator",
+         "link": "pdd.kv.link_bench", "engine": "pdd.bench.engine_bench"}
+TRACE = {"gen": "pdd.bench.trace", "mooncake": "pdd.bench.mooncake"}
+
+
+def _tool(table: dict[str, str], default: str | None, argv: list[str], prog: str) -> int:
+    """Run ``table[argv[0]].main(rest)``; without a known name, ``default`` gets all of ``argv``."""
+    import importlib
+
+    if argv[:1] in (["-h"], ["--help"]) or (not argv and default is None):
+        print(f"usage: {prog} {{{','.join(table)}}} ...  (`{prog} NAME --help` for each"
+              + (f"; no NAME means {default})" if default else ")"), file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else 2
+    name, rest = (argv[0], argv[1:]) if argv[:1] and argv[0] in table else (default, argv)
+    code = importlib.import_module(table[name]).main(rest)
+    return code if isinstance(code, int) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        return _tool(BENCH, "run", argv[1:], "pdd bench")
+    if argv[:1] == ["trace"]:
+        return _tool(TRACE, None, argv[1:], "pdd trace")
+    if argv[:1] == ["demo"]:
+        from pdd.bench import demo
+
+        return demo.main(argv[1:])
     parser = argparse.ArgumentParser(prog="pdd", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     up = sub.add_parser("up", help="start the whole local stack")
     _add_stack_flags(up)
     up.add_argument("--gateway-port", type=int, default=50050)
-    up.add_argument("--http-port", type=int, default=0, help="OpenAI-compatible HTTP port, 0 = off")
+    up.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP port, 0 = off")
+    up.add_argument("--api-key", action="append", default=[],
+                    help="require this bearer key on the HTTP /v1/* routes (repeatable; or env PDD_API_KEYS)")
+    up.add_argument("--metrics-port-base", type=int, default=0,
+                    help="Prometheus /metrics of the services on consecutive ports from here, 0 = free ports")
+    up.add_argument("--no-metrics", dest="metrics", action="store_false", help="no /metrics ports")
     up.set_defaults(fn=cmd_up)
 
     gen = sub.add_parser("generate", help="stream a completion from a running gateway")
@@ -100,6 +138,11 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stats", action="store_true", help="print the request's stats to stderr")
     gen.set_defaults(fn=cmd_generate)
+
+    # Listed for `pdd --help`; main() routes them to their own parsers before argparse sees them.
+    sub.add_parser("demo", help="the main job: three modes side by side + report (`make demo`)")
+    sub.add_parser("bench", help="[run] --trace F --mode M --out R | compare | sim | link | engine")
+    sub.add_parser("trace", help="gen | mooncake")
 
     args = parser.parse_args(argv)
     return args.fn(args)

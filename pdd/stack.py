@@ -3,8 +3,10 @@
 Life of ``pdd up``: Redis (an embedded real server unless a URL is given) →
 kvstore → main_decode instances, each behind a WAN link emulator (so every
 byte to the "remote" cluster crosses the emulated link) → prefill and relay
-instances → gateway. Each prints where it listens; ``stop()`` sends SIGTERM
-to all, in reverse order.
+instances → gateway (with the OpenAI-compatible HTTP API when ``http_port``
+is set). Each prints where it listens; every service but the WAN emulators
+serves Prometheus ``/metrics`` on its own port (``metrics``); ``stop()``
+sends SIGTERM to all, in reverse order.
 """
 
 from __future__ import annotations
@@ -41,7 +43,11 @@ class StackConfig:
     model: str = "smollm2"
     redis_url: str = ""
     gateway_port: int = 50050
+    # The gateway's OpenAI-compatible HTTP port; 0 = off.
     http_port: int = 0
+    # Every service's /metrics port: consecutive from metrics_port_base, or free ports when it is 0.
+    metrics: bool = True
+    metrics_port_base: int = 0
     prefill: int = 1
     relay: int = 1
     main_decode: int = 1
@@ -56,8 +62,9 @@ class StackConfig:
         for name in ("prefill", "relay", "main_decode"):
             if getattr(self, name) < (0 if name == "relay" else 1):
                 raise ValueError(f"{name}: too few instances ({getattr(self, name)})")
-        if not 0 <= self.gateway_port < 65536:
-            raise ValueError(f"gateway_port: must be in 0..65535, got {self.gateway_port}")
+        for name in ("gateway_port", "http_port", "metrics_port_base"):
+            if not 0 <= getattr(self, name) < 65536:
+                raise ValueError(f"{name}: must be in 0..65535, got {getattr(self, name)}")
 
 
 class Stack:
@@ -66,6 +73,8 @@ class Stack:
         self.processes: list[Process] = []
         self.redis: subprocess.Popen | None = None
         self.redis_url = config.redis_url
+        # Service name → host:port of its Prometheus /metrics.
+        self.metrics: dict[str, str] = {}
 
     def by_name(self, name: str) -> Process:
         return next(p for p in self.processes if p.name == name)
@@ -74,7 +83,22 @@ class Stack:
     def gateway(self) -> Process:
         return self.by_name("gateway")
 
+    @property
+    def http_address(self) -> str:
+        """host:port of the OpenAI-compatible API ("" when off)."""
+        return f"127.0.0.1:{self.config.http_port}" if self.config.http_port else ""
+
+    def _metrics_flags(self, name: str) -> list[str]:
+        cfg = self.config
+        if not cfg.metrics:
+            return []
+        port = cfg.metrics_port_base + len(self.metrics) if cfg.metrics_port_base else free_port()
+        self.metrics[name] = f"127.0.0.1:{port}"
+        return ["--metrics-port", str(port)]
+
     def _start(self, name: str, module: str, args: list[str]) -> Process:
+        if module != "services.wan_link":
+            args = [*args, *self._metrics_flags(name)]
         p = start_module(name, module, [*args, "--log-format", "json"], log_dir=self.config.log_dir)
         self.processes.append(p)
         return p
@@ -113,6 +137,7 @@ class Stack:
     def stop(self) -> dict[str, int]:
         codes = {p.name: p.stop() for p in reversed(self.processes)}
         self.processes.clear()
+        self.metrics.clear()
         if self.redis is not None:
             self.redis.terminate()
             self.redis.wait(timeout=10)

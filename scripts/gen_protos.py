@@ -1,12 +1,17 @@
-"""Regenerate the Python gRPC stubs from protos/ into pdd/gen/.
+"""Regenerate the Python gRPC stubs from protos/ into pdd/gen/ and the client package.
 
 One command (``make protos`` / ``python scripts/gen_protos.py``) rebuilds every
 stub; ``--check`` regenerates into a temporary folder and fails if the
-committed stubs differ (run by the tests).
+committed stubs differ (run by the tests). ``--target`` picks one output:
+
+- ``pdd``: every proto, into ``pdd/gen`` (the services and the library);
+- ``client``: the public API only (``common``, ``gateway``), into
+  ``clients/python/pdd_client/gen`` — the ``pdd-client`` package ships its own
+  stubs so that it needs neither the server package nor torch.
 
 protoc names modules after the proto package (``pdd.common.v1``), which would
 collide with the library package ``pdd``; the imports are therefore rewritten
-to live under ``pdd.gen``.
+to live under the target's package (``pdd.gen``, ``pdd_client.gen``).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import re
 import shutil
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,10 +31,25 @@ GEN_DIR = ROOT / "pdd" / "gen"
 _IMPORT = re.compile(r"^from pdd\.(\w+)\.v1 import", re.MULTILINE)
 
 
-def _generate(out: Path) -> None:
+@dataclass(frozen=True)
+class Target:
+    out: Path
+    package: str
+    # Proto domains (protos/pdd/<domain>/) to emit; empty = all of them.
+    domains: tuple[str, ...] = ()
+
+
+TARGETS = {
+    "pdd": Target(GEN_DIR, "pdd.gen"),
+    "client": Target(ROOT / "clients" / "python" / "pdd_client" / "gen", "pdd_client.gen", ("common", "gateway")),
+}
+
+
+def _generate(out: Path, target: Target = TARGETS["pdd"]) -> None:
     from grpc_tools import protoc  # imported lazily: only needed to build
 
-    protos = sorted(str(p.relative_to(PROTO_ROOT)) for p in PROTO_ROOT.rglob("*.proto"))
+    protos = sorted(str(p.relative_to(PROTO_ROOT)) for p in PROTO_ROOT.rglob("*.proto")
+                    if not target.domains or p.relative_to(PROTO_ROOT).parts[1] in target.domains)
     include = str(Path(protoc.__file__).parent / "_proto")
     with tempfile.TemporaryDirectory() as raw:
         args = ["protoc", f"-I{PROTO_ROOT}", f"-I{include}", f"--python_out={raw}",
@@ -40,7 +61,7 @@ def _generate(out: Path) -> None:
             rel = path.relative_to(src)
             dest = out / rel
             dest.parent.mkdir(parents=True, exist_ok=True)
-            dest.write_text(_IMPORT.sub(r"from pdd.gen.\1.v1 import", path.read_text()))
+            dest.write_text(_IMPORT.sub(rf"from {target.package}.\1.v1 import", path.read_text()))
     for folder in [out, *[p for p in out.rglob("*") if p.is_dir()]]:
         init = folder / "__init__.py"
         if not init.exists():
@@ -57,23 +78,30 @@ def _diff(a: Path, b: Path) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="fail if pdd/gen is stale")
+    parser.add_argument("--check", action="store_true", help="fail if committed stubs are stale")
+    parser.add_argument("--target", action="append", choices=sorted(TARGETS),
+                        help="output to (re)generate; repeatable; default: all")
     args = parser.parse_args(argv)
-    if args.check:
-        with tempfile.TemporaryDirectory() as tmp:
-            _generate(Path(tmp))
-            stale = _diff(Path(tmp), GEN_DIR)
-        if stale:
-            print("pdd/gen is stale; run `make protos`:", *stale, sep="\n  ")
-            return 1
-        print("pdd/gen matches protos/")
-        return 0
-    if GEN_DIR.exists():
-        shutil.rmtree(GEN_DIR)
-    GEN_DIR.mkdir(parents=True)
-    _generate(GEN_DIR)
-    print(f"generated stubs into {GEN_DIR.relative_to(ROOT)}")
-    return 0
+    status = 0
+    for name in args.target or list(TARGETS):
+        target = TARGETS[name]
+        rel = target.out.relative_to(ROOT)
+        if args.check:
+            with tempfile.TemporaryDirectory() as tmp:
+                _generate(Path(tmp), target)
+                stale = _diff(Path(tmp), target.out)
+            if stale:
+                print(f"{rel} is stale; run `make protos`:", *stale, sep="\n  ")
+                status = 1
+            else:
+                print(f"{rel} matches protos/")
+            continue
+        if target.out.exists():
+            shutil.rmtree(target.out)
+        target.out.mkdir(parents=True)
+        _generate(target.out, target)
+        print(f"generated stubs into {rel}")
+    return status
 
 
 if __name__ == "__main__":

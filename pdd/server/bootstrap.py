@@ -24,8 +24,11 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pdd.server import tls
 from pdd.server.config import ServerConfig
 from pdd.server.interceptors import ContextInterceptor
+from pdd.telemetry.grpc_telemetry import TelemetryInterceptor
+from pdd.telemetry.metrics import start_metrics_server
 
 log = structlog.get_logger(__name__)
 
@@ -54,15 +57,19 @@ class ServiceSpec:
 class GrpcServer:
     """A started server; ``port`` is the bound one."""
 
-    def __init__(self, config: ServerConfig, spec: ServiceSpec) -> None:
+    def __init__(self, config: ServerConfig, spec: ServiceSpec, tls_config: tls.TlsConfig | None = None) -> None:
         self.config = config
         self.spec = spec
+        # NOTE: default: the process's TLS settings, installed from the service's flags.
+        self.tls = tls.installed() if tls_config is None else tls_config
+        self._health_server: grpc.aio.Server | None = None
         options = [
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.max_send_message_length", config.max_message_bytes),
             ("grpc.so_reuseport", 0),
         ]
-        self._server = grpc.aio.server(interceptors=[ContextInterceptor()], options=options)
+        # NOTE: telemetry outermost: it sees the status code ContextInterceptor maps errors to.
+        self._server = grpc.aio.server(interceptors=[TelemetryInterceptor(), ContextInterceptor()], options=options)
         self._health = health.aio.HealthServicer()
         self.port = 0
 
@@ -73,20 +80,34 @@ class GrpcServer:
         names = [*spec.grpc_services, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                  reflection.SERVICE_NAME]
         reflection.enable_server_reflection(names, self._server)
-        self.port = self._server.add_insecure_port(self.config.address)
+        self.port = tls.add_port(self._server, self.config.address, self.tls)
         if self.port == 0:
             raise OSError(f"could not bind {self.config.address}")
         await spec.start()
         await self._server.start()
+        if self.tls.health_port:
+            await self._start_health_listener()
         if spec.serving is not None:
             await spec.serving(self.port)
         await self._set_status(health_pb2.HealthCheckResponse.SERVING)
-        log.info("server_started", address=f"{self.config.host}:{self.port}")
+        log.info("server_started", address=f"{self.config.host}:{self.port}", tls=self.tls.enabled,
+                 mutual_tls=self.tls.require_client_cert)
         return self.port
+
+    async def _start_health_listener(self) -> None:
+        # Plaintext and health-only: what kubelet's native gRPC probes can reach when TLS is on.
+        self._health_server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._health_server)
+        address = f"{self.config.host}:{self.tls.health_port}"
+        if self._health_server.add_insecure_port(address) == 0:
+            raise OSError(f"could not bind the health port {address}")
+        await self._health_server.start()
 
     async def stop(self) -> None:
         await self._set_status(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self._server.stop(self.config.grace_s)
+        if self._health_server is not None:
+            await self._health_server.stop(0)
         await self.spec.stop()
         log.info("server_stopped")
 
@@ -103,6 +124,9 @@ async def serve(config: ServerConfig, spec: ServiceSpec) -> None:
     """Run ``spec`` until SIGTERM or SIGINT, then shut down gracefully."""
     server = GrpcServer(config, spec)
     await server.start()
+    if config.metrics_port:
+        _, port = start_metrics_server(config.host, config.metrics_port)
+        log.info("metrics_started", address=f"{config.host}:{port}")
     print(f"PDD_LISTENING {spec.name} {config.host}:{server.port}", flush=True)
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -15,6 +15,8 @@ class ServerConfig:
     max_message_bytes: int = 64 * 1024 * 1024
     log_level: str = "INFO"
     log_json: bool = True
+    # Prometheus /metrics port of this process; 0 = off.
+    metrics_port: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -23,6 +25,8 @@ class ServerConfig:
             raise ValueError(f"grace_s: must be >= 0, got {self.grace_s}")
         if self.max_message_bytes < 1024:
             raise ValueError(f"max_message_bytes: must be >= 1024, got {self.max_message_bytes}")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port: must be in 0..65535, got {self.metrics_port}")
         if not self.host:
             raise ValueError("host: must not be empty")
 

@@ -12,11 +12,14 @@ import asyncio
 import grpc
 
 from pdd import errors
+from pdd.engine.block_pool import PoolExhaustedError
+from pdd.engine.errors import KvCapacityError
 
 _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (errors.InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT),
     (errors.NotFoundError, grpc.StatusCode.NOT_FOUND),
     (errors.ResourceExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (PoolExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (errors.UnavailableError, grpc.StatusCode.UNAVAILABLE),
     (errors.FailedPreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.DeadlineExceededError, grpc.StatusCode.DEADLINE_EXCEEDED),
@@ -28,6 +31,11 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The status code and message a client should see for ``exc``."""
+    if isinstance(exc, grpc.aio.AioRpcError):
+        # NOTE: a downstream service already chose the status; pass it on unchanged.
+        return exc.code(), exc.details() or exc.code().name
+    if isinstance(exc, KvCapacityError):
+        return grpc.StatusCode.INVALID_ARGUMENT, f"max_tokens: {exc} (lower max_tokens or the prompt)"
     for kind, code in _CODES:
         if isinstance(exc, kind):
             return code, str(exc) or kind.__name__
@@ -36,4 +44,4 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 
 def is_domain_error(exc: BaseException) -> bool:
     """Whether ``exc`` is an expected, client-facing error (logged without a traceback)."""
-    return status_for(exc)[0] is not grpc.StatusCode.INTERNAL
+    return status_for(exc)[0] not in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)

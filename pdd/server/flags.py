@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from pdd.server import tls
 from pdd.server.config import ServerConfig
 
 
@@ -26,11 +27,41 @@ def add_server_flags(parser: argparse.ArgumentParser, default_port: int) -> None
     g.add_argument("--log-level", default=env("PDD_LOG_LEVEL", "INFO"), help="env PDD_LOG_LEVEL")
     g.add_argument("--log-format", choices=("json", "console"), default=env("PDD_LOG_FORMAT", "json"),
                    help="env PDD_LOG_FORMAT")
+    g.add_argument("--metrics-port", type=int, default=int(env("PDD_METRICS_PORT", "0")),
+                   help="Prometheus /metrics port, 0 = off (env PDD_METRICS_PORT)")
+    g.add_argument("--max-message-mb", type=int, default=int(env("PDD_MAX_MESSAGE_MB", "64")),
+                   help="largest gRPC message received or sent (env PDD_MAX_MESSAGE_MB)")
+    g.add_argument("--health-port", type=int, default=int(env("PDD_HEALTH_PORT", "0")),
+                   help="plaintext grpc.health.v1-only port for probes that cannot speak TLS, 0 = off "
+                        "(env PDD_HEALTH_PORT)")
+    add_tls_flags(parser)
+
+
+def add_tls_flags(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("tls (every inter-service gRPC channel; off unless a file is named)")
+    g.add_argument("--tls-cert", default=env("PDD_TLS_CERT", ""), help="PEM certificate (env PDD_TLS_CERT)")
+    g.add_argument("--tls-key", default=env("PDD_TLS_KEY", ""), help="PEM private key (env PDD_TLS_KEY)")
+    g.add_argument("--tls-ca", default=env("PDD_TLS_CA", ""), help="PEM CA that peers chain to (env PDD_TLS_CA)")
+    g.add_argument("--tls-client-auth", action=argparse.BooleanOptionalAction,
+                   default=env("PDD_TLS_CLIENT_AUTH", "false").lower() in ("1", "true", "yes"),
+                   help="require client certificates: mutual TLS (env PDD_TLS_CLIENT_AUTH)")
+    g.add_argument("--tls-server-name", default=env("PDD_TLS_SERVER_NAME", ""),
+                   help="name outgoing channels verify instead of the dialled host (env PDD_TLS_SERVER_NAME)")
+
+
+def tls_config(args: argparse.Namespace) -> tls.TlsConfig:
+    return tls.TlsConfig(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca,
+                         require_client_cert=args.tls_client_auth, server_name=args.tls_server_name,
+                         health_port=getattr(args, "health_port", 0))
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
+    # NOTE: the TLS settings become the process's here (every service's __main__ calls this
+    # once): the bootstrap and every outgoing channel (Channels, Membership) read them.
+    tls.install(tls_config(args))
     return ServerConfig(host=args.host, port=args.port, grace_s=args.grace_s,
-                        log_level=args.log_level, log_json=args.log_format == "json")
+                        log_level=args.log_level, log_json=args.log_format == "json",
+                        metrics_port=args.metrics_port, max_message_bytes=args.max_message_mb * 2**20)
 
 
 def add_instance_flags(parser: argparse.ArgumentParser, role: str) -> None:

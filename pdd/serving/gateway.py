@@ -51,7 +51,7 @@ from pdd.instance import Instance
 from pdd.routing.policy import HandoffMode, NoInstanceError, Pipeline, Route, RoutingConfig, route
 from pdd.serving.channels import Channels
 from pdd.server.interceptors import outgoing_metadata
-from pdd.telemetry.metrics import RequestTracker
+from pdd.telemetry.metrics import HANDOFFS, RequestTracker
 
 log = structlog.get_logger(__name__)
 
@@ -278,6 +278,7 @@ class Gateway:
     async def _take_over(self, plan: Route, request_id: str, tokens: list[int], cause: BaseException) -> None:
         """Hand the request to MainDecode ourselves: token IDs are all it needs besides its KV."""
         log.warning("relay_lost_gateway_handoff", at=len(tokens), error=str(cause)[:200])
+        HANDOFFS.labels(plan.handoff_mode.value if plan.handoff_mode else "one-shot", "gateway").inc()
         stub = md_grpc.MainDecodeServiceStub(self.channels.get(plan.main_decode.ref.address))
         request = md_pb.TokenHandoffRequest(request_id=request_id, start_position=0, token_ids=tokens, final=True,
                                             mode=handoff_to_pb(plan.handoff_mode))

@@ -1,4 +1,7 @@
-"""The gateway's gRPC face: GenerateRequest → GenerateJob → Gateway → deltas.
+"""The gateway's faces: gRPC (GenerateRequest → GenerateJob → Gateway → deltas) and,
+when ``http.port`` is set, the OpenAI-compatible HTTP API (``pdd.http``) in the same
+event loop, started once the gRPC server serves and announced with one line
+``PDD_HTTP_LISTENING gateway <host:port>`` on stdout.
 
 The request life is in ``pdd.serving.gateway``; this module only converts.
 """
@@ -13,6 +16,7 @@ import structlog
 from pdd.convert.gateway import ModelInfo, event_to_pb, generate_from_pb, model_info_to_pb
 from pdd.gen.gateway.v1 import gateway_service_pb2 as pb
 from pdd.gen.gateway.v1 import gateway_service_pb2_grpc as pb_grpc
+from pdd.http.openai_api import OpenAIServer
 from pdd.server.bootstrap import ServiceSpec
 from pdd.serving.detokenizer import Detokenizer
 from pdd.serving.gateway import Gateway, TokenEvent
@@ -45,9 +49,19 @@ def build(config: GatewayConfig) -> ServiceSpec:
                       random.Random(config.seed) if config.seed is not None else random.Random(),
                       config.stage_timeout_s)
     servicer = GatewayServicer(gateway, info, decode)
+    http = OpenAIServer(gateway, info, decode, config.http) if config.http.port else None
 
     def register(server: grpc.aio.Server) -> None:
         pb_grpc.add_GatewayServiceServicer_to_server(servicer, server)
 
+    async def serving(port: int) -> None:
+        if http is not None:
+            print(f"PDD_HTTP_LISTENING gateway {await http.start()}", flush=True)
+
+    async def stop() -> None:
+        if http is not None:
+            await http.stop()
+        await gateway.close()
+
     return ServiceSpec("gateway", [pb.DESCRIPTOR.services_by_name["GatewayService"].full_name],
-                       register, stop=gateway.close)
+                       register, stop=stop, serving=serving)

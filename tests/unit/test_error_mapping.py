@@ -42,3 +42,12 @@ def test_unexpected_errors_are_internal():
     assert code == grpc.StatusCode.INTERNAL
     assert "RuntimeError" in message and "boom" in message
     assert not is_domain_error(RuntimeError("boom"))
+
+
+def test_engine_capacity_errors():
+    from pdd.engine.block_pool import PoolExhaustedError
+    from pdd.engine.errors import KvCapacityError
+
+    code, message = status_for(KvCapacityError("r1", 900, 64))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and message.startswith("max_tokens:")
+    assert status_for(PoolExhaustedError(requested=5, free=1))[0] == grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -4,6 +4,7 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 
 import pytest
 
@@ -27,14 +28,58 @@ def _buf() -> str | None:
     return str(local) if local.exists() else shutil.which("buf")
 
 
-def test_buf_lint_standard():
+def _need_buf() -> str:
     buf = _buf()
     if buf is None:
         if os.environ.get("CI"):
             pytest.fail("buf is not installed (make tools installs it from npm)")
         pytest.skip("buf is not installed; `make tools` installs it")
-    out = subprocess.run([buf, "lint"], cwd=ROOT, capture_output=True, text=True)
+    return buf
+
+
+def test_buf_lint_standard():
+    out = subprocess.run([_need_buf(), "lint"], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def _git(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
+
+
+def _breaking_baseline() -> str:
+    """The commit to compare protos/ against: the previous one, else (a shallow or one-commit
+    clone, or a previous commit without buf.yaml) HEAD itself, which still catches uncommitted
+    breaking edits — and a warning says so."""
+    if shutil.which("git") is None or _git("rev-parse", "--git-dir").returncode != 0:
+        pytest.skip("not a git checkout: nothing to compare protos/ against")
+    if _git("cat-file", "-e", "HEAD~1:buf.yaml").returncode == 0:
+        return "HEAD~1"
+    warnings.warn(UserWarning("buf breaking: no previous commit with buf.yaml in this clone (shallow or first "
+                              "commit); comparing protos/ against HEAD instead"))
+    return "HEAD"
+
+
+def test_buf_breaking_against_the_previous_commit():
+    buf = _need_buf()
+    ref = _breaking_baseline()
+    out = subprocess.run([buf, "breaking", "--against", f".git#ref={ref}"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, f"breaking change in protos/ against {ref}:\n{out.stdout}{out.stderr}"
+
+
+def test_buf_breaking_catches_a_removed_field(tmp_path):
+    """The check is live: dropping a field of the gateway's request is reported."""
+    buf = _need_buf()
+    changed = tmp_path / "changed"
+    shutil.copytree(ROOT / "protos", changed / "protos")
+    shutil.copy(ROOT / "buf.yaml", changed / "buf.yaml")
+    proto = changed / "protos" / "pdd" / "gateway" / "v1" / "gateway_service.proto"
+    text = proto.read_text()
+    assert "  bool ignore_eos = 13;\n" in text
+    proto.write_text(text.replace("  bool ignore_eos = 13;\n", ""))
+    out = subprocess.run([buf, "breaking", str(changed), "--against", str(ROOT)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode != 0 and "ignore_eos" in out.stdout + out.stderr, out.stdout + out.stderr
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,30 @@
+"""Configuration of the gateway's OpenAI-compatible HTTP server."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class HttpConfig:
+    host: str = "127.0.0.1"
+    # 0 = no HTTP server.
+    port: int = 0
+    # Bearer keys that /v1/* accepts; empty = no authentication.
+    api_keys: tuple[str, ...] = ()
+    # Largest request body; larger ones get 413 before they are parsed.
+    max_body_bytes: int = 8 * 2**20
+    # The model id clients send and /v1/models lists; "" = the gateway's model spec.
+    served_model_name: str = ""
+    # Seconds in-flight HTTP requests get on shutdown.
+    grace_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"http_port: must be in 0..65535, got {self.port}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes: must be >= 1024, got {self.max_body_bytes}")
+        if any(not k or any(c.isspace() for c in k) for k in self.api_keys):
+            raise ValueError("api_keys: a key must be non-empty and without whitespace")
+        if self.grace_s < 0:
+            raise ValueError(f"grace_s: must be >= 0, got {self.grace_s}")

@@ -1,0 +1,76 @@
+"""The one mapping from errors to HTTP status codes and OpenAI's error JSON.
+
+Library code raises ``pdd.errors`` exceptions; the gRPC face maps them in
+``pdd.server.errors``, the HTTP face here. Errors only HTTP has (a bad key, a
+body that is not JSON, an unknown model or route) are ``ApiError``s, already
+in OpenAI's terms. Every error body is
+``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import grpc
+
+from pdd import errors
+
+INVALID = "invalid_request_error"
+
+
+class ApiError(Exception):
+    """An HTTP-only error, with its status and OpenAI's type/param/code."""
+
+    def __init__(self, status: int, message: str, *, type: str = INVALID, param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+
+# NOTE: FailedPrecondition is 500 here, not 400: in PDD it means the pipeline broke mid-request
+# (a gap in the token stream, a failed fast link), which the client cannot fix by changing the request.
+_DOMAIN: tuple[tuple[type[BaseException], int, str], ...] = (
+    (errors.InvalidArgumentError, 400, INVALID),
+    (errors.NotFoundError, 404, "not_found_error"),
+    (errors.ResourceExhaustedError, 429, "rate_limit_error"),
+    (errors.UnavailableError, 503, "service_unavailable_error"),
+    (errors.FailedPreconditionError, 500, "server_error"),
+    (errors.DeadlineExceededError, 504, "timeout_error"),
+    (asyncio.TimeoutError, 504, "timeout_error"),
+    (ValueError, 400, INVALID),
+)
+
+# A stage service's status (seen through the gateway's calls to it).
+_GRPC: dict[grpc.StatusCode, tuple[int, str]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, INVALID),
+    grpc.StatusCode.OUT_OF_RANGE: (400, INVALID),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
+}
+
+
+def error_body(message: str, type: str = INVALID, param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def http_error_for(exc: BaseException) -> tuple[int, dict[str, Any]]:
+    """The HTTP status and OpenAI error body a client should see for ``exc``."""
+    if isinstance(exc, ApiError):
+        return exc.status, error_body(exc.message, exc.type, exc.param, exc.code)
+    if isinstance(exc, grpc.aio.AioRpcError):
+        status, kind = _GRPC.get(exc.code(), (500, "server_error"))
+        return status, error_body(f"{exc.code().name.lower()}: {exc.details()}", kind)
+    for cls, status, kind in _DOMAIN:
+        if isinstance(exc, cls):
+            param = exc.field if isinstance(exc, errors.InvalidArgumentError) else None
+            return status, error_body(str(exc) or cls.__name__, kind, param)
+    return 500, error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error")
+
+
+def is_expected(exc: BaseException) -> bool:
+    """Whether ``exc`` is an expected error (logged without a traceback)."""
+    return isinstance(exc, (ApiError, grpc.aio.AioRpcError)) or any(isinstance(exc, cls) for cls, _, _ in _DOMAIN)

@@ -1,0 +1,254 @@
+"""The OpenAI-compatible HTTP API, served by the gateway beside its gRPC server.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (each
+streamed as server-sent events ending in ``data: [DONE]``, or whole),
+``GET /v1/models``, ``GET /health`` (liveness), ``GET /ready`` (kvstore lists
+a prefill and a main_decode), ``GET /metrics`` (Prometheus).
+
+Life of a request: the middleware picks the request_id (``X-Request-Id`` or
+a new one) and binds it for logs and for every gRPC hop → API key check for
+``/v1/*`` when keys are configured → the body (at most ``max_body_bytes``,
+else 413) is parsed and converted (``openai_convert``) → the same
+``Gateway.generate`` as gRPC runs it → text deltas (``text_stream``) → JSON.
+A streamed response starts only with its first token, so a request that fails
+before that still gets its proper status code; a failure after it is sent as
+an ``{"error": ...}`` event before ``[DONE]``. Every error, wherever raised,
+is mapped once, by ``pdd.http.errors``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import re
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+import structlog
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+
+from pdd.convert.gateway import ModelInfo
+from pdd.errors import InvalidArgumentError
+from pdd.http import openai_convert as conv
+from pdd.http.config import HttpConfig
+from pdd.http.errors import ApiError, error_body, http_error_for, is_expected
+from pdd.http.text_stream import Delta, End, text_events
+from pdd.serving.gateway import Gateway, new_request_id
+from pdd.telemetry import metrics
+
+log = structlog.get_logger(__name__)
+
+_REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,128}$")
+REQUEST_ID = web.RequestKey("request_id", str)
+_REQUIRED_ROLES = ("prefill", "main_decode")
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
+
+
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def _json(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(body=_dumps(obj), status=status, content_type="application/json")
+
+
+class OpenAIServer:
+    def __init__(self, gateway: Gateway, info: ModelInfo, decode: Callable[[Sequence[int]], str] | None,
+                 config: HttpConfig) -> None:
+        self.gateway, self.info, self.decode, self.config = gateway, info, decode, config
+        self.model = config.served_model_name or info.name
+        self.created = int(time.time())
+        self.app = web.Application(middlewares=[self._middleware], client_max_size=config.max_body_bytes)
+        self.app.add_routes([
+            web.get("/health", self.health), web.get("/ready", self.ready), web.get("/metrics", self.metrics),
+            web.get("/v1/models", self.models), web.get("/v1/models/{model}", self.model_card),
+            web.post("/v1/completions", self.completions), web.post("/v1/chat/completions", self.chat),
+        ])
+        self._runner: web.AppRunner | None = None
+        self.port = 0
+
+    # ---- lifecycle ----------------------------------------------------------------
+    async def start(self) -> str:
+        """Listen (in the running event loop); returns ``host:port``."""
+        # NOTE: handler_cancellation: a client that disconnects cancels its request everywhere.
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
+                                     shutdown_timeout=self.config.grace_s)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.host, self.config.port)
+        await site.start()
+        self.port = self._runner.addresses[0][1]
+        address = f"{self.config.host}:{self.port}"
+        log.info("http_started", address=address, model=self.model, auth=bool(self.config.api_keys))
+        return address
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    # ---- every request --------------------------------------------------------------
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler) -> web.StreamResponse:
+        header = request.headers.get("X-Request-Id", "")
+        rid = header if _REQUEST_ID.match(header) else new_request_id()
+        request[REQUEST_ID] = rid
+        resource = request.match_info.route.resource
+        route = resource.canonical if resource is not None else "unmatched"
+        t0 = time.perf_counter()
+
+        def done(status: int) -> None:
+            metrics.HTTP_REQUESTS.labels(route, str(status)).inc()
+            (log.info if route.startswith("/v1/") else log.debug)(
+                "http_request", method=request.method, path=request.path, status=status,
+                ms=round((time.perf_counter() - t0) * 1000, 2))
+
+        with structlog.contextvars.bound_contextvars(request_id=rid, http_route=route):
+            try:
+                self._authorize(request)
+                resp = await handler(request)
+            except (ConnectionResetError, asyncio.CancelledError):
+                done(499)  # NOTE: nginx's "client closed request"
+                raise
+            except web.HTTPException as exc:  # aiohttp's own: unknown route, wrong method, body too large
+                resp = _json(error_body(exc.text or exc.reason, code=_HTTP_CODES.get(exc.status)), exc.status)
+            except Exception as exc:  # noqa: BLE001 — mapped to a status, never swallowed
+                resp = self._error(exc)
+            if not resp.prepared:
+                resp.headers["x-request-id"] = rid
+            done(resp.status)
+            return resp
+
+    def _error(self, exc: BaseException) -> web.Response:
+        status, body = http_error_for(exc)
+        if is_expected(exc):
+            log.info("http_error", status=status, error=body["error"]["message"])
+        else:
+            log.exception("http_internal_error", status=status)
+        return _json(body, status)
+
+    def _authorize(self, request: web.Request) -> None:
+        if not self.config.api_keys or not request.path.startswith("/v1/"):
+            return
+        scheme, _, key = request.headers.get("Authorization", "").partition(" ")
+        key = key.strip()
+        if scheme.lower() != "bearer" or not key:
+            raise ApiError(401, "No API key provided: send 'Authorization: Bearer <key>'.", code="invalid_api_key")
+        if not any(hmac.compare_digest(key.encode(), k.encode()) for k in self.config.api_keys):
+            raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
+
+    async def _body(self, request: web.Request) -> dict[str, Any]:
+        raw = await request.read()  # NOTE: raises 413 past client_max_size
+        try:
+            body = json.loads(raw)
+        except ValueError as exc:
+            raise ApiError(400, f"The request body is not valid JSON: {exc}", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise InvalidArgumentError("body", "must be a JSON object")
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise InvalidArgumentError("model", "is required: the id of a model from GET /v1/models")
+        if model != self.model:
+            raise ApiError(404, f"The model '{model}' does not exist; this server serves '{self.model}'.",
+                           param="model", code="model_not_found")
+        return body
+
+    # ---- routes -------------------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        return _json({"status": "ok"})
+
+    async def ready(self, request: web.Request) -> web.Response:
+        try:
+            instances = await asyncio.wait_for(self.gateway.instances(), 5.0)
+        except Exception as exc:  # noqa: BLE001 — not ready, and the reason is the answer
+            return _json({"status": "not_ready", "reason": f"kvstore: {type(exc).__name__}: {exc}"}, 503)
+        roles = Counter(i.ref.role.value for i in instances)
+        missing = [r for r in _REQUIRED_ROLES if not roles[r]]
+        return _json({"status": "not_ready" if missing else "ready", "instances": dict(roles), "missing": missing},
+                     503 if missing else 200)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        resp = web.Response(body=generate_latest(REGISTRY))
+        resp.headers["Content-Type"] = CONTENT_TYPE_LATEST
+        return resp
+
+    def _card(self) -> dict[str, Any]:
+        return {"id": self.model, "object": "model", "created": self.created, "owned_by": "pdd",
+                "max_model_len": self.info.max_context_tokens}
+
+    async def models(self, request: web.Request) -> web.Response:
+        return _json({"object": "list", "data": [self._card()]})
+
+    async def model_card(self, request: web.Request) -> web.Response:
+        if request.match_info["model"] != self.model:
+            raise ApiError(404, f"The model '{request.match_info['model']}' does not exist.", code="model_not_found")
+        return _json(self._card())
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, conv.completion_request)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, conv.chat_request)
+
+    # ---- generation -----------------------------------------------------------------
+    async def _generate(self, request: web.Request, convert) -> web.StreamResponse:
+        api = convert(await self._body(request), self.info, request[REQUEST_ID])
+        events = text_events(self.gateway, api.job, self.decode, api.stop)
+        async with contextlib.aclosing(events):
+            if api.stream:
+                return await self._stream(request, api, events)
+            return await self._whole(api, events)
+
+    async def _whole(self, api: conv.ApiRequest, events: AsyncIterator[Delta | End]) -> web.Response:
+        texts: list[str] = []
+        ids: list[int] = []
+        end: End | None = None
+        async for ev in events:
+            if isinstance(ev, Delta):
+                texts.append(ev.text)
+                ids.extend(ev.token_ids)
+            else:
+                end = ev
+        assert end is not None, "the request life always ends with a final event"
+        return _json(conv.response_body(api, "".join(texts), conv.finish_reason(end.finish_reason), ids,
+                                        end.prompt_tokens, end.completion_tokens))
+
+    async def _stream(self, request: web.Request, api: conv.ApiRequest,
+                      events: AsyncIterator[Delta | End]) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={**_SSE_HEADERS, "x-request-id": request[REQUEST_ID]})
+
+        async def send(obj: Any) -> None:
+            await resp.write(b"data: " + (obj if isinstance(obj, bytes) else _dumps(obj)) + b"\n\n")
+
+        try:
+            async for ev in events:
+                if not resp.prepared:
+                    await resp.prepare(request)
+                    if api.kind == conv.CHAT:
+                        await send(conv.chunk_body(api, role=True))
+                if isinstance(ev, Delta):
+                    if ev.text or api.return_token_ids:
+                        await send(conv.chunk_body(api, ev.text, None, ev.token_ids))
+                    continue
+                await send(conv.chunk_body(api, "", conv.finish_reason(ev.finish_reason), ()))
+                if api.include_usage:
+                    await send(conv.usage_chunk(api, ev.prompt_tokens, ev.completion_tokens))
+        except (ConnectionResetError, asyncio.CancelledError):
+            log.info("http_client_gone")
+            raise
+        except Exception as exc:  # noqa: BLE001
+            if not resp.prepared:
+                raise  # NOTE: nothing sent yet: the middleware answers with the proper status code
+            status, body = http_error_for(exc)
+            (log.info if is_expected(exc) else log.exception)("http_stream_error", status=status)
+            await send(body)
+        await send(b"[DONE]")
+        await resp.write_eof()
+        return resp
+
+
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}

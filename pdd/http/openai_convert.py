@@ -1,0 +1,246 @@
+"""OpenAI JSON ↔ PDD: request bodies → ``GenerateJob``, results → response JSON.
+
+A body is type-checked here, turned into the same ``GenerateRequest`` the
+gRPC face receives, and validated by ``pdd.convert.gateway.generate_from_pb``
+— one set of rules for both faces; an ``InvalidArgumentError`` names the
+field (HTTP 400). Supported: ``max_tokens`` (chat: also
+``max_completion_tokens``), ``temperature``, ``top_p``, ``seed``, ``stop``
+(strings), ``n=1``, ``stream`` + ``stream_options.include_usage``; vLLM-style
+extras ``top_k``, ``stop_token_ids``, ``ignore_eos``, ``cache_salt``,
+``session_id``, ``return_token_ids``. Features PDD does not have (logprobs,
+echo, penalties, tools, ...) are refused rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdd.convert.gateway import ModelInfo, generate_from_pb
+from pdd.errors import InvalidArgumentError
+from pdd.gen.gateway.v1 import gateway_service_pb2 as pb
+from pdd.http.chat_template import render_chat
+from pdd.serving.gateway import GenerateJob
+
+COMPLETION, CHAT = "text_completion", "chat.completion"
+_U32, _U64 = 2**32, 2**64
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_STOP_STRINGS = 16
+
+
+@dataclass(frozen=True)
+class ApiRequest:
+    kind: str  # COMPLETION | CHAT
+    model: str
+    job: GenerateJob
+    stream: bool = False
+    include_usage: bool = False
+    stop: tuple[str, ...] = ()
+    return_token_ids: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def id(self) -> str:
+        return ("chatcmpl-" if self.kind == CHAT else "cmpl-") + self.job.request_id
+
+
+# ---- type checks ------------------------------------------------------------------
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _int(body: dict, name: str, lo: int, hi: int, default: int | None = None) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not _is_int(v) or not lo <= v < hi:
+        raise InvalidArgumentError(name, f"must be an integer in [{lo}, {hi - 1}], got {v!r}")
+    return v
+
+
+def _number(body: dict, name: str, default: float) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        raise InvalidArgumentError(name, f"must be a number, got {v!r}")
+    return float(v)
+
+
+def _bool(body: dict, name: str) -> bool:
+    v = body.get(name, False)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise InvalidArgumentError(name, f"must be true or false, got {v!r}")
+    return v
+
+
+def _str(body: dict, name: str) -> str:
+    v = body.get(name, "")
+    if v is None:
+        return ""
+    if not isinstance(v, str):
+        raise InvalidArgumentError(name, f"must be a string, got {v!r}")
+    return v
+
+
+def _token_ids(v: Any, name: str) -> list[int]:
+    if not isinstance(v, list) or not all(_is_int(t) and 0 <= t < _U32 for t in v):
+        raise InvalidArgumentError(name, "must be a list of token ids (integers >= 0)")
+    return v
+
+
+def _stop_strings(body: dict) -> tuple[str, ...]:
+    v = body.get("stop")
+    if v is None:
+        return ()
+    stops = [v] if isinstance(v, str) else v
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise InvalidArgumentError("stop", "must be a non-empty string or a list of them")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise InvalidArgumentError("stop", f"at most {MAX_STOP_STRINGS} stop strings")
+    return tuple(stops)
+
+
+def _refuse_unsupported(body: dict) -> None:
+    n = body.get("n")
+    if n is not None and n != 1:
+        raise InvalidArgumentError("n", "only n=1 is supported")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != 1:
+        raise InvalidArgumentError("best_of", "only best_of=1 is supported")
+    for name in ("echo", "logprobs"):
+        if body.get(name) not in (None, False):
+            raise InvalidArgumentError(name, "is not supported")
+    for name in ("top_logprobs", "suffix", "logit_bias", "tools", "functions"):
+        if body.get(name):
+            raise InvalidArgumentError(name, "is not supported")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if body.get(name) not in (None, 0, 0.0):
+            raise InvalidArgumentError(name, "is not supported (only 0)")
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise InvalidArgumentError("response_format", "only {\"type\": \"text\"} is supported")
+
+
+# ---- requests ---------------------------------------------------------------------
+def _generate_request(body: dict, request_id: str, max_tokens: int) -> pb.GenerateRequest:
+    top_k = _int(body, "top_k", -1, _U32, 0)
+    req = pb.GenerateRequest(
+        max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", 1.0),
+        top_k=max(top_k, 0), stop_token_ids=_token_ids(body.get("stop_token_ids") or [], "stop_token_ids"),
+        ignore_eos=_bool(body, "ignore_eos"), session_id=_str(body, "session_id"),
+        cache_salt=_str(body, "cache_salt"), request_id=request_id)
+    seed = _int(body, "seed", 0, _U64)
+    if seed is not None:
+        req.seed = seed
+    return req
+
+
+def _common(body: Any, kind: str) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise InvalidArgumentError("body", "must be a JSON object")
+    _refuse_unsupported(body)
+    stream = _bool(body, "stream")
+    options = body.get("stream_options")
+    if options is not None and (not stream or not isinstance(options, dict)):
+        raise InvalidArgumentError("stream_options", "is only allowed as an object with stream: true")
+    return dict(kind=kind, model=body.get("model"), stream=stream,
+                include_usage=bool(options and options.get("include_usage")),
+                stop=_stop_strings(body), return_token_ids=_bool(body, "return_token_ids"))
+
+
+def completion_request(body: Any, info: ModelInfo, request_id: str) -> ApiRequest:
+    """``POST /v1/completions``: ``prompt`` is text or token ids (a batch of one is unwrapped)."""
+    common = _common(body, COMPLETION)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if prompt == [] or prompt == "":
+        raise InvalidArgumentError("prompt", "must not be empty")
+    if isinstance(prompt, list) and all(isinstance(p, (str, list)) for p in prompt):
+        raise InvalidArgumentError("prompt", "batches of prompts are not supported; send one request per prompt")
+    req = _generate_request(body, request_id, _int(body, "max_tokens", 0, _U32, DEFAULT_COMPLETION_MAX_TOKENS))
+    if isinstance(prompt, str):
+        req.prompt = prompt
+    elif isinstance(prompt, list):
+        req.prompt_token_ids.token_ids.extend(_token_ids(prompt, "prompt"))
+    elif prompt is not None:
+        raise InvalidArgumentError("prompt", "must be a string or a list of token ids")
+    return ApiRequest(job=generate_from_pb(req, info), **common)
+
+
+def chat_request(body: Any, info: ModelInfo, request_id: str) -> ApiRequest:
+    """``POST /v1/chat/completions``: ``messages`` through the model's chat template."""
+    common = _common(body, CHAT)
+    text = render_chat(info.chat_template, body.get("messages"))
+    if info.encode is None:
+        raise InvalidArgumentError("messages", f"model {info.name} has no tokenizer")
+    ids = info.encode(text)
+    limit = _int(body, "max_completion_tokens", 0, _U32)
+    limit = _int(body, "max_tokens", 0, _U32, limit)
+    if limit is None:  # NOTE: OpenAI's default for chat: up to the end of the context
+        limit = max(1, info.max_context_tokens - len(ids))
+    req = _generate_request(body, request_id, limit)
+    req.prompt_token_ids.token_ids.extend(ids)
+    return ApiRequest(job=generate_from_pb(req, info), **common)
+
+
+# ---- responses --------------------------------------------------------------------
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _envelope(r: ApiRequest, chunk: bool) -> dict[str, Any]:
+    obj = r.kind + (".chunk" if chunk and r.kind == CHAT else "")
+    return {"id": r.id, "object": obj, "created": r.created, "model": r.model}
+
+
+def _choice(r: ApiRequest, text: str, finish: str | None, token_ids: Sequence[int] | None,
+            chunk: bool, role: bool = False) -> dict[str, Any]:
+    if r.kind == CHAT:
+        body: dict[str, Any] = {"index": 0}
+        if chunk:
+            delta: dict[str, Any] = {"role": "assistant"} if role else {}
+            if text or role:
+                delta["content"] = text
+            body["delta"] = delta
+        else:
+            body["message"] = {"role": "assistant", "content": text}
+    else:
+        body = {"index": 0, "text": text}
+    body["logprobs"] = None
+    body["finish_reason"] = finish
+    if r.return_token_ids and token_ids is not None:
+        body["token_ids"] = list(token_ids)
+    return body
+
+
+def response_body(r: ApiRequest, text: str, finish: str, token_ids: Sequence[int],
+                  prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    """The whole (non-streamed) response."""
+    return {**_envelope(r, False), "choices": [_choice(r, text, finish, token_ids, False)],
+            "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def chunk_body(r: ApiRequest, text: str = "", finish: str | None = None, token_ids: Sequence[int] | None = None,
+               *, role: bool = False) -> dict[str, Any]:
+    """One streamed chunk; ``role`` marks chat's first chunk (OpenAI sends the role once)."""
+    out = {**_envelope(r, True), "choices": [_choice(r, text, finish, token_ids, True, role)]}
+    if r.include_usage:
+        out["usage"] = None
+    return out
+
+
+def usage_chunk(r: ApiRequest, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    """The last chunk when ``stream_options.include_usage``: no choices, the usage."""
+    return {**_envelope(r, True), "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def finish_reason(reason: str | None) -> str:
+    """OpenAI's finish_reason for the engine's (stop: EOS/stop token/stop string; length)."""
+    return reason if reason in ("stop", "length") else "stop"

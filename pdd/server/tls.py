@@ -1,0 +1,105 @@
+"""TLS (and optional mutual TLS) for every gRPC hop between PDD services.
+
+Life: a service's ``__main__`` parses ``--tls-cert/--tls-key/--tls-ca/--tls-client-auth``
+(env ``PDD_TLS_*``, see ``pdd.server.flags``) into a ``TlsConfig`` and installs it as the
+process's → the bootstrap listens with ``server_credentials()`` → every outgoing channel
+(``pdd.serving.channels.Channels``, ``pdd.serving.membership``) is opened by ``open_channel``
+with ``channel_credentials()``, presenting the service's own certificate when the peer asks
+for one (mutual TLS). Naming no file leaves everything plaintext (tests, ``pdd up``).
+
+The WAN emulator is a TCP proxy: TLS passes through it end to end, so the name a client
+verifies is the one it dialled (e.g. ``wan-link``) — the certificate's SANs must cover it,
+or ``server_name`` overrides the verified name (``grpc.ssl_target_name_override``), e.g.
+when peers advertise pod IPs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+
+@dataclass(frozen=True)
+class TlsConfig:
+    # PEM paths; "" = not given. cert + key: this process's identity (server, and client for mTLS).
+    cert: str = ""
+    key: str = ""
+    # PEM CA bundle that peers' certificates must chain to; "" = the system roots (clients only).
+    ca: str = ""
+    # Servers refuse clients that present no certificate signed by ``ca`` (mutual TLS).
+    require_client_cert: bool = False
+    # Outgoing channels verify this name instead of the dialled host; "" = the dialled host.
+    server_name: str = ""
+    # NOTE: kubelet's native gRPC probes cannot speak TLS; when > 0 a second, plaintext
+    # listener on this port serves grpc.health.v1 only (no other service, no data).
+    health_port: int = 0
+
+    def __post_init__(self) -> None:
+        if bool(self.cert) != bool(self.key):
+            raise ValueError("tls: --tls-cert and --tls-key go together (got only one of them)")
+        if self.require_client_cert and not (self.cert and self.ca):
+            raise ValueError("tls_client_auth: needs --tls-cert, --tls-key and --tls-ca (the CA clients must chain to)")
+        if self.server_name and not self.enabled:
+            raise ValueError("tls_server_name: only meaningful with TLS on (--tls-ca or --tls-cert)")
+        if not 0 <= self.health_port <= 65535:
+            raise ValueError(f"health_port: must be in 0..65535, got {self.health_port}")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.cert or self.ca)
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        if not self.cert:
+            raise ValueError("tls: a server needs --tls-cert and --tls-key (only --tls-ca was given)")
+        return grpc.ssl_server_credentials([(_read(self.key, "key"), _read(self.cert, "cert"))],
+                                           root_certificates=_read(self.ca, "ca") if self.ca else None,
+                                           require_client_auth=self.require_client_cert)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(root_certificates=_read(self.ca, "ca") if self.ca else None,
+                                            private_key=_read(self.key, "key") if self.key else None,
+                                            certificate_chain=_read(self.cert, "cert") if self.cert else None)
+
+    def channel_options(self) -> list[tuple[str, str]]:
+        return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
+
+
+def _read(path: str, what: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise ValueError(f"tls_{what}: cannot read {path}: {exc.strerror}") from exc
+
+
+_installed = TlsConfig()
+
+
+def install(config: TlsConfig) -> None:
+    """Make ``config`` the process's TLS settings (called once, from a service's flags)."""
+    global _installed
+    _installed = config
+
+
+def installed() -> TlsConfig:
+    """The process's TLS settings; plaintext unless ``install`` was called."""
+    return _installed
+
+
+def open_channel(address: str, config: TlsConfig | None = None,
+                 options: Sequence[tuple[str, object]] = ()) -> grpc.aio.Channel:
+    """An asyncio channel to ``address``: TLS when ``config`` (default: the installed one) is on."""
+    config = installed() if config is None else config
+    if not config.enabled:
+        return grpc.aio.insecure_channel(address, options=list(options))
+    return grpc.aio.secure_channel(address, config.channel_credentials(),
+                                   options=[*options, *config.channel_options()])
+
+
+def add_port(server: grpc.aio.Server, address: str, config: TlsConfig) -> int:
+    """Bind ``address`` on ``server`` (TLS when ``config`` is on); the bound port, 0 if none."""
+    if config.enabled:
+        return server.add_secure_port(address, config.server_credentials())
+    return server.add_insecure_port(address)

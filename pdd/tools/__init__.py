@@ -1,0 +1,1 @@
+"""Operator tools run as ``python -m pdd.tools.<name>`` (no torch, no server dependencies)."""

@@ -1,0 +1,202 @@
+"""The OpenAI-compatible API with the official ``openai`` client, against the whole stack.
+
+The model is the real SmolLM2-135M-Instruct (GGUF; its tokenizer and chat
+template), every service its own process. The reference is a single
+in-process engine on the same model, greedy, with the prompt built by
+``transformers``' own ``apply_chat_template`` — so the text the client gets
+must equal the detokenized reference exactly, streamed or not.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import uuid
+
+import aiohttp
+import grpc
+import openai
+import pytest
+
+from pdd.engine.engine import Engine
+from pdd.engine.config import EngineConfig
+from pdd.engine.sampling import SamplingParams
+from pdd.gen.gateway.v1 import gateway_service_pb2 as g_pb
+from pdd.gen.gateway.v1 import gateway_service_pb2_grpc as g_grpc
+from pdd.launcher import free_port
+from pdd.serving.model_spec import load_model
+from pdd.stack import Stack, StackConfig
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2"
+KEY = "sk-pdd-test"
+MAX_BODY_KB = 256
+QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+
+
+@pytest.fixture(scope="module")
+def stack(redis_url, tmp_path_factory):
+    config = StackConfig(model=MODEL, redis_url=redis_url, gateway_port=0, http_port=free_port(),
+                         engine_flags=("--kv-cache-mb", "96", "--threads", "1", "--lease-ttl-ms", "6000"),
+                         gateway_flags=("--seed", "0", "--api-key", KEY, "--http-max-body-kb", str(MAX_BODY_KB)),
+                         log_dir=tmp_path_factory.mktemp("openai") / "logs", key_prefix=f"oai{uuid.uuid4().hex[:8]}")
+    s = Stack(config).start()
+    yield s
+    codes = s.stop()
+    assert all(code == 0 for code in codes.values()), f"unclean exits: {codes}"
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """(greedy tokens of a prompt, detokenize, chat prompt ids) on one in-process engine."""
+    from transformers import AutoTokenizer
+
+    from pdd.engine.gguf_checkpoint import smollm2_gguf_path
+
+    path = smollm2_gguf_path()
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    engine = Engine(load_model(MODEL), EngineConfig(block_size=16, kv_cache_bytes=96 * 2**20))
+
+    class Ref:
+        @functools.lru_cache(maxsize=None)  # noqa: B019 — one Ref per module; tests share results
+        def _greedy(self, ids: tuple[int, ...], n: int) -> tuple[int, ...]:
+            return tuple(engine.generate([list(ids)], SamplingParams(max_tokens=n))[0])
+
+        def greedy(self, ids: list[int], n: int) -> list[int]:
+            return list(self._greedy(tuple(ids), n))
+
+        def text(self, ids: list[int]) -> str:
+            return tok.decode(ids, skip_special_tokens=True)
+
+        def encode(self, text: str) -> list[int]:
+            return tok.encode(text, add_special_tokens=False)
+
+        def chat_ids(self, messages) -> list[int]:
+            return list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                return_dict=False))
+
+    return Ref()
+
+
+@pytest.fixture
+def client(stack):
+    return openai.OpenAI(base_url=f"http://{stack.http_address}/v1", api_key=KEY, max_retries=0, timeout=300)
+
+
+def test_completion_whole_and_streamed_equal_the_reference(client, reference):
+    prompt = "The three primary colors are"
+    ref = reference.greedy(reference.encode(prompt), 12)
+    want = reference.text(ref)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+    assert r.choices[0].text == want
+    assert r.choices[0].finish_reason == ("stop" if len(ref) < 12 else "length")
+    assert r.usage.prompt_tokens == len(reference.encode(prompt)) and r.usage.completion_tokens == len(ref)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == r.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == len(ref)
+
+
+def test_completion_from_token_ids(client, reference):
+    ids = reference.encode("Once upon a time")
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0)
+    assert r.choices[0].text == reference.text(reference.greedy(ids, 8))
+
+
+def test_chat_whole_and_streamed_use_the_models_chat_template(client, reference):
+    ids = reference.chat_ids(QUESTION)
+    ref = reference.greedy(ids, 24)
+    want = reference.text(ref)
+    r = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=24, temperature=0)
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == want
+    assert "Paris" in want  # the real model knows it: the template really reached it
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(ref)
+
+    stream = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=24, temperature=0,
+                                            stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
+    assert chunks[-1].choices[0].finish_reason == r.choices[0].finish_reason
+    assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("chatcmpl-")
+
+
+def test_stop_string_ends_the_text_before_it(client, reference):
+    prompt = "The three primary colors are"
+    want = reference.text(reference.greedy(reference.encode(prompt), 12))
+    stop = want.strip().split()[1]  # a word in the middle of the reference text
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop=[stop])
+    assert r.choices[0].text == want[:want.index(stop)]
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_seeded_sampling_is_reproducible(client):
+    kw = dict(model=MODEL, prompt="My favourite animal is", max_tokens=10, temperature=0.9, seed=7)
+    assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
+
+
+async def test_models_health_ready(stack, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    async with aiohttp.ClientSession(f"http://{stack.http_address}") as s:
+        async with s.get("/health") as r:
+            assert r.status == 200 and await r.json() == {"status": "ok"}
+        async with s.get("/ready") as r:
+            assert r.status == 200 and (await r.json())["missing"] == []
+
+
+async def test_wrong_or_missing_key_is_401(stack):
+    bad = openai.OpenAI(base_url=f"http://{stack.http_address}/v1", api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as err:
+        bad.completions.create(model=MODEL, prompt="hi", max_tokens=1)
+    assert err.value.status_code == 401 and err.value.code == "invalid_api_key"
+    async with aiohttp.ClientSession(f"http://{stack.http_address}") as s:
+        async with s.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1}) as r:
+            assert r.status == 401 and (await r.json())["error"]["code"] == "invalid_api_key"
+
+
+def test_unknown_model_is_404_and_bad_fields_are_400(client):
+    with pytest.raises(openai.NotFoundError) as err:
+        client.completions.create(model="gpt-4o", prompt="hi", max_tokens=1)
+    assert err.value.code == "model_not_found" and err.value.param == "model"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=1, n=2)
+    assert err.value.param == "n"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "wizard", "content": "x"}], max_tokens=1)
+    assert err.value.param == "messages[0].role"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=9000)
+    assert err.value.param == "max_tokens" and err.value.type == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    ("raw", "status", "param", "code"),
+    [
+        (b'{"model": "smollm2", "prompt": ', 400, None, "invalid_json"),
+        (json.dumps({"prompt": "hi", "max_tokens": 1}).encode(), 400, "model", None),
+        (json.dumps({"model": MODEL, "prompt": "x" * (MAX_BODY_KB * 1024)}).encode(), 413, None,
+         "request_too_large"),
+    ],
+)
+async def test_malformed_bodies_get_openai_errors(stack, raw, status, param, code):
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"http://{stack.http_address}/v1/completions", data=raw,
+                          headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}) as r:
+            assert r.status == status
+            err = (await r.json())["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param and err["code"] == code
+
+
+async def test_grpc_requests_are_size_limited_too(stack):
+    request = g_pb.GenerateRequest(prompt="x" * (5 * 2**20), max_tokens=1)  # gateway gRPC limit: 4 MiB
+    async with grpc.aio.insecure_channel(stack.gateway.address) as ch:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in g_grpc.GatewayServiceStub(ch).Generate(request, timeout=30):
+                pass
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED

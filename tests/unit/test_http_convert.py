@@ -1,0 +1,168 @@
+"""OpenAI JSON → GenerateJob (with the gRPC face's validation) and results → OpenAI JSON."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from pdd.convert.gateway import ModelInfo
+from pdd.errors import InvalidArgumentError
+from pdd.http import openai_convert as conv
+from pdd.http.chat_template import render_chat
+
+TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def encode(text: str) -> list[int]:
+    return [ord(c) for c in text]  # one token per character: lengths are easy to reason about
+
+
+INFO = ModelInfo(name="m", vocab_size=1000, max_context_tokens=200, eos_token_ids=(2,), chat_template=TEMPLATE,
+                 encode=encode)
+NO_TOKENIZER = ModelInfo(name="tiny", vocab_size=300, max_context_tokens=64)
+
+
+def completion(**body):
+    return conv.completion_request({"model": "m", **body}, INFO, "rid-1")
+
+
+def test_text_prompt_becomes_a_job_with_openai_defaults():
+    r = completion(prompt="hi there")
+    assert r.kind == conv.COMPLETION and r.model == "m" and not r.stream
+    assert r.job.request_id == "rid-1" and r.id == "cmpl-rid-1"
+    assert r.job.prompt_token_ids == tuple(encode("hi there"))
+    assert r.job.sampling.max_tokens == 16  # OpenAI's default for completions
+    assert r.job.sampling.temperature == 1.0 and r.job.sampling.top_p == 1.0
+    assert r.job.sampling.seed is None
+
+
+def test_token_prompt_and_sampling_fields():
+    r = completion(prompt=[5, 6, 7], max_tokens=9, temperature=0, top_p=0.5, seed=42, stop=["\n"],
+                   stop_token_ids=[3], ignore_eos=True, top_k=-1, cache_salt="t1",
+                   stream=True, stream_options={"include_usage": True})
+    s = r.job.sampling
+    assert r.job.prompt_token_ids == (5, 6, 7) and r.job.cache_salt == "t1"
+    assert (s.max_tokens, s.temperature, s.top_p, s.seed, s.stop_token_ids, s.ignore_eos, s.top_k) == \
+        (9, 0.0, 0.5, 42, (3,), True, 0)
+    assert r.stream and r.include_usage and r.stop == ("\n",)
+
+
+def test_a_batch_of_one_prompt_is_unwrapped():
+    assert completion(prompt=["ab"]).job.prompt_token_ids == tuple(encode("ab"))
+    assert completion(prompt=[[4, 5]]).job.prompt_token_ids == (4, 5)
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        (dict(), "prompt"),
+        (dict(prompt=""), "prompt"),
+        (dict(prompt=[]), "prompt"),
+        (dict(prompt=["a", "b"]), "prompt"),
+        (dict(prompt=[1, -2]), "prompt"),
+        (dict(prompt=[1, 5000]), "prompt_token_ids[1]"),
+        (dict(prompt=[1] * 200), "prompt_token_ids"),
+        (dict(prompt="x", max_tokens=0), "max_tokens"),
+        (dict(prompt="x", max_tokens=-1), "max_tokens"),
+        (dict(prompt="x", max_tokens=True), "max_tokens"),
+        (dict(prompt="x", max_tokens=500), "max_tokens"),
+        (dict(prompt="x", temperature="hot"), "temperature"),
+        (dict(prompt="x", temperature=-0.5), "temperature"),
+        (dict(prompt="x", temperature=math.nan), "temperature"),
+        (dict(prompt="x", top_p=1.5), "top_p"),
+        (dict(prompt="x", seed=-1), "seed"),
+        (dict(prompt="x", n=2), "n"),
+        (dict(prompt="x", stop=[""]), "stop"),
+        (dict(prompt="x", stop=7), "stop"),
+        (dict(prompt="x", echo=True), "echo"),
+        (dict(prompt="x", logprobs=2), "logprobs"),
+        (dict(prompt="x", presence_penalty=0.5), "presence_penalty"),
+        (dict(prompt="x", stream_options={"include_usage": True}), "stream_options"),
+        (dict(prompt="x", stream="yes"), "stream"),
+        (dict(prompt="x", cache_salt="has space"), "cache_salt"),
+    ],
+)
+def test_bad_fields_are_invalid_arguments_naming_the_field(body, field):
+    with pytest.raises(InvalidArgumentError) as err:
+        completion(**body)
+    assert err.value.field == field
+
+
+def test_text_prompt_needs_a_tokenizer():
+    with pytest.raises(InvalidArgumentError) as err:
+        conv.completion_request({"model": "tiny", "prompt": "hello"}, NO_TOKENIZER, "r")
+    assert err.value.field == "prompt"
+    job = conv.completion_request({"model": "tiny", "prompt": [1, 2]}, NO_TOKENIZER, "r").job
+    assert job.prompt_token_ids == (1, 2)
+
+
+def test_chat_renders_the_template_with_the_generation_prompt():
+    msgs = [{"role": "system", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "you"}]}]
+    assert render_chat(TEMPLATE, msgs) == "<system>be brief</s><user>hi you</s><assistant>"
+    r = conv.chat_request({"model": "m", "messages": msgs, "max_completion_tokens": 5}, INFO, "c1")
+    assert r.kind == conv.CHAT and r.id == "chatcmpl-c1"
+    assert r.job.prompt_token_ids == tuple(encode("<system>be brief</s><user>hi you</s><assistant>"))
+    assert r.job.sampling.max_tokens == 5
+
+
+def test_chat_without_max_tokens_may_use_the_rest_of_the_context():
+    r = conv.chat_request({"model": "m", "messages": [{"role": "user", "content": "hi"}]}, INFO, "c2")
+    assert r.job.sampling.max_tokens == INFO.max_context_tokens - len(r.job.prompt_token_ids)
+
+
+@pytest.mark.parametrize(
+    ("messages", "field"),
+    [
+        (None, "messages"),
+        ([], "messages"),
+        (["hi"], "messages[0]"),
+        ([{"role": "wizard", "content": "x"}], "messages[0].role"),
+        ([{"role": "user", "content": 5}], "messages[0].content"),
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "messages[0].content[0]"),
+    ],
+)
+def test_bad_messages_name_the_field(messages, field):
+    with pytest.raises(InvalidArgumentError) as err:
+        conv.chat_request({"model": "m", "messages": messages}, INFO, "c")
+    assert err.value.field == field
+
+
+def test_chat_needs_a_template_and_template_errors_are_bad_requests():
+    with pytest.raises(InvalidArgumentError, match="no chat template"):
+        conv.chat_request({"model": "tiny", "messages": [{"role": "user", "content": "x"}]}, NO_TOKENIZER, "c")
+    strict = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('first must be user') }}{% endif %}"
+    with pytest.raises(InvalidArgumentError, match="first must be user"):
+        render_chat(strict, [{"role": "assistant", "content": "x"}])
+
+
+def test_response_shapes_match_openai():
+    r = completion(prompt="x", return_token_ids=True)
+    body = conv.response_body(r, "hello", "length", [1, 2], 3, 2)
+    assert body["object"] == "text_completion" and body["id"] == "cmpl-rid-1" and body["model"] == "m"
+    assert body["choices"] == [{"index": 0, "text": "hello", "logprobs": None, "finish_reason": "length",
+                                "token_ids": [1, 2]}]
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+
+    c = conv.chat_request({"model": "m", "messages": [{"role": "user", "content": "q"}], "stream": True,
+                           "stream_options": {"include_usage": True}}, INFO, "c3")
+    first = conv.chunk_body(c, role=True)
+    assert first["object"] == "chat.completion.chunk"
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""} and first["usage"] is None
+    assert conv.chunk_body(c, "4")["choices"][0]["delta"] == {"content": "4"}
+    last = conv.chunk_body(c, "", "stop", ())
+    assert last["choices"][0]["delta"] == {} and last["choices"][0]["finish_reason"] == "stop"
+    assert "token_ids" not in last["choices"][0]
+    tail = conv.usage_chunk(c, 7, 1)
+    assert tail["choices"] == [] and tail["usage"]["total_tokens"] == 8
+    whole = conv.response_body(conv.chat_request({"model": "m", "messages": [{"role": "user", "content": "q"}]},
+                                                 INFO, "c4"), "4", "stop", [9], 7, 1)
+    assert whole["object"] == "chat.completion"
+    assert whole["choices"][0]["message"] == {"role": "assistant", "content": "4"}
+
+
+def test_finish_reasons_are_openai_ones():
+    assert conv.finish_reason("length") == "length"
+    assert conv.finish_reason("stop") == conv.finish_reason(None) == "stop"
