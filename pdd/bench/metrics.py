@@ -8,9 +8,15 @@ duration. PDD adds: pipeline counts, the RLD token share Σrld / Σ(rld + md), W
 KV bytes, and the handoff gap (ITL at the RLD→MD handoff) ``{p50, p99}``. Errors
 count in ``requests`` and ``errors`` but in no latency figure.
 
-RESULT keys, exactly: mode, requests, errors, duration_s, ttft_ms, tpot_ms,
-itl_ms, e2el_ms, goodput_rps, slo, rld_token_share, pipelines, wan_bytes,
-handoff_gap_ms, link, outputs. A summary of no values is all ``None``.
+TTFDT (``ttfdt_ms``) is the time to the first token a decode stage produced
+(``RequestResult.ttfdt_ms``): prefill streams output 0 at once, so TTFT proper
+measures prefill alone, while TTFDT includes the KV's trip to the decoder — the
+report's TTFT. ``cpu`` is what ``cpu.CpuMeter`` measured (empty when unmeasured).
+
+RESULT keys, exactly: mode, requests, errors, duration_s, ttft_ms, ttfdt_ms,
+tpot_ms, itl_ms, e2el_ms, goodput_rps, slo, rld_token_share, pipelines,
+wan_bytes, handoff_gap_ms, link, outputs, cpu. A summary of no values is all
+``None``.
 """
 
 from __future__ import annotations
@@ -23,10 +29,10 @@ import numpy as np
 
 from pdd.bench.record import RequestResult
 
-SLO_METRICS = ("ttft_ms", "tpot_ms", "e2el_ms")
-RESULT_KEYS = ("mode", "requests", "errors", "duration_s", "ttft_ms", "tpot_ms", "itl_ms", "e2el_ms",
+SLO_METRICS = ("ttft_ms", "ttfdt_ms", "tpot_ms", "e2el_ms")
+RESULT_KEYS = ("mode", "requests", "errors", "duration_s", "ttft_ms", "ttfdt_ms", "tpot_ms", "itl_ms", "e2el_ms",
                "goodput_rps", "slo", "rld_token_share", "pipelines", "wan_bytes", "handoff_gap_ms", "link",
-               "outputs")
+               "outputs", "cpu")
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -66,12 +72,12 @@ def parse_slo(spec: str | Mapping[str, float] | None) -> dict[str, float]:
 
 
 def meets_slo(r: RequestResult, slo: Mapping[str, float]) -> bool:
-    """A failed request never meets; a single-token request has no TPOT and meets any TPOT bound."""
+    """A failed request never meets; a single-token request has no TPOT (nor TTFDT) and meets any bound on it."""
     if not r.ok:
         return False
     for key, limit in slo.items():
         value = getattr(r, key)
-        if key == "tpot_ms" and value is None:
+        if key in ("tpot_ms", "ttfdt_ms") and value is None:
             continue
         if value is None or value > limit:
             return False
@@ -106,7 +112,8 @@ def handoff_gap_ms(records: Sequence[RequestResult]) -> dict[str, float | None]:
 
 
 def build_result(mode: str, records: Sequence[RequestResult], duration_s: float,
-                 slo: str | Mapping[str, float] | None = None, link: Mapping | None = None) -> dict:
+                 slo: str | Mapping[str, float] | None = None, link: Mapping | None = None,
+                 cpu: Mapping | None = None) -> dict:
     """Everything one run measured, as one JSON-ready dict (keys: ``RESULT_KEYS``)."""
     slo_map = parse_slo(slo)
     ok = [r for r in records if r.ok]
@@ -116,6 +123,7 @@ def build_result(mode: str, records: Sequence[RequestResult], duration_s: float,
         "errors": len(records) - len(ok),
         "duration_s": float(duration_s),
         "ttft_ms": summarize(r.ttft_ms for r in ok),
+        "ttfdt_ms": summarize(r.ttfdt_ms for r in ok),
         "tpot_ms": summarize(r.tpot_ms for r in ok),
         "itl_ms": summarize(x for r in ok for x in r.itl_ms),
         "e2el_ms": summarize(r.e2el_ms for r in ok),
@@ -127,6 +135,7 @@ def build_result(mode: str, records: Sequence[RequestResult], duration_s: float,
         "handoff_gap_ms": handoff_gap_ms(records),
         "link": dict(link or {}),
         "outputs": {r.request_id: list(r.output_token_ids) for r in ok},
+        "cpu": dict(cpu or {}),
     }
     # NOTE: the key set is a contract with report.py and users (tests pin it to RESULT_KEYS).
     return result

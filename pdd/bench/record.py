@@ -2,8 +2,11 @@
 
 Times are milliseconds. ``token_times_ms`` are arrival times of each output token
 relative to the moment the request was sent (tokens delivered in one message
-share a time); ``token_stages`` says which service produced each ("relay",
-"main_decode", ...). ``itl_ms`` holds the gaps between consecutive messages that
+share a time); ``token_stages`` says which service produced each ("prefill",
+"relay", "main_decode"). ``ttfdt_ms`` is the time to the first token a *decode*
+stage produced (output position 1: prefill streams position 0 at once): what
+the report calls TTFT, since its deployments show the user no token before
+decoding starts, i.e. before the KV has crossed the link. ``itl_ms`` holds the gaps between consecutive messages that
 carried tokens, as vLLM's ``bench serve`` counts them.
 """
 
@@ -13,6 +16,9 @@ import json
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+
+
+DECODE_STAGES = ("relay", "main_decode")
 
 
 @dataclass
@@ -52,6 +58,14 @@ class RequestResult:
     @property
     def ok(self) -> bool:
         return self.error_code is None
+
+    @property
+    def ttfdt_ms(self) -> float | None:
+        """Time to the first decode-stage (relay or main_decode) token; None if there was none."""
+        for t, stage in zip(self.token_times_ms, self.token_stages):
+            if stage in DECODE_STAGES:
+                return t
+        return None
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -1,20 +1,22 @@
 """Side-by-side comparison of benchmark RESULTs, as text, Markdown and plots.
 
-``compare`` prints one column per mode (TTFT P50/P90/P99, TPOT P50, goodput,
-RLD token share, WAN bytes, handoff gap P99, errors), then the subject mode's
-(PDD's) P90 TTFT as a ratio of every other mode's (CDC-PD, IDC-PD), then how
-many requests produced identical output tokens in every mode (greedy outputs
-must match across pipelines). ``write_report`` adds ``report.md`` and two PNGs
-(matplotlib, Agg): the TTFT CDF per mode (from per-request records when given,
-else the P50/P90/P99 points alone) and the timeline of one P-RLD-MD request —
-its tokens over time coloured by stage, with the handoff gap marked.
+``compare`` prints one column per mode (TTFT and TTFDT P50/P90/P99, TPOT and
+ITL P50, goodput, RLD token share, WAN bytes, handoff gap, CPU, errors), then
+the subject mode's (PDD's) P90 TTFT and TTFDT as ratios of every other mode's
+(CDC-PD, IDC-PD), then how many requests produced identical output tokens in
+every mode (greedy outputs must match across pipelines). ``write_report`` adds
+``report.md`` and two PNGs (matplotlib, Agg): the TTFT and TTFDT CDFs per mode
+(from per-request records when given, else the P50/P90/P99 points alone) and
+the timeline of one P-RLD-MD request — its tokens over time coloured by stage,
+with the handoff gap marked. TTFDT (first decode-stage token) is defined in
+``metrics``.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +24,9 @@ import numpy as np
 from pdd.bench.metrics import read_result
 from pdd.bench.record import RequestResult, read_records, records_path
 
-STAGE_COLORS = {"relay": "tab:orange", "main_decode": "tab:blue"}
+STAGE_COLORS = {"prefill": "tab:green", "relay": "tab:orange", "main_decode": "tab:blue"}
+CDF_METRICS = (("ttft_ms", "TTFT: first token (prefill's)"),
+               ("ttfdt_ms", "TTFDT: first decode-stage token"))
 
 
 def _num(v: float | None, unit: str = "") -> str:
@@ -46,23 +50,38 @@ def rows(results: Sequence[Mapping]) -> list[tuple[str, list[str]]]:
     def pct(v: float | None) -> str:
         return "-" if v is None else f"{100 * v:.1f}%"
 
+    def q(key: str, p: str) -> Callable[[Mapping], str]:
+        return lambda r: _num((r.get(key) or {}).get(p))
+
+    def cpu(r: Mapping) -> str:
+        c = r.get("cpu") or {}
+        return "-" if c.get("machine_busy") is None else f"{100 * c['machine_busy']:.0f}% of {c['cores']}"
+
     spec = [
         ("requests", lambda r: str(r["requests"])),
-        ("TTFT P50 (ms)", lambda r: _num(r["ttft_ms"]["p50"])),
-        ("TTFT P90 (ms)", lambda r: _num(r["ttft_ms"]["p90"])),
-        ("TTFT P99 (ms)", lambda r: _num(r["ttft_ms"]["p99"])),
-        ("TPOT P50 (ms)", lambda r: _num(r["tpot_ms"]["p50"])),
+        ("TTFT P50 (ms)", q("ttft_ms", "p50")),
+        ("TTFT P90 (ms)", q("ttft_ms", "p90")),
+        ("TTFT P99 (ms)", q("ttft_ms", "p99")),
+        ("TTFDT P50 (ms)", q("ttfdt_ms", "p50")),
+        ("TTFDT P90 (ms)", q("ttfdt_ms", "p90")),
+        ("TTFDT P99 (ms)", q("ttfdt_ms", "p99")),
+        ("TPOT P50 (ms)", q("tpot_ms", "p50")),
+        ("ITL P50 (ms)", q("itl_ms", "p50")),
         ("goodput (req/s)", lambda r: "-" if r["goodput_rps"] is None else f"{r['goodput_rps']:.3f}"),
         ("RLD token share", lambda r: pct(r["rld_token_share"])),
+        ("P-RLD-MD requests", lambda r: str(r["pipelines"].get("p-rld-md", 0))),
         ("WAN bytes", lambda r: _bytes(r["wan_bytes"])),
-        ("handoff gap P99 (ms)", lambda r: _num(r["handoff_gap_ms"]["p99"])),
+        ("handoff gap P50 (ms)", q("handoff_gap_ms", "p50")),
+        ("handoff gap P99 (ms)", q("handoff_gap_ms", "p99")),
+        ("CPU busy", cpu),
         ("errors", lambda r: str(r["errors"])),
     ]
     return [(label, [f(r) for r in results]) for label, f in spec]
 
 
-def ttft_ratios(results: Sequence[Mapping], subject: str = "pdd") -> list[tuple[str, str, float | None]]:
-    """(subject, other, subject's P90 TTFT ÷ other's) for every other mode."""
+def ttft_ratios(results: Sequence[Mapping], subject: str = "pdd",
+                key: str = "ttft_ms") -> list[tuple[str, str, float | None]]:
+    """(subject, other, subject's P90 of ``key`` ÷ other's) for every other mode."""
     subj = next((r for r in results if r["mode"].lower() == subject.lower()), None)
     if subj is None:
         return []
@@ -70,7 +89,7 @@ def ttft_ratios(results: Sequence[Mapping], subject: str = "pdd") -> list[tuple[
     for r in results:
         if r is subj:
             continue
-        a, b = subj["ttft_ms"]["p90"], r["ttft_ms"]["p90"]
+        a, b = (subj.get(key) or {}).get("p90"), (r.get(key) or {}).get("p90")
         out.append((subj["mode"], r["mode"], a / b if a is not None and b else None))
     return out
 
@@ -90,8 +109,9 @@ def compare(results: Sequence[Mapping], subject: str = "pdd") -> str:
     widths = [max(len(cells[i]) for _, cells in table) for i in range(len(results))]
     lines = ["  ".join([label.ljust(w0)] + [c.rjust(w) for c, w in zip(cells, widths)]) for label, cells in table]
     lines.insert(1, "-" * len(lines[0]))
-    for a, b, ratio in ttft_ratios(results, subject):
-        lines.append(f"{a} P90 TTFT ÷ {b}: " + ("-" if ratio is None else f"{ratio:.2f}"))
+    for key, name in (("ttft_ms", "TTFT"), ("ttfdt_ms", "TTFDT")):
+        for a, b, ratio in ttft_ratios(results, subject, key):
+            lines.append(f"{a} P90 {name} ÷ {b}: " + ("-" if ratio is None else f"{ratio:.2f}"))
     same, total = output_agreement(results)
     if total:
         lines.append(f"identical outputs across modes: {same}/{total} requests")
@@ -112,27 +132,30 @@ def pick_timeline(records: Sequence[RequestResult]) -> RequestResult | None:
 
 def plot_ttft_cdf(results: Sequence[Mapping], path: Path,
                   records: Mapping[str, Sequence[RequestResult]] | None = None) -> None:
+    """Two panels: the TTFT CDF and the TTFDT CDF, one line per mode."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in results:
-        recs = (records or {}).get(r["mode"])
-        ttfts = np.sort([x.ttft_ms for x in recs or () if x.ok and x.ttft_ms is not None])
-        if len(ttfts):
-            frac = np.arange(0, len(ttfts) + 1) / len(ttfts)
-            ax.step(np.r_[ttfts[0], ttfts], frac, where="post", label=r["mode"])
-        else:
-            pts = [(r["ttft_ms"][k], q) for k, q in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))
-                   if r["ttft_ms"][k] is not None]
+    fig, axes = plt.subplots(1, len(CDF_METRICS), figsize=(12, 4.5), sharey=True)
+    for ax, (key, title) in zip(axes, CDF_METRICS):
+        for r in results:
+            recs = (records or {}).get(r["mode"])
+            values = np.sort([v for v in (getattr(x, key) for x in recs or () if x.ok) if v is not None])
+            if len(values):
+                frac = np.arange(0, len(values) + 1) / len(values)
+                ax.step(np.r_[values[0], values], frac, where="post", label=r["mode"])
+                continue
+            summary = r.get(key) or {}
+            pts = [(summary[k], p) for k, p in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))
+                   if summary.get(k) is not None]
             if pts:
                 ax.plot(*zip(*pts), "o--", label=f"{r['mode']} (P50/P90/P99 only)")
-    ax.set_xlabel("TTFT (ms)")
-    ax.set_ylabel("fraction of requests")
-    ax.set_title("TTFT CDF per mode")
-    ax.grid(alpha=0.3)
-    ax.legend()
+        ax.set_xlabel("ms since the request was sent")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right")
+    axes[0].set_ylabel("fraction of requests")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -166,11 +189,13 @@ def plot_timeline(rec: RequestResult, path: Path) -> None:
 
 
 def write_report(results: Sequence[Mapping], folder: str | Path, timeline: RequestResult | None = None,
-                 records: Mapping[str, Sequence[RequestResult]] | None = None, subject: str = "pdd") -> Path:
+                 records: Mapping[str, Sequence[RequestResult]] | None = None, subject: str = "pdd",
+                 sections: Sequence[str] = ()) -> Path:
     """``report.md`` + ``ttft_cdf.png`` (+ ``timeline.png`` for a request that handed off); returns report.md.
 
     ``records`` maps a mode to its per-request records (for the real CDF); without
-    ``timeline`` one is picked from the subject mode's records.
+    ``timeline`` one is picked from the subject mode's records. ``sections`` are
+    Markdown blocks put after the table (the demo's targets, scale, CPU).
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -179,8 +204,9 @@ def write_report(results: Sequence[Mapping], folder: str | Path, timeline: Reque
         subj = next((m for m in records if m.lower() == subject.lower()), None)
         timeline = pick_timeline(records[subj]) if subj else None
     lines = ["# PDD benchmark report", "", _markdown_table(results), ""]
-    for a, b, ratio in ttft_ratios(results, subject):
-        lines.append(f"- {a} P90 TTFT ÷ {b}: " + ("-" if ratio is None else f"**{ratio:.2f}**"))
+    for key, name in (("ttft_ms", "TTFT"), ("ttfdt_ms", "TTFDT")):
+        for a, b, ratio in ttft_ratios(results, subject, key):
+            lines.append(f"- {a} P90 {name} ÷ {b}: " + ("-" if ratio is None else f"**{ratio:.2f}**"))
     same, total = output_agreement(results)
     if total:
         lines.append(f"- identical outputs across modes: {same}/{total} requests")
@@ -188,7 +214,9 @@ def write_report(results: Sequence[Mapping], folder: str | Path, timeline: Reque
         slo = ", ".join(f"{k} ≤ {v:g}" for k, v in r["slo"].items()) or "none"
         link = ", ".join(f"{k}={v}" for k, v in r["link"].items()) or "not recorded"
         lines.append(f"- {r['mode']}: {r['duration_s']:.1f} s, SLO {slo}; link {link}; pipelines {r['pipelines']}")
-    lines += ["", "## TTFT CDF", "", "![TTFT CDF](ttft_cdf.png)", ""]
+    for block in sections:
+        lines += ["", block.rstrip()]
+    lines += ["", "## TTFT and TTFDT CDF", "", "![TTFT CDF](ttft_cdf.png)", ""]
     if timeline is not None:
         plot_timeline(timeline, folder / "timeline.png")
         lines += ["## One P-RLD-MD request", "", "![timeline](timeline.png)", ""]

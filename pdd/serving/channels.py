@@ -22,10 +22,19 @@ class Channels:
         # NOTE: default: the process's TLS settings, installed from the service's flags.
         self.tls = installed() if tls is None else tls
 
-    def get(self, address: str) -> grpc.aio.Channel:
-        ch = self._channels.get(address)
+    def get(self, address: str, lane: str = "") -> grpc.aio.Channel:
+        """The channel to ``address``; a named ``lane`` gets a TCP connection of its own.
+
+        NOTE: HTTP/2 multiplexes calls on one connection, so a small, urgent KV delta queues
+        behind megabytes of bulk KV already in the socket; a separate connection gets its own
+        fair share of the (emulated or real) link instead.
+        """
+        key = f"{address}#{lane}"
+        ch = self._channels.get(key)
         if ch is None:
-            ch = self._channels[address] = open_channel(address, self.tls, _OPTIONS)
+            options = _OPTIONS if not lane else [*_OPTIONS, ("grpc.use_local_subchannel_pool", 1),
+                                                 ("pdd.lane", lane)]
+            ch = self._channels[key] = open_channel(address, self.tls, options)
         return ch
 
     async def close(self) -> None:

@@ -242,11 +242,14 @@ class Prefill:
     async def _push_wan(self, job: PrefillJob, link: _Link, first: asyncio.Future):
         header = link.header
         address = job.main_decode.address
-        pool = self._pools.get(address)
+        # NOTE: P-MD deltas are small and on the user's critical path (MainDecode decodes every
+        # token); P-RLD-MD deltas are bulk that the relay hides. Separate lanes, separate pools.
+        lane = "urgent" if job.pipeline is Pipeline.P_MD else "bulk"
+        pool = self._pools.get(f"{address}#{lane}")
         if pool is None:
-            pool = self._pools[address] = StreamPool(self.config.wan_streams)
+            pool = self._pools[f"{address}#{lane}"] = StreamPool(self.config.wan_streams)
             metrics.LIVE.watch_pool(pool)
-        stub = md_grpc.MainDecodeServiceStub(self.channels.get(address))
+        stub = md_grpc.MainDecodeServiceStub(self.channels.get(address, lane))
         pusher = KvPusher.for_stub(stub, config=PusherConfig(), pool=pool, metadata=outgoing_metadata())
         report = await pusher.push(header, link.source, output_token_ids=first)
         metrics.WAN_BYTES.labels("sent").inc(report.wire_bytes)

@@ -60,7 +60,7 @@ class RelayConfig:
     # How long a request that finished here waits for MainDecode to hold the KV.
     finished_handoff_timeout_s: float = 600.0
     # Catch-up stops once MainDecode is at most this many tokens behind.
-    catch_up_gap: int = 2
+    catch_up_gap: int = 8
     max_catch_up_rounds: int = 8
 
     def __post_init__(self) -> None:

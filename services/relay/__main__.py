@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> None:
     add_engine_flags(parser)
     parser.add_argument("--fast-link", default=env("PDD_FAST_LINK", "auto"),
                         help="transports offered: auto | comma list of rdma,shm,tcp (env PDD_FAST_LINK)")
-    parser.add_argument("--catch-up-gap", type=int, default=int(env("PDD_CATCH_UP_GAP", "2")))
+    parser.add_argument("--catch-up-gap", type=int, default=int(env("PDD_CATCH_UP_GAP", "8")))
     args = parser.parse_args(argv)
     server = server_config(args)
     configure_logging("relay", level=server.log_level, json=server.log_json)

@@ -96,3 +96,21 @@ def test_records_round_trip(tmp_path):
     write_records(RECORDS, path)
     back = read_records(path)
     assert back == RECORDS and not back[-1].ok
+
+
+def test_ttfdt_is_the_first_decode_stage_token():
+    # Prefill's token at 100 ms; the relay's first at 130 ms; main_decode later.
+    r = RequestResult(request_id="x", ttft_ms=100.0, token_times_ms=[100.0, 130.0, 150.0, 400.0],
+                      token_stages=["prefill", "relay", "relay", "main_decode"], output_token_ids=[1, 2, 3, 4])
+    assert r.ttfdt_ms == 130.0
+    # P-MD over a slow link: the first main_decode token waits for the KV.
+    md = RequestResult(request_id="y", ttft_ms=90.0, token_times_ms=[90.0, 900.0],
+                       token_stages=["prefill", "main_decode"], output_token_ids=[1, 2])
+    assert md.ttfdt_ms == 900.0
+    one = RequestResult(request_id="z", ttft_ms=80.0, token_times_ms=[80.0], token_stages=["prefill"],
+                        output_token_ids=[1])
+    assert one.ttfdt_ms is None
+    result = build_result("pdd", [r, md, one], 1.0, slo="ttfdt_ms:500")
+    assert result["ttfdt_ms"]["p50"] == pytest.approx(515.0)  # of 130 and 900; the single token has none
+    # 130 ≤ 500 meets; 900 misses; a single-token request has no TTFDT and meets the bound.
+    assert result["goodput_rps"] == pytest.approx(2.0)
