@@ -37,6 +37,11 @@ class AttentionMetadata:
     prefill_pad_index: torch.Tensor | None = None  # [Bp * Tq] prefill row of each padded query
     prefill_valid_index: torch.Tensor | None = None  # [Np] padded position of each prefill row
     prefill_causal_only: bool = False  # one chunk, nothing cached before it
+    # Where the gathers land, set with the block tables. NOTE: reused by every layer of the
+    # step (each layer's gather is consumed before the next one's): a fresh multi-MB tensor
+    # per layer page-faults, which cost as much as the copy itself (measured ~2x on the gather).
+    decode_gather_buffer: torch.Tensor | None = None  # [Bd * MB, bs, 2, KV, D]
+    prefill_gather_buffer: torch.Tensor | None = None  # [Bp * MBp, bs, 2, KV, D]
 
 
 def paged_attention(q: torch.Tensor, kv: torch.Tensor, cache: KvCache, layer: int,
@@ -51,18 +56,19 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, cache: KvCache, layer: in
     return torch.cat([_decode(q[:nd], cache, layer, meta), _prefill(q[nd:], kv[nd:], cache, layer, meta)])
 
 
-def _gather(blocks: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``blocks [NB+1, bs, 2, KV, D]`` by ``table [B, MB]`` → K, V views ``[B, KV, MB * bs, D]``."""
+def _gather(blocks: torch.Tensor, table: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``blocks [NB+1, bs, 2, KV, D]`` by ``table [B, MB]`` into ``out`` → K, V views ``[B, KV, MB * bs, D]``."""
     b, mb = table.shape
     _, bs, _, kv, d = blocks.shape
-    out = blocks.index_select(0, table.reshape(-1)).view(b, mb * bs, 2, kv, d)  # [B, L, 2, KV, D]
+    torch.index_select(blocks, 0, table.reshape(-1), out=out)  # [B * MB, bs, 2, KV, D]
+    out = out.view(b, mb * bs, 2, kv, d)  # [B, L, 2, KV, D]
     return out[:, :, 0].transpose(1, 2), out[:, :, 1].transpose(1, 2)  # [B, KV, L, D] each
 
 
 def _decode(q: torch.Tensor, cache: KvCache, layer: int, meta: AttentionMetadata) -> torch.Tensor:
     b, h, d = q.shape
     kv = cache.num_kv_heads
-    keys, values = _gather(cache.layer(layer), meta.decode_block_tables)  # [B, KV, L, D]
+    keys, values = _gather(cache.layer(layer), meta.decode_block_tables, meta.decode_gather_buffer)  # [B, KV, L, D]
     qg = q.view(b, kv, h // kv, d)  # [B, KV, G, D]: a group's heads share one K/V head
     out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=meta.decode_mask)
     return out.reshape(b, h, d)  # [B, H, D]
@@ -82,7 +88,7 @@ def _prefill(q: torch.Tensor, kv: torch.Tensor, cache: KvCache, layer: int,
     if meta.prefill_pad_index is not None:
         q = q.index_select(0, meta.prefill_pad_index)  # [Bp * Tq, H, D]
     qp = q.reshape(bp, tq, h, d).transpose(1, 2)  # [Bp, H, Tq, D]
-    keys, values = _gather(cache.layer(layer), meta.prefill_block_tables)  # [Bp, KV, L, D]
+    keys, values = _gather(cache.layer(layer), meta.prefill_block_tables, meta.prefill_gather_buffer)  # [Bp, KV, L, D]
     out = F.scaled_dot_product_attention(qp, keys, values, attn_mask=mask, enable_gqa=True)
     out = out.transpose(1, 2).reshape(bp * tq, h, d)  # [Bp * Tq, H, D]
     if meta.prefill_valid_index is not None:

@@ -21,6 +21,8 @@ class EngineConfig:
     dtype: str | None = None  # compute and KV dtype; None → the checkpoint's (float32 for GGUF)
     device: str = "cpu"  # "cpu", "cuda", "cuda:N" or "auto" (CUDA when available)
     enable_prefix_caching: bool = True
+    # CPU float32: also keep every weight oneDNN-prepacked (2x weight memory; faster batched decode)
+    prepack_weights: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:

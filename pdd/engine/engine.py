@@ -69,6 +69,8 @@ class Engine:
             raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} holds no block of {config.block_size} tokens")
         self.block_size, self.num_blocks = config.block_size, num_blocks
         self.model = build_model(ckpt, self.dtype, self.device)
+        if config.prepack_weights:
+            self.model.pack_weights()
         self.kv = KvCache(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim,
                           self.dtype, self.device)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, on_cache_event)

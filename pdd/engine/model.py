@@ -4,12 +4,8 @@ Tokens arrive flattened: ``input_ids [N]`` and ``positions [N]`` for every
 sequence of a step, with an ``AttentionMetadata`` saying where each sequence's
 K/V lives. q/k/v and gate/up are fused into one matmul each (loaded from the
 Hugging Face tensors by ``load_hf_weights``); logits are computed only for the
-rows that are sampled.
-
-NOTE: every projection stores its weight transposed (``[in, out]``) and runs
-``torch.mm``: on CPU, MKL's GEMM is 1.3-2.5x faster that way than ``F.linear``'s
-``x @ W.T`` for decode-sized batches (and for 2K-token prefill). A tied LM head
-therefore keeps its own transposed copy of the embedding.
+rows that are sampled. Every projection is a ``linear.Linear`` (weight stored
+transposed; oneDNN-prepacked too after ``pack_weights``).
 """
 
 from __future__ import annotations
@@ -20,22 +16,9 @@ from torch import nn
 
 from pdd.engine.attention import AttentionMetadata, paged_attention
 from pdd.engine.kv_cache import KvCache
+from pdd.engine.linear import Linear
 from pdd.engine.model_config import ModelConfig
 from pdd.engine.rope import apply_rotary
-
-
-class Linear(nn.Module):
-    """``x @ W.T + b`` with ``W.T`` stored contiguous as ``weight_t [in, out]``; ``x`` is 2-D."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool):
-        super().__init__()
-        self.weight_t = nn.Parameter(torch.empty(in_features, out_features))
-        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.bias is None:
-            return torch.mm(x, self.weight_t)
-        return torch.addmm(self.bias, x, self.weight_t)
 
 
 class RMSNorm(nn.Module):
@@ -65,9 +48,10 @@ class Attention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         n, h, kv = x.shape[0], self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(n, h + 2 * kv, self.head_dim)  # [N, H + 2KV, D]
-        qk = apply_rotary(qkv[:, :h + kv], cos, sin)  # [N, H + KV, D]: q and k rotated together
-        new_kv = torch.cat([qk[:, h:], qkv[:, h + kv:]], dim=1).view(n, 2, kv, self.head_dim)  # [N, 2, KV, D]
-        out = paged_attention(qk[:, :h], new_kv, cache, self.layer, meta)  # [N, H, D]
+        qk = qkv[:, :h + kv]  # [N, H + KV, D]: q and k, rotated together and in place
+        apply_rotary(qk, cos, sin, out=qk)
+        new_kv = qkv[:, h:].view(n, 2, kv, self.head_dim)  # [N, 2, KV, D]: a view, no copy
+        out = paged_attention(qkv[:, :h], new_kv, cache, self.layer, meta)  # [N, H, D]
         return self.o_proj(out.reshape(n, self.q_size))
 
 
@@ -106,13 +90,22 @@ class LlamaModel(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def forward(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KvCache,
-                meta: AttentionMetadata, logit_rows: torch.Tensor) -> torch.Tensor:
-        """``input_ids [N]``, ``cos/sin [N, 1, D]`` → logits ``[len(logit_rows), V]`` (float32)."""
+                meta: AttentionMetadata, logit_rows: torch.Tensor | None) -> torch.Tensor:
+        """``input_ids [N]``, ``cos/sin [N, 1, D]`` (``RotaryTable.lookup``) → logits ``[S, V]`` (float32).
+
+        ``logit_rows [S]``: the rows to turn into logits; None for every row.
+        """
         x = self.embed_tokens(input_ids)  # [N, hidden]
         for layer in self.layers:
             x = layer(x, cos, sin, cache, meta)
-        x = self.norm(x.index_select(0, logit_rows))  # [S, hidden]
+        if logit_rows is not None:
+            x = x.index_select(0, logit_rows)  # [S, hidden]
+        x = self.norm(x)
         return self.lm_head(x).float()
+
+    def pack_weights(self) -> bool:
+        """Prepack every projection for oneDNN (CPU float32; see ``linear``); False if unsupported."""
+        return all([m.pack() for m in self.modules() if isinstance(m, Linear)])
 
     @torch.no_grad()
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:

@@ -25,6 +25,7 @@ class ModelRunner:
         self.model, self.cache, self.blocks, self.rope, self.device = model, cache, blocks, rope, device
         self.block_size = blocks.block_size
         self.num_forwards = 0
+        self._workspace = torch.empty(0, dtype=cache.dtype, device=device)  # backs the gather buffers
 
     @torch.inference_mode()
     def run(self, batch: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor]:
@@ -50,13 +51,28 @@ class ModelRunner:
             self._decode_meta(meta, [s for s, _ in decode])
         if prefill:
             self._prefill_meta(meta, prefill)
+        self._gather_buffers(meta)
         cos, sin = self.rope.lookup(self._tensor(positions))
-        logits = self.model(self._tensor(ids), cos, sin, self.cache, meta, self._tensor(rows))
+        every_row = len(rows) == len(ids)  # a pure decode step samples every row
+        logits = self.model(self._tensor(ids), cos, sin, self.cache, meta, None if every_row else self._tensor(rows))
         self.num_forwards += 1
         return sampled, logits
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
+
+    def _gather_buffers(self, meta: AttentionMetadata) -> None:
+        """Carve this step's decode and prefill gather buffers out of one reused workspace."""
+        tables = [meta.decode_block_tables, meta.prefill_block_tables]
+        counts = [0 if t is None else t.numel() for t in tables]
+        block_shape = self.cache.layer(0).shape[1:]  # [bs, 2, KV, D]
+        block_numel = block_shape.numel()
+        need = sum(counts) * block_numel
+        if not need <= self._workspace.numel() <= 8 * need:  # grow, or give back a past peak
+            self._workspace = torch.empty(need, dtype=self.cache.dtype, device=self.device)
+        views = self._workspace[:need].split([c * block_numel for c in counts])
+        decode, prefill = (v.view(c, *block_shape) if c else None for v, c in zip(views, counts))
+        meta.decode_gather_buffer, meta.prefill_gather_buffer = decode, prefill
 
     def _tables(self, seqs: list[Sequence], context: list[int]) -> tuple[torch.Tensor, int]:
         """Block tables padded to the longest context → ``[B, MB]`` and ``MB * block_size``."""

@@ -36,22 +36,33 @@ def inv_frequencies(config: ModelConfig) -> torch.Tensor:
 
 
 class RotaryTable:
-    """cos/sin for every position below ``max_positions``, looked up per token."""
+    """cos/sin for every position below ``max_positions``, looked up per token.
+
+    NOTE: ``sin`` is stored with its first half negated, so that ``apply_rotary``
+    needs no negation: ``rotate_half(x) * sin == swap_halves(x) * signed_sin``,
+    bit for bit (a sign flip is exact).
+    """
 
     def __init__(self, config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device):
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = positions[:, None] * inv_frequencies(config)[None, :]  # [P, D/2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [P, D]
         self.cos = emb.cos().to(dtype=dtype, device=device)
-        self.sin = emb.sin().to(dtype=dtype, device=device)
+        self.signed_sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1).to(dtype=dtype, device=device)  # [P, D]
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``positions [N]`` → ``cos, sin [N, 1, D]`` (broadcast over heads)."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        """``positions [N]`` → ``cos, signed_sin [N, 1, D]`` (broadcast over heads)."""
+        return self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x [N, H, D]`` rotated by per-token ``cos``/``sin [N, 1, D]``."""
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [N, H, D]`` rotated by per-token ``cos``/``signed_sin [N, 1, D]`` (into ``out`` if given).
+
+    ``out`` may be ``x`` itself: both inputs of the last op are fresh tensors.
+    NOTE: mul then add, not ``addcmul``: its fused multiply-add rounds differently
+    from transformers, and this path is bit-identical to it.
+    """
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # rotate_half
-    return x * cos + rotated * sin
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)  # [N, H, D]: rotate_half without the sign
+    return torch.add(x * cos, swapped.mul_(signed_sin), out=out)

@@ -54,7 +54,7 @@ class Scheduler:
                 i += 1
                 continue
             start, n = self._chunk(seq, budget)
-            if self._reserve(seq, start + n, newer=self.running[i + 1:]):
+            if self._reserve(seq, start + n, index=i):
                 seq.num_computed = start
                 batch.append((seq, n))
                 budget -= n
@@ -95,9 +95,14 @@ class Scheduler:
             return seq.num_computed - 1, 1
         return seq.num_computed, min(seq.num_pending, budget)
 
-    def _reserve(self, seq: Sequence, num_tokens: int, newer: list[Sequence]) -> bool:
-        """Blocks for ``num_tokens`` tokens of ``seq``, preempting newest-first; False if ``seq`` went."""
-        victims = [s for s in newer if not s.paused]
+    def _reserve(self, seq: Sequence, num_tokens: int, index: int) -> bool:
+        """Blocks for ``num_tokens`` tokens of ``seq`` (``running[index]``), preempting newest-first.
+
+        False if ``seq`` itself was preempted.
+        """
+        if self._try_ensure(seq, num_tokens):
+            return True  # NOTE: the common case, kept O(1): no victim list per sequence per step
+        victims = [s for s in self.running[index + 1:] if not s.paused]
         while not self._try_ensure(seq, num_tokens):
             if not victims:
                 self.preempt(seq)
