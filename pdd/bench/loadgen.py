@@ -39,7 +39,8 @@ from pdd.gen.common.v1 import common_pb2
 from pdd.gen.gateway.v1 import gateway_service_pb2 as pb
 from pdd.gen.gateway.v1 import gateway_service_pb2_grpc as pb_grpc
 
-PIPELINES = {"p-md": common_pb2.PIPELINE_P_MD, "p-rld-md": common_pb2.PIPELINE_P_RLD_MD}
+PIPELINES = {"p-md": common_pb2.PIPELINE_P_MD, "p-rld-md": common_pb2.PIPELINE_P_RLD_MD,
+             "md": common_pb2.PIPELINE_MD}
 HANDOFFS = {"one-shot": common_pb2.HANDOFF_MODE_ONE_SHOT, "catch-up": common_pb2.HANDOFF_MODE_CATCH_UP}
 
 

@@ -52,6 +52,10 @@ class Testbed:
     wan_delay_ms: float = 1.0
     wan_jitter_ms: float = 0.5
     hit_threshold: float = 0.95
+    # PDD's router lets MainDecode prefill a predicted uncached suffix of at most this many tokens itself
+    # (pipeline MD): on this testbed computing 256 tokens costs MainDecode ~1-2 batched steps, while their
+    # KV (1 MB) takes ~0.4 s of the 20 Mbps WAN plus prefill's queue. 0 = the design's P-MD for every hit.
+    local_prefill_tokens: int = 256
     relay_busy_requests: int = 4
     router_seed: int = 0
     # The relay stops catching up once MainDecode is at most this many tokens behind
@@ -66,6 +70,8 @@ class Testbed:
         for name in ("block_size", "kv_cache_mb", "threads", "relay_busy_requests"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.local_prefill_tokens < 0:
+            raise ValueError(f"local_prefill_tokens: must be >= 0, got {self.local_prefill_tokens}")
         if self.catch_up_gap < 0:
             raise ValueError(f"catch_up_gap: must be >= 0, got {self.catch_up_gap}")
         if self.wan_mbps <= 0:
@@ -106,7 +112,7 @@ def stack_config(mode: str, testbed: Testbed, *, log_dir: Path, redis_url: str =
     engine = ("--block-size", str(testbed.block_size), "--kv-cache-mb", str(testbed.kv_cache_mb),
               "--threads", str(testbed.threads))
     gateway = ("--hit-threshold", str(testbed.hit_threshold),
-               "--relay-busy-requests", str(testbed.relay_busy_requests), "--seed", str(testbed.router_seed))
+               "--local-prefill-tokens", str(testbed.local_prefill_tokens), "--relay-busy-requests", str(testbed.relay_busy_requests), "--seed", str(testbed.router_seed))
     return StackConfig(model=testbed.model, redis_url=redis_url, gateway_port=gateway_port, prefill=1,
                        relay=relays(mode), main_decode=1, wan=link(mode, testbed), engine_flags=engine,
                        gateway_flags=gateway, log_dir=log_dir, key_prefix=key_prefix)

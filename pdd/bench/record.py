@@ -36,7 +36,7 @@ class RequestResult:
     itl_ms: list[float] = field(default_factory=list)
     tpot_ms: float | None = None
     e2el_ms: float | None = None
-    # "p-md" | "p-rld-md" | "" (unknown, e.g. on error)
+    # "p-md" | "p-rld-md" | "md" | "" (unknown, e.g. on error)
     pipeline: str = ""
     handoff_mode: str = ""
     handoff_at_token: int = 0

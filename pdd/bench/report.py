@@ -70,6 +70,7 @@ def rows(results: Sequence[Mapping]) -> list[tuple[str, list[str]]]:
         ("goodput (req/s)", lambda r: "-" if r["goodput_rps"] is None else f"{r['goodput_rps']:.3f}"),
         ("RLD token share", lambda r: pct(r["rld_token_share"])),
         ("P-RLD-MD requests", lambda r: str(r["pipelines"].get("p-rld-md", 0))),
+        ("MD-only requests (local prefill)", lambda r: str(r["pipelines"].get("md", 0))),
         ("WAN bytes", lambda r: _bytes(r["wan_bytes"])),
         ("handoff gap P50 (ms)", q("handoff_gap_ms", "p50")),
         ("handoff gap P99 (ms)", q("handoff_gap_ms", "p99")),

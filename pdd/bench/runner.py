@@ -82,7 +82,7 @@ async def warm_up(target: str, mode: str, trace: Sequence[TraceRequest], timeout
     if not trace:
         return
     prompt = list(reversed(trace[0].prompt_token_ids[:WARM_UP_TOKENS]))
-    for pipeline in (("p-rld-md", "p-md") if mode == "pdd" else ("p-md",)):
+    for pipeline in (("p-rld-md", "p-md", "md") if mode == "pdd" else ("p-md",)):
         req = TraceRequest(request_id=f"warm-up-{pipeline}-{time.time_ns():x}", session_id="warm-up",
                            timestamp_ms=0.0, prompt_token_ids=prompt, max_tokens=16, expected_hit=0.0)
         cfg = LoadConfig(target=target, force_pipeline=pipeline, cache_salt=f"warm-up-{time.time_ns():x}",
@@ -168,6 +168,8 @@ def add_testbed_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--wan-delay-ms", type=float, default=d.wan_delay_ms)
     g.add_argument("--wan-jitter-ms", type=float, default=d.wan_jitter_ms)
     g.add_argument("--hit-threshold", type=float, default=d.hit_threshold)
+    g.add_argument("--local-prefill-tokens", type=int, default=d.local_prefill_tokens,
+                   help="pdd: MainDecode prefills a predicted uncached suffix this short itself (0 = off)")
     g.add_argument("--relay-busy-requests", type=int, default=d.relay_busy_requests,
                    help="relay load at which handoffs become one-shot")
     g.add_argument("--catch-up-gap", type=int, default=d.catch_up_gap,

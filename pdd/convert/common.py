@@ -72,7 +72,8 @@ def sampling_from_pb(msg: common_pb2.SamplingParams, field: str = "sampling") ->
 
 # --- enums ----------------------------------------------------------------
 
-_PIPELINE = {Pipeline.P_MD: common_pb2.PIPELINE_P_MD, Pipeline.P_RLD_MD: common_pb2.PIPELINE_P_RLD_MD}
+_PIPELINE = {Pipeline.P_MD: common_pb2.PIPELINE_P_MD, Pipeline.P_RLD_MD: common_pb2.PIPELINE_P_RLD_MD,
+             Pipeline.MD: common_pb2.PIPELINE_MD}
 _HANDOFF = {HandoffMode.ONE_SHOT: common_pb2.HANDOFF_MODE_ONE_SHOT,
             HandoffMode.CATCH_UP: common_pb2.HANDOFF_MODE_CATCH_UP}
 _FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,

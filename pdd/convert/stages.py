@@ -34,13 +34,15 @@ def _common(msg, vocab: int) -> tuple[str, tuple[int, ...]]:
 def _pipeline(value: int) -> Pipeline:
     pipeline = pipeline_from_pb(value, "pipeline")
     if pipeline is None:
-        raise InvalidArgumentError("pipeline", "must be P_MD or P_RLD_MD")
+        raise InvalidArgumentError("pipeline", "must be P_MD, P_RLD_MD or MD")
     return pipeline
 
 
 def prefill_job_from_pb(msg: p_pb.PrefillRequest, vocab: int) -> p.PrefillJob:
     rid, prompt = _common(msg, vocab)
     pipeline = _pipeline(msg.pipeline)
+    if pipeline is Pipeline.MD:
+        raise InvalidArgumentError("pipeline", "MD requests are prefilled by MainDecode, not by a prefill instance")
     relay = instance_ref_from_pb(msg.relay, "relay") if msg.HasField("relay") else None
     if not msg.HasField("main_decode"):
         raise InvalidArgumentError("main_decode", "is required")

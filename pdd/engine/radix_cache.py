@@ -211,6 +211,15 @@ class RadixCache:
         """Every cached block's hash, parents before children (for re-publishing to an index)."""
         return [h for node in self._nodes() for h in node.hashes]
 
+    def snapshot_events(self) -> list[CacheEvent]:
+        """The whole cache as "stored" events, one per node, parents before children.
+
+        Each is the event ``insert`` would emit for that node now (hashes chained from its
+        parent's, salt included), so an index rebuilt from them answers as the live one
+        did (an instance re-publishes them when kvstore dropped its index).
+        """
+        return [self._event("stored", node, node.tokens) for node in self._nodes()]
+
     def check_integrity(self) -> None:
         """Raise ``RuntimeError`` naming the first broken invariant (see module docstring)."""
         bs, seen, evictable = self.block_size, set(), 0
@@ -313,9 +322,10 @@ class RadixCache:
 
     def _emit(self, kind: str, node: _Node, token_ids: tuple[int, ...] = ()) -> None:
         if self._on_event is not None:
-            event = CacheEvent(kind, tuple(node.hashes), node.parent.last_hash, node.salt,
-                               self.block_size, token_ids)
-            self._on_event(event)
+            self._on_event(self._event(kind, node, token_ids))
+
+    def _event(self, kind: str, node: _Node, token_ids: tuple[int, ...] = ()) -> CacheEvent:
+        return CacheEvent(kind, tuple(node.hashes), node.parent.last_hash, node.salt, self.block_size, token_ids)
 
     def _check_handle(self, handle: object) -> _Node:
         if not isinstance(handle, _Node) or not handle.alive:

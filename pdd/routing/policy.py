@@ -9,8 +9,11 @@ Life of a decision (DESIGN.md §3), Filter → Scorer → Picker per role:
   2. score: prefix affinity (predicted cached tokens) minus a load penalty
      (prefill, main_decode), or plain load (relay — it holds no prefix);
   3. pick: the best score, ties broken by the seeded generator;
-  then the pipeline: MainDecode's predicted hit ≥ θ → P-MD, else P-RLD-MD
-  (when a relay exists); the handoff mode: a busy relay → one-shot (cheap for
+  then the pipeline: if the chosen MainDecode lacks at most
+  ``local_prefill_tokens`` of the prompt → MD (it prefills that short suffix
+  itself: no prefill stage, no KV on the WAN — conditional disaggregation);
+  else MainDecode's predicted hit ≥ θ → P-MD, else P-RLD-MD (when a relay
+  exists); the handoff mode: a busy relay → one-shot (cheap for
   the relay), an idle one → catch-up (the user's stream never stalls).
 Overrides (``force_pipeline``, ``handoff_mode``) win over the policy.
 """
@@ -28,6 +31,7 @@ from pdd.instance import Instance, Role
 class Pipeline(enum.Enum):
     P_MD = "p-md"
     P_RLD_MD = "p-rld-md"
+    MD = "md"
 
 
 class HandoffMode(enum.Enum):
@@ -39,6 +43,8 @@ class HandoffMode(enum.Enum):
 class RoutingConfig:
     # MainDecode hit rate at or above which a request skips the relay.
     hit_threshold: float = 0.95
+    # Predicted uncached suffix (tokens) MainDecode prefills itself; 0 = always disaggregate.
+    local_prefill_tokens: int = 0
     # Tokens of predicted prefix worth one running request of load.
     tokens_per_load_unit: int = 256
     # A relay running at least this many requests hands off one-shot.
@@ -49,6 +55,8 @@ class RoutingConfig:
     def __post_init__(self) -> None:
         if not 0.0 <= self.hit_threshold <= 1.0:
             raise ValueError(f"hit_threshold: must be in [0, 1], got {self.hit_threshold}")
+        if self.local_prefill_tokens < 0:
+            raise ValueError(f"local_prefill_tokens: must be >= 0, got {self.local_prefill_tokens}")
         if self.tokens_per_load_unit <= 0:
             raise ValueError(f"tokens_per_load_unit: must be positive, got {self.tokens_per_load_unit}")
         if self.relay_busy_requests < 1:
@@ -130,6 +138,8 @@ def route(
     relays = [i for i in instances if i.ref.role is Role.RELAY]
     if force_pipeline is not None:
         pipeline = force_pipeline
+    elif config.local_prefill_tokens and prompt_len - md_cached <= config.local_prefill_tokens:
+        pipeline = Pipeline.MD
     elif hit >= config.hit_threshold or not relays:
         pipeline = Pipeline.P_MD
     else:

@@ -2,7 +2,9 @@
 
 Life: ``start()`` builds the engine (loading the model), starts its step loop
 and registers the instance with kvstore; cache events of the engine's radix
-cache are forwarded to kvstore in order; ``stop()`` deregisters and stops.
+cache are forwarded to kvstore in order, and when kvstore forgot the instance
+(lease lapsed) the whole cache is republished as a snapshot read on the engine
+thread; ``stop()`` deregisters and stops.
 """
 
 from __future__ import annotations
@@ -95,8 +97,13 @@ class EngineInstance:
             membership = self.membership
             self.runner.call_threadsafe(lambda: membership.publish(event))
 
-    def _snapshot(self) -> list[CacheEvent]:
-        return []  # NOTE: a re-registered instance starts from an empty index; new events rebuild it
+    async def _snapshot(self) -> list[CacheEvent]:
+        """The radix cache's content as "stored" events, for kvstore to rebuild a dropped index."""
+        eng = self.engine
+        if not self.publish_cache_events or eng is None or self.runner is None:
+            return []
+        # NOTE: the radix cache belongs to the engine thread; read it there, between steps.
+        return await self.runner.call(eng.blocks.cache.snapshot_events)
 
     def load(self) -> InstanceLoad:
         eng = self.engine

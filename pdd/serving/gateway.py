@@ -2,13 +2,14 @@
 
 Life of a request:
   1. kvstore: live instances + predicted prefix hits of the prompt;
-  2. router (pure policy): pipeline P-MD or P-RLD-MD, the instances, the
+  2. router (pure policy): pipeline MD, P-MD or P-RLD-MD, the instances, the
      handoff mode;
   3. main_decode.Decode is opened first: MainDecode matches the prompt in its
      DRC and *locks* the hit, answering how many tokens it holds — so the
      push can start exactly there and nothing is evicted meanwhile;
   4. P-RLD-MD: relay.Decode is opened (the relay waits for its KV);
-  5. prefill.Prefill: the first token comes back as soon as it is sampled
+  5. prefill.Prefill (not for MD, where MainDecode prefills the short
+     uncached suffix itself): the first token comes back as soon as it is sampled
      (it is output position 0), KV flows to the relay (fast link) and the
      delta to MainDecode (WAN);
   6. relay and main_decode token deltas are merged by output position —
@@ -192,7 +193,7 @@ class Gateway:
         plan = await self.plan(job)
         stats = RequestStats(pipeline=plan.pipeline, handoff_mode=plan.handoff_mode,
                              prompt_tokens=len(job.prompt_token_ids), predicted_hit_rate=plan.predicted_hit_rate,
-                             prefill_instance=plan.prefill.ref.instance_id,
+                             prefill_instance=plan.prefill.ref.instance_id if plan.pipeline is not Pipeline.MD else "",
                              main_decode_instance=plan.main_decode.ref.instance_id,
                              relay_instance=plan.relay.ref.instance_id if plan.relay else "")
         tracker.routed(plan.pipeline.value, len(job.prompt_token_ids))
@@ -210,8 +211,10 @@ class Gateway:
                 relay_call = self._relay_decode(job, sampling, plan)
                 calls.append(relay_call)
                 await self._first(relay_call, "relay")
-            p_call = self._prefill(job, sampling, plan, stats.md_cached_tokens)
-            calls.append(p_call)
+            p_call = None
+            if plan.pipeline is not Pipeline.MD:
+                p_call = self._prefill(job, sampling, plan, stats.md_cached_tokens)
+                calls.append(p_call)
             readers = [asyncio.create_task(self._pump(name, call, queue))
                        for name, call in (("prefill", p_call), ("main_decode", md_call), ("relay", relay_call))
                        if call is not None]
@@ -247,7 +250,6 @@ class Gateway:
             events: list[TokenEvent] = []
             which = msg.WhichOneof("event")
             if which == "first_token":
-                stats.ttft_ms = (time.perf_counter() - t0) * 1000
                 stats.prefill_cached_tokens = msg.first_token.cached_tokens
                 events = merge.add(0, [msg.first_token.token_id], STAGE_PREFILL)
             elif which == "transfer_done":
@@ -263,6 +265,8 @@ class Gateway:
                 finish = finish_from_pb(msg.finished.finish_reason) or finish
                 completion_tokens = max(completion_tokens or 0, msg.finished.completion_tokens)
             for ev in events:
+                if ev.start_position == 0:
+                    stats.ttft_ms = (time.perf_counter() - t0) * 1000
                 stats.completion_tokens += len(ev.token_ids)
                 if ev.stage == STAGE_RELAY:
                     stats.rld_tokens += len(ev.token_ids)

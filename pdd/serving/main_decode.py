@@ -11,6 +11,9 @@ Life of a request (one ``decode`` generator per request, opened by the gateway):
      batch is *extended* in one forward pass (``append_tokens``); MainDecode
      starts emitting at the final batch's end. A request that already
      finished upstream is extended into the DRC and emits nothing;
+  MD (conditional disaggregation): no prefill stage and no push — the engine
+     prefills the short uncached suffix in its own batch, samples position 0
+     and MainDecode speaks from the first token;
   4. every output is streamed with its position; finishing inserts prompt +
      output into the DRC (cache events reach kvstore), so the session's next
      turn hits here.
@@ -105,8 +108,11 @@ class MainDecode:
         done = False
         kv_task: asyncio.Task | None = None
         try:
+            local = job.pipeline is Pipeline.MD
+
             def admit() -> int:
-                self.engine.add_request(rid, job.prompt_token_ids, job.sampling, salt=job.cache_salt, paused=True)
+                self.engine.add_request(rid, job.prompt_token_ids, job.sampling, salt=job.cache_salt,
+                                        paused=not local)
                 return self.engine.num_cached_tokens(rid)
 
             cached = await self.runner.call(admit)
@@ -114,13 +120,20 @@ class MainDecode:
             metrics.PREFIX_HITS.labels("main_decode").inc(cached)
             log.info("md_accepted", cached_tokens=cached, prompt_tokens=len(job.prompt_token_ids))
             yield Accepted(cached)
-            kv_task = asyncio.create_task(self._receive_kv(state))
             emit_from: int | None = None
+            if local:
+                state.kv_ready.set()  # NOTE: nothing to receive: a stray handoff must not wait for KV
+                emit_from = 0
+            else:
+                kv_task = asyncio.create_task(self._receive_kv(state))
             md_tokens = 0
             while True:
                 item = await state.queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                if isinstance(item, tuple) and item[0] == "extended":
+                    await self._apply_extension(state, *item[1:])
+                    continue
                 if isinstance(item, tuple):  # ("emit_from", n): the position MainDecode speaks from
                     emit_from = item[1]
                     ready = sorted(p for p in state.outputs if p >= emit_from)
@@ -210,37 +223,80 @@ class MainDecode:
         except asyncio.TimeoutError:
             return False
 
-    async def handoff(self, request_id: str, start: int, token_ids: list[int], *, final: bool) -> int:
-        """Extend ``token_ids`` at output ``start``; returns the outputs now computed here."""
+    async def handoff(self, request_id: str, start: int, token_ids: list[int], *,
+                      final: bool) -> tuple[int, int]:
+        """Extend ``token_ids`` at output ``start``.
+
+        Returns (outputs extended through, outputs computed here). Between rounds
+        MainDecode keeps decoding *ahead* of the relay (its tokens equal the
+        relay's for greedy and seeded sampling), so a round whose tokens it
+        already computed costs no engine step: the final one then lets MainDecode
+        speak at once instead of after an extend step.
+        """
         state = self._requests.get(request_id)
         if state is None:
             raise NotFoundError(f"request_id: {request_id!r} is not decoding here")
+        if state.job.pipeline is not Pipeline.P_RLD_MD:
+            raise FailedPreconditionError(f"request_id: {request_id!r} is a {state.job.pipeline.value} request; "
+                                          "only P-RLD-MD requests are handed over")
         try:
             await asyncio.wait_for(state.kv_ready.wait(), self.kv_timeout_s)
         except asyncio.TimeoutError:
             raise DeadlineExceededError(f"KV of {request_id} did not arrive in {self.kv_timeout_s} s") from None
         target = start + len(token_ids)
+        agrees = all(state.outputs.get(start + i) == t for i, t in enumerate(token_ids))
         if state.finished:
             # NOTE: MainDecode ran ahead to the end during catch-up; it must agree with the relay.
-            mine = [state.outputs.get(start + i) for i in range(len(token_ids))]
-            if mine != list(token_ids):
+            if not agrees:
                 raise FailedPreconditionError(f"handoff tokens disagree with {request_id}'s finished outputs")
-        else:
+        elif not (agrees and state.produced >= target):
             t0 = time.perf_counter()
-            await self._extend(state, start, token_ids)
+            await self._extend_handoff(state, start, token_ids)
             async with state.progress:
                 # The extension is computed once the engine produced the position after it (or finished).
                 await state.progress.wait_for(lambda: state.produced >= target or state.finished)
             state.extend_s += time.perf_counter() - t0
-            if not final:
-                await self.runner.call(self._pause_if_held, request_id)
         if final:
             state.queue.put_nowait(("emit_from", target))
-        return target
+        return target, max(target, state.produced + 1)
 
-    def _pause_if_held(self, request_id: str) -> None:
-        if self.engine.holds_request(request_id):
-            self.engine.pause(request_id)
+    async def _extend_handoff(self, state: _State, start: int, token_ids: list[int]) -> None:
+        """Append the relay's tokens; drop what MainDecode decoded ahead where they disagree."""
+        rid = state.job.request_id
+
+        def run() -> bool:
+            if not self.engine.holds_request(rid):
+                return False
+            mine = self.engine.output_token_ids(rid)[start:start + len(token_ids)]
+            self.engine.append_tokens(rid, token_ids, start)
+            self.engine.resume(rid)
+            return mine != list(token_ids[:len(mine)])
+
+        rolled_back = await self.runner.call(run)
+        # NOTE: through the request's queue, behind every output the engine produced before
+        # the extension, so outputs decoded ahead on the old path can't outlive the rollback.
+        applied = asyncio.get_running_loop().create_future()
+        state.queue.put_nowait(("extended", start, tuple(token_ids), rolled_back, applied))
+        try:
+            await asyncio.wait_for(applied, self.kv_timeout_s)
+        except asyncio.TimeoutError:
+            raise DeadlineExceededError(f"{rid}: the extension was not applied in {self.kv_timeout_s} s") from None
+
+    async def _apply_extension(self, state: _State, start: int, token_ids: tuple[int, ...], rolled_back: bool,
+                               applied: asyncio.Future) -> None:
+        end = start + len(token_ids)
+        for i, tok in enumerate(token_ids):
+            state.outputs[start + i] = tok
+        async with state.progress:
+            if rolled_back:
+                for pos in [p for p in state.outputs if p >= end]:
+                    del state.outputs[pos]
+                state.produced = end - 1
+            else:
+                state.produced = max(state.produced, end - 1)
+            state.progress.notify_all()
+        if not applied.done():
+            applied.set_result(None)
 
     async def cancel(self, request_id: str) -> bool:
         state = self._requests.get(request_id)

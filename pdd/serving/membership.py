@@ -6,12 +6,26 @@ heartbeats every ttl/3 with the current load, re-registering and
 republishing its whole cache if the lease had lapsed → cache events from the
 engine are queued by ``publish`` and sent in order, batched, by a second
 task → ``stop()`` deregisters.
+
+Re-registration (lease lapsed, so kvstore dropped the instance and its block
+index): register again with ``reset_index`` → take the cache ``snapshot``
+(may be async: the engine's cache is read on the engine thread) → queue its
+"stored" events → then the live events published while it was being taken.
+
+NOTE: events are set assignments per block hash (stored: present; evicted or
+cleared: absent) and the snapshot is the result of every event emitted
+before it was read, so those may reach the reset index on either side of
+it: replaying a tail of them after the snapshot changes nothing. An event
+emitted *after* the read must never precede the snapshot (an "evicted" would
+be undone by its "stored"), which is why events published while it is
+taken wait behind it.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import inspect
+from collections.abc import Awaitable, Callable
 
 import grpc
 import structlog
@@ -28,11 +42,14 @@ log = structlog.get_logger(__name__)
 
 MAX_EVENTS_PER_CALL = 256
 
+# The cache's whole content as "stored" events (see ``RadixCache.snapshot_events``).
+Snapshot = Callable[[], list[CacheEvent] | Awaitable[list[CacheEvent]]]
+
 
 class Membership:
     def __init__(self, kvstore_address: str, instance: Instance, *, ttl_ms: int = 6000,
                  load: Callable[[], InstanceLoad] = InstanceLoad,
-                 snapshot: Callable[[], list[CacheEvent]] = list, tls: TlsConfig | None = None) -> None:
+                 snapshot: Snapshot = list, tls: TlsConfig | None = None) -> None:
         self.instance = instance
         self.ttl_ms = ttl_ms
         self._load = load
@@ -41,7 +58,12 @@ class Membership:
         self._stub = pb_grpc.KvstoreServiceStub(self._channel)
         self._events: asyncio.Queue[CacheEvent] = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
+        # Live events published while a snapshot is being taken; queued after it (see module NOTE).
+        self._held: list[CacheEvent] | None = None
+        # Set when the lease lapsed and the index is not rebuilt yet (a failed snapshot retries).
+        self._resync_pending = False
         self.published = 0
+        self.resyncs = 0
 
     async def start(self) -> None:
         await self._register(reset_index=True)
@@ -61,7 +83,10 @@ class Membership:
 
     def publish(self, event: CacheEvent) -> None:
         """Queue one cache event (call on the event loop thread)."""
-        self._events.put_nowait(event)
+        if self._held is not None:
+            self._held.append(event)
+        else:
+            self._events.put_nowait(event)
 
     async def flush(self, timeout: float = 5.0) -> None:
         """Wait until every queued event was sent (tests, shutdown)."""
@@ -85,11 +110,33 @@ class Membership:
                     instance_id=self.instance.ref.instance_id, load=conv.load_to_pb(self._load())), timeout=period)
                 if not resp.known:
                     log.warning("lease_lapsed_reregistering")
-                    await self._register(reset_index=True)
-                    for ev in self._snapshot():
-                        self.publish(ev)
+                    self._resync_pending = True
+                if self._resync_pending:
+                    await self._resync()
             except grpc.aio.AioRpcError as exc:
                 log.warning("heartbeat_failed", error=exc.details())
+            except Exception:  # noqa: BLE001 — a failed snapshot must not end the heartbeats
+                log.exception("cache_resync_failed")
+
+    async def _resync(self) -> None:
+        """Re-register with an empty index and republish the whole cache ahead of newer events."""
+        await self._register(reset_index=True)
+        # NOTE: hold live events from here: whatever the engine emits after the snapshot
+        # was read must reach kvstore after the snapshot, never before it.
+        self._held = []
+        try:
+            events = self._snapshot()
+            if inspect.isawaitable(events):
+                events = await events
+            for ev in events:
+                self._events.put_nowait(ev)
+            self._resync_pending = False
+            self.resyncs += 1
+            log.info("cache_republished", events=len(events))
+        finally:
+            held, self._held = self._held, None
+            for ev in held:
+                self._events.put_nowait(ev)
 
     async def _publisher(self) -> None:
         while True:

@@ -9,8 +9,10 @@ Life of a request (one ``decode`` generator per request, opened by the gateway):
      the KV, the handoff (``TokenHandoff``, token IDs only):
      - one-shot: pause, send every output, stop;
      - catch-up: send what exists while still decoding; MainDecode extends
-       it; repeat with the newer tokens until the gap is small, then pause and
-       send the rest as the final batch;
+       it and keeps decoding ahead; repeat with the newer tokens until
+       MainDecode's computed frontier is close, then pause and send the rest
+       as the final batch (the tokens MainDecode already computed cost it no
+       step, so it speaks at once);
      the relay then frees the request's KV at once;
   4. a request that finishes here first still hands its final tokens over
      (``request_finished``), so MainDecode's DRC holds prompt + output.
@@ -194,19 +196,21 @@ class Relay:
         mode = job.handoff_mode
         rounds_left = self.config.max_catch_up_rounds if mode is HandoffMode.CATCH_UP else 0
         call = md.TokenHandoff(metadata=outgoing_metadata())
-        sent = rounds = 0
+        sent = computed = rounds = 0
         try:
             while rounds_left > 0:
                 outputs = await self.runner.call(self._read, rid)
                 if outputs is None:
                     call.cancel()
                     return  # NOTE: it finished here meanwhile; decode() hands it over as finished
-                if len(outputs) - sent <= self.config.catch_up_gap:
+                # NOTE: MainDecode decodes ahead between rounds; what it computed needs no extend step.
+                if len(outputs) - max(sent, computed) <= self.config.catch_up_gap:
                     break
                 await call.write(md_pb.TokenHandoffRequest(request_id=rid, start_position=sent,
                                                            token_ids=outputs[sent:], mode=handoff_to_pb(mode)))
                 ack = await call.read()
                 sent, rounds, rounds_left = ack.extended_through, rounds + 1, rounds_left - 1
+                computed = max(ack.computed_through, sent)
             # NOTE: after pause returns, every output of the last step is already on the queue.
             outputs = await self.runner.call(self._pause_and_read, rid)
             if outputs is None:

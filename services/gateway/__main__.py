@@ -31,6 +31,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="largest HTTP request body, larger = 413 (env PDD_HTTP_MAX_BODY_KB)")
     parser.add_argument("--hit-threshold", type=float, default=float(env("PDD_HIT_THRESHOLD", "0.95")),
                         help="MainDecode hit rate at which the relay is skipped (env PDD_HIT_THRESHOLD)")
+    parser.add_argument("--local-prefill-tokens", type=int, default=int(env("PDD_LOCAL_PREFILL_TOKENS", "0")),
+                        help="MainDecode prefills a predicted uncached suffix this short itself: no prefill "
+                             "stage, no KV over the WAN (pipeline MD); 0 = off (env PDD_LOCAL_PREFILL_TOKENS)")
     parser.add_argument("--relay-busy-requests", type=int, default=int(env("PDD_RELAY_BUSY", "4")),
                         help="relay load at which handoffs become one-shot (env PDD_RELAY_BUSY)")
     parser.add_argument("--stage-timeout-s", type=float, default=float(env("PDD_STAGE_TIMEOUT_S", "600")))
@@ -44,6 +47,7 @@ def main(argv: list[str] | None = None) -> None:
                       grace_s=server.grace_s)
     config = GatewayConfig(server=server, kvstore_address=args.kvstore, model=args.model,
                            routing=RoutingConfig(hit_threshold=args.hit_threshold,
+                                                 local_prefill_tokens=args.local_prefill_tokens,
                                                  relay_busy_requests=args.relay_busy_requests),
                            http=http, stage_timeout_s=args.stage_timeout_s, seed=args.seed)
     configure_logging("gateway", level=config.server.log_level, json=config.server.log_json)

@@ -51,8 +51,9 @@ class MainDecodeServicer(pb_grpc.MainDecodeServiceServicer):
             index += 1
             loop = asyncio.get_running_loop()
             t0 = loop.time()
-            through = await self.md.handoff(rid, start, tokens, final=final)
-            yield pb.TokenHandoffResponse(extended_through=through, extend_ms=(loop.time() - t0) * 1000)
+            through, computed = await self.md.handoff(rid, start, tokens, final=final)
+            yield pb.TokenHandoffResponse(extended_through=through, extend_ms=(loop.time() - t0) * 1000,
+                                          computed_through=computed)
 
     async def Cancel(self, request: pb.CancelRequest, context) -> pb.CancelResponse:
         return pb.CancelResponse(cancelled=await self.md.cancel(request.request_id))

@@ -1,7 +1,8 @@
 """The PDD pipeline end to end: gateway, kvstore, prefill, relay, main_decode as processes.
 
 Reference: a single in-process engine on the same tiny model. Greedy outputs
-through P-MD, P-RLD-MD one-shot and P-RLD-MD catch-up must equal it (up to an
+through P-MD, P-RLD-MD one-shot, P-RLD-MD catch-up and MD (MainDecode
+prefills locally) must equal it (up to an
 explicit near-tie, see ``Oracle``); seeded sampling too.
 """
 
@@ -29,11 +30,12 @@ from pdd.gen.relay.v1 import relay_service_pb2_grpc as r_grpc
 from pdd.serving.model_spec import load_model
 from tests.e2e.conftest import BLOCK, TINY
 
-P_MD, P_RLD_MD = common_pb2.PIPELINE_P_MD, common_pb2.PIPELINE_P_RLD_MD
+P_MD, P_RLD_MD, MD = common_pb2.PIPELINE_P_MD, common_pb2.PIPELINE_P_RLD_MD, common_pb2.PIPELINE_MD
 ONE_SHOT, CATCH_UP = common_pb2.HANDOFF_MODE_ONE_SHOT, common_pb2.HANDOFF_MODE_CATCH_UP
 MODES = {"p-md": dict(force_pipeline=P_MD),
          "p-rld-md-one-shot": dict(force_pipeline=P_RLD_MD, handoff_mode=ONE_SHOT),
-         "p-rld-md-catch-up": dict(force_pipeline=P_RLD_MD, handoff_mode=CATCH_UP)}
+         "p-rld-md-catch-up": dict(force_pipeline=P_RLD_MD, handoff_mode=CATCH_UP),
+         "md": dict(force_pipeline=MD)}
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +78,14 @@ async def test_greedy_equals_single_engine(stack, reference, oracle, mode):
         s = final.stats
         assert s.completion_tokens == n == len(tokens)
         assert s.prompt_tokens == len(p)
-        assert stages[0] == common_pb2.STAGE_PREFILL
         assert s.pipeline == MODES[mode]["force_pipeline"]
+        if mode == "md":
+            # MainDecode prefilled the prompt itself: every token is its own and no KV crossed the WAN.
+            assert set(stages) == {common_pb2.STAGE_MAIN_DECODE}
+            assert s.md_tokens == n and s.rld_tokens == 0 and s.wan_kv_bytes == 0
+            assert s.ttft_ms > 0 and s.e2e_ms >= s.ttft_ms
+            continue
+        assert stages[0] == common_pb2.STAGE_PREFILL
         if mode == "p-md":
             assert s.rld_tokens == 0 and s.md_tokens == n - 1
             assert set(stages[1:]) <= {common_pb2.STAGE_MAIN_DECODE}
@@ -112,6 +120,19 @@ async def test_second_turn_pushes_only_the_delta(stack, reference):
     assert s2.md_cached_tokens == held
     assert s2.wan_kv_bytes == bytes_per_token * (len(turn2) - held)
     assert s2.predicted_hit_rate == pytest.approx(held / len(turn2))
+    assert tokens2 == reference.generate([turn2], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+
+
+async def test_second_turn_prefilled_by_main_decode_sends_no_kv(stack, reference):
+    turn1 = prompts(12, 1)[0] + [5] * 20
+    tokens1, _, _ = await run(stack, turn1, 12, session_id="s2", cache_salt="local", force_pipeline=P_MD)
+    turn2 = turn1 + tokens1 + [4, 3, 2, 1, 9, 8]
+    held = (len(turn1) + len(tokens1) - 1) // BLOCK * BLOCK
+    tokens2, stages2, f2 = await run(stack, turn2, 6, session_id="s2", cache_salt="local", force_pipeline=MD)
+    s2 = f2.stats
+    # MainDecode matched turn 1's prompt + output in its DRC and computed only the rest itself.
+    assert s2.pipeline == MD and s2.md_cached_tokens == held and s2.wan_kv_bytes == 0
+    assert set(stages2) == {common_pb2.STAGE_MAIN_DECODE}
     assert tokens2 == reference.generate([turn2], SamplingParams(max_tokens=6, ignore_eos=True))[0]
 
 
@@ -150,7 +171,7 @@ async def test_seeded_sampling_matches_single_engine(stack, reference, mode):
     assert other != tokens
 
 
-@pytest.mark.parametrize("mode", ["p-md", "p-rld-md-one-shot"])
+@pytest.mark.parametrize("mode", ["p-md", "p-rld-md-one-shot", "md"])
 async def test_cancel_mid_stream_frees_kv_everywhere(stack, mode):
     p = prompts(31, 1)[0]
     rid = f"cancel-{mode}"

@@ -35,20 +35,24 @@ instances_st = st.lists(
 
 @settings(max_examples=200, deadline=None)
 @given(specs=instances_st, prompt_len=st.integers(1, 4096), seed=st.integers(0, 2**32),
-       cached_seed=st.integers(0, 2**32))
-def test_route_matches_reference(specs, prompt_len, seed, cached_seed):
+       cached_seed=st.integers(0, 2**32), local=st.sampled_from([0, 16, 256]))
+def test_route_matches_reference(specs, prompt_len, seed, cached_seed, local):
     specs = specs + [(Role.PREFILL, 0, 0), (Role.MAIN_DECODE, 0, 0)]
     instances = [inst(f"{r.value}-{i}", r, running, used) for i, (r, running, used) in enumerate(specs)]
     crng = random.Random(cached_seed)
     cached = {i.ref.instance_id: crng.randrange(0, prompt_len + 1, 16) for i in instances}
-    cfg = RoutingConfig()
+    cfg = RoutingConfig(local_prefill_tokens=local)
     r = route(prompt_len, instances, cached, random.Random(seed), cfg)
     assert r.prefill.ref.instance_id in reference_best(instances, cached, cfg, Role.PREFILL)
     assert r.main_decode.ref.instance_id in reference_best(instances, cached, cfg, Role.MAIN_DECODE)
     hit = min(cached[r.main_decode.ref.instance_id], prompt_len) / prompt_len
     assert r.predicted_hit_rate == pytest.approx(hit)
     has_relay = any(i.ref.role is Role.RELAY for i in instances)
-    expect = Pipeline.P_RLD_MD if has_relay and hit < cfg.hit_threshold else Pipeline.P_MD
+    uncached = prompt_len - min(cached[r.main_decode.ref.instance_id], prompt_len)
+    if local and uncached <= local:
+        expect = Pipeline.MD
+    else:
+        expect = Pipeline.P_RLD_MD if has_relay and hit < cfg.hit_threshold else Pipeline.P_MD
     assert r.pipeline is expect
     if expect is Pipeline.P_RLD_MD:
         assert r.relay.ref.instance_id in reference_best(instances, cached, cfg, Role.RELAY)
@@ -66,6 +70,21 @@ def test_threshold_rule_at_the_boundary():
     assert route(100, instances, {"md": 95}, rng).pipeline is Pipeline.P_MD
     assert route(100, instances, {"md": 94}, rng).pipeline is Pipeline.P_RLD_MD
     assert route(100, instances, {"md": 0}, rng, RoutingConfig(hit_threshold=0.0)).pipeline is Pipeline.P_MD
+
+
+def test_short_uncached_suffix_is_prefilled_by_main_decode():
+    instances = [inst("p", Role.PREFILL), inst("md", Role.MAIN_DECODE), inst("rld", Role.RELAY)]
+    cfg = RoutingConfig(local_prefill_tokens=64)
+    rng = random.Random(0)
+    assert route(1000, instances, {"md": 936}, rng, cfg).pipeline is Pipeline.MD  # 64 uncached
+    assert route(1000, instances, {"md": 935}, rng, cfg).pipeline is Pipeline.P_RLD_MD  # 65 uncached, hit 0.935
+    assert route(2000, instances, {"md": 1920}, rng, cfg).pipeline is Pipeline.P_MD  # 80 uncached, hit 0.96
+    r = route(40, instances, {}, rng, cfg)  # a short cold prompt: no disaggregation at all
+    assert (r.pipeline, r.relay, r.handoff_mode) == (Pipeline.MD, None, None)
+    assert route(40, instances, {}, rng, cfg, force_pipeline=Pipeline.P_MD).pipeline is Pipeline.P_MD
+    assert route(40, instances, {}, rng).pipeline is Pipeline.P_RLD_MD  # off by default
+    with pytest.raises(ValueError, match="local_prefill_tokens"):
+        RoutingConfig(local_prefill_tokens=-1)
 
 
 def test_overrides_win():

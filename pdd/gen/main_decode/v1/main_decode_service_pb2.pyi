@@ -134,12 +134,14 @@ class TokenHandoffRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., start_position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., final: _Optional[bool] = ..., request_finished: _Optional[bool] = ..., mode: _Optional[_Union[_common_pb2.HandoffMode, str]] = ...) -> None: ...
 
 class TokenHandoffResponse(_message.Message):
-    __slots__ = ("extended_through", "extend_ms")
+    __slots__ = ("extended_through", "extend_ms", "computed_through")
     EXTENDED_THROUGH_FIELD_NUMBER: _ClassVar[int]
     EXTEND_MS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTED_THROUGH_FIELD_NUMBER: _ClassVar[int]
     extended_through: int
     extend_ms: float
-    def __init__(self, extended_through: _Optional[int] = ..., extend_ms: _Optional[float] = ...) -> None: ...
+    computed_through: int
+    def __init__(self, extended_through: _Optional[int] = ..., extend_ms: _Optional[float] = ..., computed_through: _Optional[int] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
     __slots__ = ("request_id",)

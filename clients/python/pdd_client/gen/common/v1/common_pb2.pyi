@@ -12,6 +12,7 @@ class Pipeline(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PIPELINE_UNSPECIFIED: _ClassVar[Pipeline]
     PIPELINE_P_MD: _ClassVar[Pipeline]
     PIPELINE_P_RLD_MD: _ClassVar[Pipeline]
+    PIPELINE_MD: _ClassVar[Pipeline]
 
 class HandoffMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -57,6 +58,7 @@ class KvCompression(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 PIPELINE_UNSPECIFIED: Pipeline
 PIPELINE_P_MD: Pipeline
 PIPELINE_P_RLD_MD: Pipeline
+PIPELINE_MD: Pipeline
 HANDOFF_MODE_UNSPECIFIED: HandoffMode
 HANDOFF_MODE_ONE_SHOT: HandoffMode
 HANDOFF_MODE_CATCH_UP: HandoffMode
