@@ -145,11 +145,13 @@ def targets_section(ts: Sequence[targets.Target]) -> str:
 
 READING = """## Reading the table
 
-- **TTFT** is the first token the client receives. Prefill samples it and the gateway streams it at
-  once, in every mode, so TTFT measures prefill (and its queue) only — equal across modes by design.
+- **TTFT** is the first token the client receives. In P-MD and P-RLD-MD prefill samples it and the
+  gateway streams it at once, so there TTFT measures prefill (and its queue) only.
 - **TTFDT** (time to first decode token) is the first token a *decode* stage produced: the relay's in
   P-RLD-MD, MainDecode's in P-MD, which waits for the KV delta to cross the link. It is what the
   report calls TTFT (its users see no token before decoding starts), and what the TTFT targets judge.
+- **MD-only** requests (PDD's router, MainDecode lacks ≤ `--local-prefill-tokens` of the prompt) skip
+  prefill and the WAN: MainDecode prefills the short suffix in its own batch, so TTFT = TTFDT.
 - **goodput** counts requests meeting every per-request SLO ({slo}) per second of the run.
 - **handoff gap**: the client-side gap between the relay's last token and MainDecode's first.
 - **CPU busy**: the whole machine, including processes that are not ours (see CPU contention)."""

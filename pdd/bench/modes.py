@@ -45,10 +45,12 @@ class Testbed:
     kv_cache_mb: int = 256
     # torch threads per engine service: 3 engines share 2 cores.
     threads: int = 1
-    # The cross-datacenter WAN (cdc-pd and pdd), scaled in decode steps (docs/benchmark.md):
-    # 20 Mbps moves a low-hit request's ~600-token delta (2.4 MB) in ~1 s ≈ 100+ loaded steps;
+    # The cross-datacenter WAN (cdc-pd and pdd), scaled in decode steps (docs/benchmark.md): the report's
+    # whole-context KV crosses 20 Gbps in ~4.2 s ≈ 140 decode steps of ~30 ms; here a mean context's KV
+    # (1.4K tokens × 4 KB) crosses 40 Mbps in ~1.1 s ≈ 140 loaded MainDecode steps of ~8 ms. A low-hit
+    # delta (1-4 MB) still takes hundreds of relay steps, a > 95%-hit one (≤ 0.5 MB) a handful.
     # 1 ms one way is ~0.1-0.2 of a step, as a regional link's few ms are of a 30 ms step.
-    wan_mbps: float = 20.0
+    wan_mbps: float = 40.0
     wan_delay_ms: float = 1.0
     wan_jitter_ms: float = 0.5
     hit_threshold: float = 0.95
@@ -58,9 +60,10 @@ class Testbed:
     local_prefill_tokens: int = 256
     relay_busy_requests: int = 4
     router_seed: int = 0
-    # The relay stops catching up once MainDecode is at most this many tokens behind
-    # (relay flag --catch-up-gap, passed as PDD_CATCH_UP_GAP: stack flags reach every engine).
-    catch_up_gap: int = 16
+    # The relay stops catching up once MainDecode's computed frontier is at most this many tokens behind
+    # (relay flag --catch-up-gap, the relay's default; passed as PDD_CATCH_UP_GAP: stack flags reach every
+    # engine).
+    catch_up_gap: int = 8
     # Main and remote cluster on separate CPUs (``pinning``), as on separate hardware.
     pin_clusters: bool = True
 
