@@ -100,7 +100,8 @@ class Engine:
         if need > self.num_blocks:
             raise KvCapacityError(request_id, need, self.num_blocks)
         seed = sampling.seed if sampling.seed is not None else random.getrandbits(63)
-        seq = Sequence(request_id, prompt, len(prompt), sampling, seed, salt, paused, keep_after_finish)
+        seq = Sequence(request_id, prompt, len(prompt), sampling, seed, salt, paused=paused,
+                       keep_after_finish=keep_after_finish)
         self.blocks.match(seq)
         self.scheduler.add(seq)
         self._seqs[request_id] = seq
@@ -205,6 +206,10 @@ class Engine:
 
     def resume(self, request_id: str) -> None:
         self._get(request_id).paused = False
+
+    def expedite(self, request_id: str) -> None:
+        """Run this request alone in the next step (its client's stream is stalled on it)."""
+        self._get(request_id).expedite = True
 
     def abort(self, request_id: str) -> bool:
         """Drop a request and free its KV (its computed full blocks stay in the radix cache)."""

@@ -15,6 +15,11 @@ Order of one step:
    allow (admission never preempts anyone). A preempted sequence is re-matched
    against the radix cache when it is re-admitted.
 Paused sequences are skipped everywhere and never preempted.
+Expedited sequences (``Sequence.expedite``: a client stream is stalled on them)
+get a step of their own: while one is schedulable, the step holds only the
+expedited ones — a batch-1 step instead of a full batch, for one step's delay of
+everyone else. The flag is spent once the sequence is scheduled; if none fits,
+the flags are dropped and the step is an ordinary one.
 """
 
 from __future__ import annotations
@@ -46,11 +51,22 @@ class Scheduler:
 
     def schedule(self) -> list[tuple[Sequence, int]]:
         """Pick ``(sequence, num_tokens)`` pairs for one forward pass; allocates their blocks."""
+        only_expedited = any(s.expedite and not s.paused for s in (*self.running, *self.waiting))
+        batch = self._schedule(only_expedited)
+        if only_expedited:
+            for seq in (*self.running, *self.waiting):
+                if not seq.paused:
+                    seq.expedite = False  # NOTE: spent when scheduled; dropped when nothing fitted
+            if not batch:
+                batch = self._schedule(False)
+        return batch
+
+    def _schedule(self, only_expedited: bool) -> list[tuple[Sequence, int]]:
         budget, batch = self.max_num_batched_tokens, []
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if seq.paused:
+            if seq.paused or (only_expedited and not seq.expedite):
                 i += 1
                 continue
             start, n = self._chunk(seq, budget)
@@ -63,7 +79,7 @@ class Scheduler:
         for seq in list(self.waiting):
             if budget <= 0 or active >= self.max_num_seqs:
                 break
-            if seq.paused:
+            if seq.paused or (only_expedited and not seq.expedite):
                 continue
             if seq.cache_handle is None and not seq.block_table:
                 self.blocks.match(seq)  # re-admission after preemption

@@ -207,6 +207,7 @@ class MainDecode:
                 return
             self.engine.append_tokens(rid, token_ids, start)
             self.engine.resume(rid)
+            self.engine.expedite(rid)  # NOTE: the client waits on this first decode step (TTFDT)
 
         await self.runner.call(run)
         for i, tok in enumerate(token_ids):
@@ -251,7 +252,7 @@ class MainDecode:
                 raise FailedPreconditionError(f"handoff tokens disagree with {request_id}'s finished outputs")
         elif not (agrees and state.produced >= target):
             t0 = time.perf_counter()
-            await self._extend_handoff(state, start, token_ids)
+            await self._extend_handoff(state, start, token_ids, expedite=final)
             async with state.progress:
                 # The extension is computed once the engine produced the position after it (or finished).
                 await state.progress.wait_for(lambda: state.produced >= target or state.finished)
@@ -260,8 +261,12 @@ class MainDecode:
             state.queue.put_nowait(("emit_from", target))
         return target, max(target, state.produced + 1)
 
-    async def _extend_handoff(self, state: _State, start: int, token_ids: list[int]) -> None:
-        """Append the relay's tokens; drop what MainDecode decoded ahead where they disagree."""
+    async def _extend_handoff(self, state: _State, start: int, token_ids: list[int], *, expedite: bool) -> None:
+        """Append the relay's tokens; drop what MainDecode decoded ahead where they disagree.
+
+        ``expedite``: the relay has stopped and the client waits on this extension,
+        so it gets an engine step of its own.
+        """
         rid = state.job.request_id
 
         def run() -> bool:
@@ -270,6 +275,8 @@ class MainDecode:
             mine = self.engine.output_token_ids(rid)[start:start + len(token_ids)]
             self.engine.append_tokens(rid, token_ids, start)
             self.engine.resume(rid)
+            if expedite:
+                self.engine.expedite(rid)
             return mine != list(token_ids[:len(mine)])
 
         rolled_back = await self.runner.call(run)

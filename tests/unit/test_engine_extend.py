@@ -107,3 +107,34 @@ def test_append_validation():
     engine.append_tokens("r", [5, 77])
     (out,) = engine.step()
     assert (out.token_id, out.finish_reason) == (None, "stop")
+
+
+def test_expedited_request_gets_a_step_of_its_own_and_the_same_tokens():
+    reference = Engine(CKPT, EngineConfig(num_blocks=64, block_size=8)).generate(
+        [PROMPT, PROMPT[:5]], SamplingParams(max_tokens=12))
+    engine = Engine(CKPT, EngineConfig(num_blocks=64, block_size=8))
+    engine.add_request("a", PROMPT, SamplingParams(max_tokens=12))
+    engine.add_request("b", PROMPT[:5], SamplingParams(max_tokens=12))
+    seen: dict[str, dict[int, int]] = {"a": {}, "b": {}}
+
+    def step() -> list:
+        for o in engine.step():
+            if o.token_id is not None:
+                seen[o.request_id][o.position] = o.token_id
+        return sorted(engine.last_batch)
+
+    step()
+    assert step() == [("a", 1), ("b", 1)]
+    engine.append_tokens("b", reference[1][2:6])  # a handoff's final extension, stalled on MainDecode
+    engine.expedite("b")
+    assert step() == [("b", 5)]  # alone: its last sampled token and the 4 appended, one chunk
+    assert step() == [("a", 1), ("b", 1)]  # the flag is spent after one step
+    engine.pause("a")
+    engine.expedite("a")  # a paused request is never scheduled, expedited or not
+    assert step() == [("b", 1)]
+    engine.resume("a")
+    while engine.has_unfinished():
+        step()
+    seen["b"].update({2 + i: t for i, t in enumerate(reference[1][2:6])})
+    assert [seen["a"][p] for p in range(12)] == reference[0]
+    assert [seen["b"][p] for p in range(12)] == reference[1]
