@@ -54,6 +54,8 @@ class StackConfig:
     wan: LinkSettings = field(default_factory=LinkSettings)
     # Extra flags for every engine-bearing service (e.g. ["--block-size", "8"]).
     engine_flags: tuple[str, ...] = ()
+    # Extra flags for MainDecode only, after engine_flags (e.g. a smaller step budget for its ITL).
+    main_decode_flags: tuple[str, ...] = ()
     gateway_flags: tuple[str, ...] = ()
     log_dir: Path = Path("pdd-logs")
     key_prefix: str = "pdd"
@@ -120,8 +122,9 @@ class Stack:
                 link = self._start(f"wan-{i}", "services.wan_link",
                                    ["--listen", "127.0.0.1:0", "--upstream", f"127.0.0.1:{md_port}",
                                     *cfg.wan.flags()])
-                self._start(name, "services.main_decode", [*common, "--port", str(md_port), "--instance-id", name,
-                                                           "--cluster", "remote", "--advertise-address", link.address])
+                self._start(name, "services.main_decode", [*common, *cfg.main_decode_flags, "--port", str(md_port),
+                                                           "--instance-id", name, "--cluster", "remote",
+                                                           "--advertise-address", link.address])
             for i in range(cfg.prefill):
                 self._start(f"prefill-{i}", "services.prefill", [*common, "--instance-id", f"prefill-{i}"])
             for i in range(cfg.relay):

@@ -43,6 +43,9 @@ class Testbed:
     model: str = TESTBED_MODEL
     block_size: int = 16
     kv_cache_mb: int = 256
+    # MainDecode's per-step token budget: a smaller one than prefill's 2048 keeps a local prefill or a
+    # catch-up extension from stretching one step (every co-running stream's ITL, a handoff's wait).
+    md_max_batched_tokens: int = 128
     # torch threads per engine service: 3 engines share 2 cores.
     threads: int = 1
     # The cross-datacenter WAN (cdc-pd and pdd), scaled in decode steps (docs/benchmark.md): the report's
@@ -70,7 +73,7 @@ class Testbed:
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("model: required")
-        for name in ("block_size", "kv_cache_mb", "threads", "relay_busy_requests"):
+        for name in ("block_size", "kv_cache_mb", "threads", "relay_busy_requests", "md_max_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.local_prefill_tokens < 0:
@@ -118,6 +121,7 @@ def stack_config(mode: str, testbed: Testbed, *, log_dir: Path, redis_url: str =
                "--local-prefill-tokens", str(testbed.local_prefill_tokens), "--relay-busy-requests", str(testbed.relay_busy_requests), "--seed", str(testbed.router_seed))
     return StackConfig(model=testbed.model, redis_url=redis_url, gateway_port=gateway_port, prefill=1,
                        relay=relays(mode), main_decode=1, wan=link(mode, testbed), engine_flags=engine,
+                       main_decode_flags=("--max-num-batched-tokens", str(testbed.md_max_batched_tokens)),
                        gateway_flags=gateway, log_dir=log_dir, key_prefix=key_prefix)
 
 

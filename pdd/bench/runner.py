@@ -163,6 +163,8 @@ def add_testbed_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=d.model, help="tiny:SEED[,k=v] | smollm2 | PATH")
     g.add_argument("--block-size", type=int, default=d.block_size)
     g.add_argument("--kv-cache-mb", type=int, default=d.kv_cache_mb)
+    g.add_argument("--md-max-batched-tokens", type=int, default=d.md_max_batched_tokens,
+                   help="MainDecode's per-step token budget (prefill keeps the engine default)")
     g.add_argument("--threads", type=int, default=d.threads, help="torch threads per engine service")
     g.add_argument("--wan-mbps", type=float, default=d.wan_mbps, help="WAN bandwidth of cdc-pd and pdd")
     g.add_argument("--wan-delay-ms", type=float, default=d.wan_delay_ms)

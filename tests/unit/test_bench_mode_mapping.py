@@ -26,8 +26,10 @@ def test_modes_differ_only_in_relays_and_link(tmp_path):
     assert cfgs["idc-pd"] == base and dataclasses.replace(cfgs["cdc-pd"], wan=LinkSettings()) == base
     flags = cfgs["pdd"].engine_flags
     assert flags[flags.index("--block-size") + 1] == "16" and flags[flags.index("--threads") + 1] == "1"
+    assert cfgs["pdd"].main_decode_flags == ("--max-num-batched-tokens", "128")
     gw = cfgs["pdd"].gateway_flags
     assert gw[gw.index("--hit-threshold") + 1] == "0.95" and gw[gw.index("--seed") + 1] == "0"
+    assert gw[gw.index("--local-prefill-tokens") + 1] == "256"
     assert (cfgs["pdd"].prefill, cfgs["pdd"].main_decode, cfgs["pdd"].model) == (1, 1, modes.TESTBED_MODEL)
 
 
@@ -50,6 +52,7 @@ def test_link_record_and_environment():
 @pytest.mark.parametrize("bad, match", [
     (dict(wan_mbps=0.0), "wan_mbps"), (dict(threads=0), "threads"), (dict(hit_threshold=1.5), "hit_threshold"),
     (dict(wan_delay_ms=-1.0), "wan_delay_ms"), (dict(catch_up_gap=-1), "catch_up_gap"), (dict(model=""), "model"),
+    (dict(local_prefill_tokens=-1), "local_prefill_tokens"), (dict(md_max_batched_tokens=0), "md_max_batched_tokens"),
 ])
 def test_testbed_rejects_bad_settings(bad, match):
     with pytest.raises(ValueError, match=match):
