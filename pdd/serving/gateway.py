@@ -4,10 +4,11 @@ Life of a request:
   1. kvstore: live instances + predicted prefix hits of the prompt;
   2. router (pure policy): pipeline MD, P-MD or P-RLD-MD, the instances, the
      handoff mode;
-  3. main_decode.Decode is opened first: MainDecode matches the prompt in its
+  3. main_decode.Decode is opened: MainDecode matches the prompt in its
      DRC and *locks* the hit, answering how many tokens it holds — so the
      push can start exactly there and nothing is evicted meanwhile;
-  4. P-RLD-MD: relay.Decode is opened (the relay waits for its KV);
+  4. P-RLD-MD: relay.Decode is opened at the same time (the relay waits for
+     its KV); both accept before prefill is called;
   5. prefill.Prefill (not for MD, where MainDecode prefills the short
      uncached suffix itself): the first token comes back as soon as it is sampled
      (it is output position 0), KV flows to the relay (fast link) and the
@@ -204,13 +205,15 @@ class Gateway:
         queue: asyncio.Queue = asyncio.Queue()
         readers: list[asyncio.Task] = []
         try:
-            accepted = await self._first(md_call, "main_decode")
-            stats.md_cached_tokens = accepted.accepted.cached_tokens
             relay_call = None
+            firsts = [self._first(md_call, "main_decode")]
             if plan.pipeline is Pipeline.P_RLD_MD:
                 relay_call = self._relay_decode(job, sampling, plan)
                 calls.append(relay_call)
-                await self._first(relay_call, "relay")
+                firsts.append(self._first(relay_call, "relay"))
+            # NOTE: MainDecode and the relay accept independently: one round trip, not two, before prefill.
+            accepted, *_ = await asyncio.gather(*firsts)
+            stats.md_cached_tokens = accepted.accepted.cached_tokens
             p_call = None
             if plan.pipeline is not Pipeline.MD:
                 p_call = self._prefill(job, sampling, plan, stats.md_cached_tokens)
