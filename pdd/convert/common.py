@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pdd.engine.sampling import SamplingParams
+from pdd.engine.sampling_params import SamplingParams
 from pdd.errors import InvalidArgumentError
 from pdd.gen.common.v1 import common_pb2
 from pdd.instance import InstanceRef, Role

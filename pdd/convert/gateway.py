@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pdd.convert.common import finish_to_pb, handoff_from_pb, handoff_to_pb, pipeline_from_pb, pipeline_to_pb
-from pdd.engine.sampling import SamplingParams
+from pdd.engine.sampling_params import SamplingParams
 from pdd.errors import InvalidArgumentError
 from pdd.gen.gateway.v1 import gateway_service_pb2 as pb
 from pdd.serving.gateway import FinalEvent, GenerateJob, RequestStats, TokenEvent, new_request_id

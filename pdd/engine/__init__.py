@@ -8,18 +8,25 @@ transfer format), ``sampling``, ``checkpoint`` / ``gguf_checkpoint`` / ``tiny``
 (where weights come from).
 """
 
-from pdd.engine.checkpoint import Checkpoint, build_model, load_checkpoint
-from pdd.engine.config import EngineConfig
-from pdd.engine.engine import Engine, StepOutput
-from pdd.engine.errors import EngineStalledError, KvCapacityError
-from pdd.engine.gguf_checkpoint import load_gguf, smollm2_gguf_path
-from pdd.engine.kv_wire import KvDescriptor, KvPayload, from_bytes, to_bytes
-from pdd.engine.model_config import ModelConfig
-from pdd.engine.sampling import SamplingParams
-from pdd.engine.tiny import tiny_model
+from __future__ import annotations
 
-__all__ = [
-    "Checkpoint", "Engine", "EngineConfig", "EngineStalledError", "KvCapacityError", "KvDescriptor",
-    "KvPayload", "ModelConfig", "SamplingParams", "StepOutput", "build_model", "from_bytes",
-    "load_checkpoint", "load_gguf", "smollm2_gguf_path", "tiny_model", "to_bytes",
-]
+import importlib
+
+# NOTE: resolved on first use (PEP 562), so importing one light submodule — the radix cache's
+# CacheEvent, SamplingParams — does not load torch and the model code into kvstore or the gateway.
+_EXPORTS = {
+    "Checkpoint": "checkpoint", "build_model": "checkpoint", "load_checkpoint": "checkpoint",
+    "EngineConfig": "config", "Engine": "engine", "StepOutput": "engine",
+    "EngineStalledError": "errors", "KvCapacityError": "errors",
+    "load_gguf": "gguf_checkpoint", "smollm2_gguf_path": "gguf_checkpoint",
+    "KvDescriptor": "kv_wire", "KvPayload": "kv_wire", "from_bytes": "kv_wire", "to_bytes": "kv_wire",
+    "ModelConfig": "model_config", "SamplingParams": "sampling_params", "tiny_model": "tiny",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pdd.engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"pdd.engine.{module}"), name)

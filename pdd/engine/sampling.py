@@ -1,4 +1,4 @@
-"""Sampling parameters and the sampler: greedy, temperature, top-k, top-p, seeded.
+"""The sampler: greedy, temperature, top-k, top-p, seeded (parameters: ``sampling_params``).
 
 Reproducibility across engines and across a handoff: the random draw for the
 token at absolute sequence position ``p`` is one uniform number derived from
@@ -13,41 +13,13 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
+from pdd.engine.sampling_params import SamplingParams
 
-@dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 0.0  # 0 → greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 → off
-    seed: int | None = None  # None with temperature > 0: the engine picks one per request
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if not self.temperature >= 0:  # also rejects NaN
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an int >= 0, got {self.top_k!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
-        stops = tuple(self.stop_token_ids)
-        if any(not isinstance(t, int) or t < 0 for t in stops):
-            raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
-        object.__setattr__(self, "stop_token_ids", stops)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
+__all__ = ["SamplingParams", "position_uniform", "sample"]
 
 
 def position_uniform(seed: int, position: int) -> float:

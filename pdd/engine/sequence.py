@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from pdd.engine.sampling import SamplingParams
+from pdd.engine.sampling_params import SamplingParams
 
 
 class SeqStatus(Enum):

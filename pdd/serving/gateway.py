@@ -38,7 +38,7 @@ from pdd.convert.common import (finish_from_pb, handoff_to_pb, instance_ref_to_p
                                 sampling_to_pb)
 from pdd.convert.kvstore import load_from_pb
 from pdd.convert.common import instance_ref_from_pb
-from pdd.engine.sampling import SamplingParams
+from pdd.engine.sampling_params import SamplingParams
 from pdd.errors import FailedPreconditionError, UnavailableError
 from pdd.gen.common.v1 import common_pb2
 from pdd.gen.kvstore.v1 import kvstore_service_pb2 as kv_pb
