@@ -93,19 +93,21 @@ class EngineRunner:
         loop = asyncio.get_running_loop()
         schedulable = self.engine.has_schedulable
         while True:
-            if not await loop.run_in_executor(self._pool, schedulable):
+            try:
+                # NOTE: check and step in one trip to the engine thread: a separate check would
+                # cost every step an extra event-loop round trip.
+                result = await loop.run_in_executor(self._pool, self._step_if_schedulable, tuple(self._watched))
+            except Exception:  # noqa: BLE001 — a failed step must not kill the service silently
+                log.exception("engine_step_failed")
+                await self._fail_all()
+                continue
+            if result is None:
                 self._wake.clear()
                 # NOTE: re-check after clearing: a call() may have landed in between.
                 if not await loop.run_in_executor(self._pool, schedulable):
                     await self._wake.wait()
                 continue
-            try:
-                outputs, progressed, computed = await loop.run_in_executor(
-                    self._pool, self._step, tuple(self._watched))
-            except Exception:  # noqa: BLE001 — a failed step must not kill the service silently
-                log.exception("engine_step_failed")
-                await self._fail_all()
-                continue
+            outputs, progressed, computed = result
             self.steps += 1
             if not progressed:
                 # NOTE: nothing fit (pool full of paused/kept requests); wait for a change, don't spin.
@@ -123,6 +125,9 @@ class EngineRunner:
                 q = self._queues.get(out.request_id)
                 if q is not None:
                     q.put_nowait(out)
+
+    def _step_if_schedulable(self, watched: tuple[str, ...]) -> tuple[list, bool, list[tuple[str, int]]] | None:
+        return self._step(watched) if self.engine.has_schedulable() else None
 
     def _step(self, watched: tuple[str, ...]) -> tuple[list, bool, list[tuple[str, int]]]:
         """One engine step on the engine thread: outputs, whether anything moved, watched progress."""
