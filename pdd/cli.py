@@ -88,7 +88,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 # NOTE: each tool parses its own flags; these tables only route `pdd bench X` / `pdd trace X` to it.
-BENCH = {"run": "pdd.bench.runner", "compare": "pdd.bench.report", "sim": "pdd.bench.simulator",
+BENCH = {"run": "pdd.bench.runner", "compare": "pdd.bench.report", "sim": "pdd.bench.sim_command",
          "link": "pdd.kv.link_bench", "engine": "pdd.bench.engine_bench"}
 TRACE = {"gen": "pdd.bench.trace", "mooncake": "pdd.bench.mooncake"}
 

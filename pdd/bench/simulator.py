@@ -29,9 +29,6 @@ over a baseline's, minus one (``economics.py``).
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -260,7 +257,7 @@ def simulate(cfg: SimConfig, mode: str) -> dict:
     return _Run(cfg, mode).run(workload(cfg))
 
 
-def _fmt(x: float | None, nd: int = 1) -> str:
+def fmt(x: float | None, nd: int = 1) -> str:
     return "-" if x is None else f"{x:.{nd}f}"
 
 
@@ -271,53 +268,8 @@ def table(runs: Sequence[dict]) -> str:
     for r in runs:
         t, x = r["ttft_s"], r["kv_transfer_ms"]
         lines.append(f"{r['mode']:<8} {r['dist']:<8} "
-                     f"{_fmt(t['p50']) + '/' + _fmt(t['p90']) + '/' + _fmt(t['p99']):>20} "
-                     f"{_fmt(x['p50'], 0) + '/' + _fmt(x['p99'], 0):>20} {_fmt(r['kv_queue_ms']['mean'], 0):>13} "
+                     f"{fmt(t['p50']) + '/' + fmt(t['p90']) + '/' + fmt(t['p99']):>20} "
+                     f"{fmt(x['p50'], 0) + '/' + fmt(x['p99'], 0):>20} {fmt(r['kv_queue_ms']['mean'], 0):>13} "
                      f"{r['pool_saturated']:>8.0%} {r['rld_token_share']:>9.1%} "
-                     f"{_fmt(r['handoff_gap_ms']['p99'], 0):>8} {'yes' if r['sla_met'] else 'no'}")
+                     f"{fmt(r['handoff_gap_ms']['p99'], 0):>8} {'yes' if r['sla_met'] else 'no'}")
     return "\n".join(lines)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``pdd bench sim [--dist skewed|uniform|both] [--rps 80] [--goodput] [--json OUT] ...``."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["sim"]:
-        argv = argv[1:]
-    d = SimConfig()
-    p = argparse.ArgumentParser(prog="pdd bench sim", description=__doc__.split("\n")[0])
-    p.add_argument("--dist", choices=(*DISTS, "both"), default="both")
-    p.add_argument("--modes", default=",".join(MODES))
-    p.add_argument("--goodput", action="store_true", help="also search goodput and the benefit-cost ratio")
-    p.add_argument("--json", default=None, help="write every run as JSON here")
-    for name, value in asdict(d).items():
-        if name != "dist":
-            p.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
-    a = vars(p.parse_args(argv))
-    dists = DISTS if a["dist"] == "both" else (a["dist"],)
-    modes = [m.strip() for m in a.pop("modes").split(",") if m.strip()]
-    want_goodput, out = a.pop("goodput"), a.pop("json")
-    try:
-        cfgs = [SimConfig(**{**a, "dist": dist}) for dist in dists]
-        runs = [simulate(c, m) for c in cfgs for m in modes]
-    except ValueError as e:
-        p.error(str(e))
-    print(table(runs))
-    report: dict = {"runs": runs}
-    if want_goodput:
-        from pdd.bench.economics import economics  # NOTE: here, as economics imports this module
-
-        report["economics"] = {c.dist: economics(c) for c in cfgs}
-        for dist, e in report["economics"].items():
-            print(f"\n{dist}: goodput (RPS meeting P90<{d.sla_p90_s:g}s, P99<{d.sla_p99_s:g}s) "
-                  + ", ".join(f"{m} {g:.1f}" for m, g in e["goodput_rps"].items())
-                  + "; cost/h " + ", ".join(f"{m} {c:.1f}" for m, c in e["cost_per_hour"].items())
-                  + "; PDD benefit-cost " + ", ".join(f"{k} {_fmt(v and 100 * v)}%"
-                                                      for k, v in e["benefit_cost_ratio"].items()))
-    if out:
-        with open(out, "w") as f:
-            json.dump(report, f, indent=1)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -8,7 +8,8 @@ import pytest
 
 from pdd.bench.sim_link import EventLoop, SimLink
 from pdd.bench.economics import cost_per_hour, economics
-from pdd.bench.simulator import MODES, SimConfig, main, simulate
+from pdd.bench.sim_command import main
+from pdd.bench.simulator import MODES, SimConfig, simulate
 
 GB = 1e9
 
