@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from pdd.http.stop_strings import StopStrings
 from pdd.serving.detokenizer import Detokenizer
-from pdd.serving.gateway import Gateway, GenerateJob, TokenEvent
+from pdd.serving.gateway import Ending, Gateway, GenerateJob, TokenEvent
 
 
 @dataclass(frozen=True)
@@ -33,13 +33,15 @@ async def text_events(gateway: Gateway, job: GenerateJob, decode: Callable[[Sequ
                       stop: Sequence[str] = ()) -> AsyncIterator[Delta | End]:
     detok, stops = Detokenizer(decode), StopStrings(stop)
     produced = 0
-    async with contextlib.aclosing(gateway.generate(job)) as events:
+    ending = Ending()
+    async with contextlib.aclosing(gateway.generate(job, ending)) as events:
         async for ev in events:
             if isinstance(ev, TokenEvent):
                 produced += len(ev.token_ids)
                 text = stops.feed(detok.add(ev.token_ids))
                 yield Delta(text, ev.token_ids)
                 if stops.hit:
+                    ending.reason = "stop"  # NOTE: before the close below, so metrics say stop, not cancelled
                     yield End("stop", len(job.prompt_token_ids), produced)
                     return
                 continue

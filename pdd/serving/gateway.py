@@ -100,6 +100,13 @@ class TokenEvent:
     stage: int
 
 
+@dataclass
+class Ending:
+    """Why the caller closed a request's stream before its final event (e.g. "stop": a stop string)."""
+
+    reason: str | None = None
+
+
 @dataclass(frozen=True)
 class FinalEvent:
     finish_reason: str | None
@@ -168,8 +175,12 @@ class Gateway:
         except NoInstanceError as exc:
             raise UnavailableError(str(exc)) from None
 
-    async def generate(self, job: GenerateJob) -> AsyncIterator[TokenEvent | FinalEvent]:
+    async def generate(self, job: GenerateJob,
+                       ending: Ending | None = None) -> AsyncIterator[TokenEvent | FinalEvent]:
+        """The request's events. A caller that ends it early on purpose (a stop string) says why in
+        ``ending`` before closing the stream; otherwise a stream closed early counts as cancelled."""
         tracker = RequestTracker()
+        final = False
         try:
             # NOTE: aclosing: a client that goes away must cancel the stage calls at once, not at GC.
             async with contextlib.aclosing(self._generate(job, tracker)) as events:
@@ -178,11 +189,14 @@ class Gateway:
                         tracker.tokens(len(event.token_ids), _STAGE_NAMES.get(event.stage, "unknown"))
                     else:
                         tracker.finished(event.finish_reason)
+                        final = True
                     yield event
         except Exception:
             tracker.failed()
             raise
         finally:
+            if not final and ending is not None and ending.reason is not None:
+                tracker.finished(ending.reason)
             tracker.close()
 
     async def _generate(self, job: GenerateJob, tracker: RequestTracker) -> AsyncIterator[TokenEvent | FinalEvent]:

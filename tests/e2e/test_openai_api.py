@@ -26,6 +26,7 @@ from pdd.gen.gateway.v1 import gateway_service_pb2_grpc as g_grpc
 from pdd.launcher import free_port
 from pdd.serving.model_spec import load_model
 from pdd.stack import Stack, StackConfig
+from tests.e2e.test_observability import scrape, total
 
 pytestmark = pytest.mark.slow
 
@@ -126,13 +127,19 @@ def test_chat_whole_and_streamed_use_the_models_chat_template(client, reference)
     assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("chatcmpl-")
 
 
-def test_stop_string_ends_the_text_before_it(client, reference):
+def test_stop_string_ends_the_text_before_it(stack, client, reference):
     prompt = "The three primary colors are"
     want = reference.text(reference.greedy(reference.encode(prompt), 12))
     stop = want.strip().split()[1]  # a word in the middle of the reference text
+    before = scrape(stack.metrics["gateway"])
     r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop=[stop])
     assert r.choices[0].text == want[:want.index(stop)]
     assert r.choices[0].finish_reason == "stop"
+    # The request ended on purpose: counted as "stop", not as a client that went away.
+    after = scrape(stack.metrics["gateway"])
+    for outcome, grew in (("stop", 1), ("cancelled", 0)):
+        assert (total(after, "pdd_requests_total", outcome=outcome)
+                - total(before, "pdd_requests_total", outcome=outcome)) == grew, outcome
 
 
 def test_seeded_sampling_is_reproducible(client):

@@ -34,7 +34,7 @@ class ScriptedGateway:
         self.text, self.fail_before, self.fail_after, self.delay_s, self.roles = text, fail_before, fail_after, delay_s, roles
         self.jobs, self.ends = [], []
 
-    async def generate(self, job):
+    async def generate(self, job, ending=None):
         self.jobs.append(job)
         end = "cancelled"
         try:
