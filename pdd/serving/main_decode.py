@@ -192,27 +192,13 @@ class MainDecode:
                      transfer_s=round(kv.elapsed_s, 4), import_ms=round((time.perf_counter() - t0) * 1000, 2))
             if state.job.pipeline is Pipeline.P_MD:
                 first = list(kv.output_token_ids)
-                await self._extend(state, 0, first)
+                t1 = time.perf_counter()
+                # NOTE: expedited: the client waits on this first decode step (TTFDT).
+                await self._append(state, 0, first, expedite=True)
+                state.extend_s += time.perf_counter() - t1
                 state.queue.put_nowait(("emit_from", len(first)))
         except Exception as exc:  # noqa: BLE001 — surfaced on the request's stream
             state.queue.put_nowait(exc)
-
-    async def _extend(self, state: _State, start: int, token_ids: list[int]) -> None:
-        """Append known outputs (extend) and let the engine compute them in one pass."""
-        rid = state.job.request_id
-        t0 = time.perf_counter()
-
-        def run() -> None:
-            if not self.engine.holds_request(rid):
-                return
-            self.engine.append_tokens(rid, token_ids, start)
-            self.engine.resume(rid)
-            self.engine.expedite(rid)  # NOTE: the client waits on this first decode step (TTFDT)
-
-        await self.runner.call(run)
-        for i, tok in enumerate(token_ids):
-            state.outputs.setdefault(start + i, tok)
-        state.extend_s += time.perf_counter() - t0
 
     async def wait_kv_ready(self, request_id: str, timeout_s: float) -> bool:
         state = self._requests.get(request_id)
@@ -252,7 +238,7 @@ class MainDecode:
                 raise FailedPreconditionError(f"handoff tokens disagree with {request_id}'s finished outputs")
         elif not (agrees and state.produced >= target):
             t0 = time.perf_counter()
-            await self._extend_handoff(state, start, token_ids, expedite=final)
+            await self._append(state, start, token_ids, expedite=final)
             async with state.progress:
                 # The extension is computed once the engine produced the position after it (or finished).
                 await state.progress.wait_for(lambda: state.produced >= target or state.finished)
@@ -261,11 +247,12 @@ class MainDecode:
             state.queue.put_nowait(("emit_from", target))
         return target, max(target, state.produced + 1)
 
-    async def _extend_handoff(self, state: _State, start: int, token_ids: list[int], *, expedite: bool) -> None:
-        """Append the relay's tokens; drop what MainDecode decoded ahead where they disagree.
+    async def _append(self, state: _State, start: int, token_ids: list[int], *, expedite: bool) -> None:
+        """Make ``token_ids`` the outputs from ``start`` (extend: computed in one pass); what
+        MainDecode decoded ahead is kept where it agrees and dropped from the first disagreement.
 
-        ``expedite``: the relay has stopped and the client waits on this extension,
-        so it gets an engine step of its own.
+        ``expedite``: the client is waiting on this extension (the relay has stopped, or it is
+        P-MD's first decode step), so it gets an engine step of its own.
         """
         rid = state.job.request_id
 
