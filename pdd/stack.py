@@ -12,6 +12,7 @@ sends SIGTERM to all, in reverse order.
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,6 +58,8 @@ class StackConfig:
     # Extra flags for MainDecode only, after engine_flags (e.g. a smaller step budget for its ITL).
     main_decode_flags: tuple[str, ...] = ()
     gateway_flags: tuple[str, ...] = ()
+    # Extra environment of every service process (each reads only its own variables).
+    env: Mapping[str, str] = field(default_factory=dict)
     log_dir: Path = Path("pdd-logs")
     key_prefix: str = "pdd"
 
@@ -101,7 +104,8 @@ class Stack:
     def _start(self, name: str, module: str, args: list[str]) -> Process:
         if module != "services.wan_link":
             args = [*args, *self._metrics_flags(name)]
-        p = start_module(name, module, [*args, "--log-format", "json"], log_dir=self.config.log_dir)
+        p = start_module(name, module, [*args, "--log-format", "json"], env=dict(self.config.env),
+                         log_dir=self.config.log_dir)
         self.processes.append(p)
         return p
 

@@ -66,8 +66,8 @@ class DemoConfig:
 def scale_section(cfg: DemoConfig, step_ms: float, kv_bytes: int, prompt_mean: float,
                   outcomes: Mapping[str, ModeOutcome]) -> str:
     tb = cfg.testbed
-    ours_full = prompt_mean * kv_bytes / (tb.wan_mbps * 1e6 / 8) * 1000
-    theirs_full = REPORT_CONTEXT_TOKENS * REPORT_KV_BYTES_PER_TOKEN / (REPORT_WAN_GBPS * 1e9 / 8) * 1000
+    ours_full = calibrate.link_ms(prompt_mean * kv_bytes, tb.wan_mbps)
+    theirs_full = calibrate.link_ms(REPORT_CONTEXT_TOKENS * REPORT_KV_BYTES_PER_TOKEN, REPORT_WAN_GBPS * 1000)
     lines = ["## Scale", "",
              "| | report | this testbed |", "|---|---:|---:|",
              f"| context (mean prompt) | {REPORT_CONTEXT_TOKENS} tokens | {prompt_mean:.0f} tokens |",

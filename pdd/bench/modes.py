@@ -122,6 +122,7 @@ def stack_config(mode: str, testbed: Testbed, *, log_dir: Path, redis_url: str =
     return StackConfig(model=testbed.model, redis_url=redis_url, gateway_port=gateway_port, prefill=1,
                        relay=relays(mode), main_decode=1, wan=link(mode, testbed), engine_flags=engine,
                        main_decode_flags=("--max-num-batched-tokens", str(testbed.md_max_batched_tokens)),
+                       env=stack_env(testbed),
                        gateway_flags=gateway, log_dir=log_dir, key_prefix=key_prefix)
 
 

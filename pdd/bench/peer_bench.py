@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from pdd.bench.cpu import machine_cpu_s
 from pdd.engine import Engine, EngineConfig, SamplingParams, tiny_model
 
 PEER_SCRIPT = Path(__file__).with_name("vllm_peer.py")
@@ -120,20 +121,13 @@ class VllmPeer:
 
 
 def _cpu_busy(window: float = 0.5) -> float:
-    """Fraction of all CPUs busy over ``window`` seconds (from /proc/stat; 0.0 where it is missing)."""
-    def sample() -> tuple[int, int]:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-        idle = fields[3] + fields[4]  # idle + iowait
-        return sum(fields) - idle, sum(fields)
-
-    try:
-        busy0, total0 = sample()
-        time.sleep(window)
-        busy1, total1 = sample()
-    except OSError:
+    """Fraction of all CPUs busy over ``window`` seconds (0.0 where /proc/stat is missing)."""
+    before = machine_cpu_s()
+    time.sleep(window)
+    after = machine_cpu_s()
+    if before is None or after is None:
         return 0.0
-    return (busy1 - busy0) / max(total1 - total0, 1)
+    return (after[0] - before[0]) / max(after[1] - before[1], 1e-9)
 
 
 def wait_for_quiet(threshold: float, max_wait: float) -> float:

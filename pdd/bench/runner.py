@@ -23,11 +23,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -57,21 +56,6 @@ class ModeOutcome:
     @property
     def unclean(self) -> dict[str, int]:
         return {k: v for k, v in self.exit_codes.items() if v != 0}
-
-
-@contextlib.contextmanager
-def _environment(values: Mapping[str, str]) -> Iterator[None]:
-    """``values`` in ``os.environ`` while the block runs (services inherit it), then as before."""
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 WARM_UP_TOKENS = 256
@@ -114,8 +98,7 @@ def run_mode(trace: Sequence[TraceRequest], mode: str, out: Path, *, testbed: mo
         log_dir = log_dir or out.with_name(out.stem + "-logs")
         stack = Stack(modes.stack_config(mode, testbed, log_dir=log_dir, redis_url=redis_url,
                                          key_prefix=f"bench-{mode}-{time.time_ns():x}"))
-        with _environment(modes.stack_env(testbed)):
-            stack.start()
+        stack.start()
     codes: dict[str, int] = {}
     try:
         target = gateway or stack.gateway.address

@@ -31,8 +31,13 @@ class ModelInfo:
     encode: Callable[[str], list[int]] | None = None
 
 
+def valid_id(value: str) -> bool:
+    """Whether ``value`` may be a request or session id ("" included: none given)."""
+    return _ID.match(value) is not None
+
+
 def _check_id(value: str, field: str) -> str:
-    if not _ID.match(value):
+    if not valid_id(value):
         raise InvalidArgumentError(field, "must be at most 128 printable ASCII characters without spaces")
     return value
 

@@ -12,8 +12,9 @@ writes the new K/V into the pool at their slots, then
   ``q_len != k_len``. A lone chunk with no cached prefix takes the fast path
   (``is_causal=True`` on its own K/V, no gather).
 
-GQA never copies K/V: decode folds the query heads of a KV group into the
-query-length axis (``[B, KV, G, D]``), prefill uses SDPA's ``enable_gqa``.
+GQA never copies K/V: the query heads of a KV group are folded into the
+query-length axis — decode ``[B, KV, G, D]``, chunks ``[Bp, KV, Tq * G, D]`` (their
+mask has a row per query and head); the lone causal chunk uses SDPA's ``enable_gqa``.
 """
 
 from __future__ import annotations
@@ -33,12 +34,10 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # [Bd, MB] (padding → any real block)
     decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, MB * bs] True = attend
     prefill_block_tables: torch.Tensor | None = None  # [Bp, MBp]
-    prefill_mask: torch.Tensor | None = None  # [Bp, 1, Tq, MBp * bs]
+    prefill_mask: torch.Tensor | None = None  # [Bp, 1, Tq * G, MBp * bs]: row t * G + g is query t
     prefill_pad_index: torch.Tensor | None = None  # [Bp * Tq] prefill row of each padded query
     prefill_valid_index: torch.Tensor | None = None  # [Np] padded position of each prefill row
     prefill_causal_only: bool = False  # one chunk, nothing cached before it
-    # prefill_mask with each query row repeated for the G heads of its KV group (built once per step).
-    prefill_mask_grouped: torch.Tensor | None = None  # [Bp, 1, Tq * G, MBp * bs]
     # Where the gathers land, set with the block tables. NOTE: reused by every layer of the
     # step (each layer's gather is consumed before the next one's): a fresh multi-MB tensor
     # per layer page-faults, which cost as much as the copy itself (measured ~2x on the gather).
@@ -86,18 +85,16 @@ def _prefill(q: torch.Tensor, kv: torch.Tensor, cache: KvCache, layer: int,
             kv[:, 1].transpose(0, 1).unsqueeze(0), is_causal=True, enable_gqa=True)
         return out[0].transpose(0, 1)  # [T, H, D]
     mask = meta.prefill_mask
-    bp, tq = mask.shape[0], mask.shape[2]
     kvh = cache.num_kv_heads
     g = h // kvh
-    if meta.prefill_mask_grouped is None:
-        meta.prefill_mask_grouped = mask.repeat_interleave(g, dim=2)  # [Bp, 1, Tq * G, L]
+    bp, tq = mask.shape[0], mask.shape[2] // g
     if meta.prefill_pad_index is not None:
         q = q.index_select(0, meta.prefill_pad_index)  # [Bp * Tq, H, D]
     # NOTE: as in decode, a KV group's query heads are folded into the query axis instead of
     # SDPA's enable_gqa, which repeats K/V per head: for short chunks that copy dominated.
     qg = q.reshape(bp, tq, kvh, g, d).permute(0, 2, 1, 3, 4).reshape(bp, kvh, tq * g, d)  # [Bp, KV, Tq * G, D]
     keys, values = _gather(cache.layer(layer), meta.prefill_block_tables, meta.prefill_gather_buffer)  # [Bp, KV, L, D]
-    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=meta.prefill_mask_grouped)
+    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask)
     out = out.reshape(bp, kvh, tq, g, d).permute(0, 2, 1, 3, 4).reshape(bp * tq, h, d)  # [Bp * Tq, H, D]
     if meta.prefill_valid_index is not None:
         out = out.index_select(0, meta.prefill_valid_index)  # [Np, H, D]

@@ -165,12 +165,13 @@ class Engine:
                 raise EngineStalledError("no request could be scheduled: paused or kept requests pin the KV pool")
         return [s.output_ids for s in seqs]
 
-    def append_tokens(self, request_id: str, token_ids: Seq[int], start: int | None = None) -> None:
+    def append_tokens(self, request_id: str, token_ids: Seq[int], start: int | None = None) -> bool:
         """Extend: make ``token_ids`` the request's outputs from index ``start`` (default: the end).
 
         They are computed in one chunk on the next step, which samples the token after
         them. Outputs the engine already has from ``start`` on are kept where they
-        agree and replaced (their K/V dropped) from the first disagreement on.
+        agree and replaced (their K/V dropped) from the first disagreement on; returns
+        whether any were replaced.
         """
         seq = self._get(request_id)
         if seq.status is SeqStatus.FINISHED:
@@ -191,7 +192,7 @@ class Engine:
         while agree < min(len(old), len(new)) and old[agree] == new[agree]:
             agree += 1
         if agree == len(new):
-            return  # the engine is already there (or ahead)
+            return False  # the engine is already there (or ahead)
         cut = base + agree
         released = self.blocks.rollback(seq, cut)
         del seq.token_ids[cut:]
@@ -200,6 +201,7 @@ class Engine:
             self.blocks.match(seq)
         if stops or start + len(new) == sp.max_tokens:
             seq.finish_when_computed = "stop" if stops else "length"
+        return agree < len(old)
 
     def pause(self, request_id: str) -> None:
         self._get(request_id).paused = True
@@ -209,7 +211,7 @@ class Engine:
 
     def expedite(self, request_id: str) -> None:
         """Run this request alone in the next step (its client's stream is stalled on it)."""
-        self._get(request_id).expedite = True
+        self.scheduler.expedite(self._get(request_id))
 
     def abort(self, request_id: str) -> bool:
         """Drop a request and free its KV (its computed full blocks stay in the radix cache)."""

@@ -98,7 +98,10 @@ class ModelRunner:
         meta.prefill_block_tables, length = self._tables(seqs, [c + n for c, n in zip(starts, lens)])
         q_pos = torch.tensor(starts)[:, None] + torch.arange(tq)[None, :]  # [Bp, Tq]
         mask = torch.arange(length)[None, None, :] <= q_pos[:, :, None]  # [Bp, Tq, L]
-        meta.prefill_mask = mask.unsqueeze(1).to(self.device)  # [Bp, 1, Tq, L]
+        # NOTE: each query row repeated for the G heads of its KV group: attention folds a group's
+        # heads into the query axis (as decode does) instead of repeating K/V per head.
+        g = self.model.config.num_heads // self.model.config.num_kv_heads
+        meta.prefill_mask = mask.repeat_interleave(g, dim=1).unsqueeze(1).to(self.device)  # [Bp, 1, Tq * G, L]
         if any(n != tq for n in lens):
             pad, valid, offset = [], [], 0
             for b, n in enumerate(lens):

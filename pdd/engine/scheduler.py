@@ -15,11 +15,11 @@ Order of one step:
    allow (admission never preempts anyone). A preempted sequence is re-matched
    against the radix cache when it is re-admitted.
 Paused sequences are skipped everywhere and never preempted.
-Expedited sequences (``Sequence.expedite``: a client stream is stalled on them)
-get a step of their own: while one is schedulable, the step holds only the
-expedited ones — a batch-1 step instead of a full batch, for one step's delay of
-everyone else. The flag is spent once the sequence is scheduled; if none fits,
-the flags are dropped and the step is an ordinary one.
+Expedited sequences (``expedite``: a client stream is stalled on them) get a
+step of their own: while one is schedulable, the step holds only the expedited
+ones — a batch-1 step instead of a full batch, for one step's delay of everyone
+else. A sequence stops being expedited once it is scheduled; if none fits, the
+schedulable ones stop being expedited and the step is an ordinary one.
 """
 
 from __future__ import annotations
@@ -37,13 +37,18 @@ class Scheduler:
         self.blocks = blocks
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.expedited: set[Sequence] = set()
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
         self.waiting.append(seq)
 
+    def expedite(self, seq: Sequence) -> None:
+        self.expedited.add(seq)
+
     def remove(self, seq: Sequence) -> None:
+        self.expedited.discard(seq)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
@@ -51,13 +56,13 @@ class Scheduler:
 
     def schedule(self) -> list[tuple[Sequence, int]]:
         """Pick ``(sequence, num_tokens)`` pairs for one forward pass; allocates their blocks."""
-        only_expedited = any(s.expedite and not s.paused for s in (*self.running, *self.waiting))
+        only_expedited = any(not s.paused for s in self.expedited)
         batch = self._schedule(only_expedited)
         if only_expedited:
-            for seq in (*self.running, *self.waiting):
-                if not seq.paused:
-                    seq.expedite = False  # NOTE: spent when scheduled; dropped when nothing fitted
-            if not batch:
+            if batch:
+                self.expedited.difference_update(seq for seq, _ in batch)
+            else:  # NOTE: nothing expedited fits: give up on them rather than stall everyone
+                self.expedited = {s for s in self.expedited if s.paused}
                 batch = self._schedule(False)
         return batch
 
@@ -66,7 +71,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if seq.paused or (only_expedited and not seq.expedite):
+            if seq.paused or (only_expedited and seq not in self.expedited):
                 i += 1
                 continue
             start, n = self._chunk(seq, budget)
@@ -79,7 +84,7 @@ class Scheduler:
         for seq in list(self.waiting):
             if budget <= 0 or active >= self.max_num_seqs:
                 break
-            if seq.paused or (only_expedited and not seq.expedite):
+            if seq.paused or (only_expedited and seq not in self.expedited):
                 continue
             if seq.cache_handle is None and not seq.block_table:
                 self.blocks.match(seq)  # re-admission after preemption

@@ -8,8 +8,6 @@ the radix cache and it leaves the engine, unless ``keep_after_finish`` keeps its
 KV for an export until ``release``). Preemption sends a running request back to
 ``WAITING`` with no KV; it is re-matched and recomputed on re-admission.
 ``paused`` is orthogonal: a paused request keeps its KV and is never scheduled.
-``expedite`` asks for the next step to run this request alone (a client stream
-is stalled on it, e.g. a handoff's final extension); it lasts one step.
 """
 
 from __future__ import annotations
@@ -35,7 +33,6 @@ class Sequence:
     seed: int  # the sampling seed actually used (drawn once when the request gave none)
     salt: str = ""
     paused: bool = False
-    expedite: bool = False
     keep_after_finish: bool = False
     status: SeqStatus = SeqStatus.WAITING
     # NOTE: tokens [0, num_computed) have K/V in the pool at the slots of block_table.

@@ -1,7 +1,7 @@
 """The one mapping from errors to HTTP status codes and OpenAI's error JSON.
 
-Library code raises ``pdd.errors`` exceptions; the gRPC face maps them in
-``pdd.server.errors``, the HTTP face here. Errors only HTTP has (a bad key, a
+Library code raises ``pdd.errors`` exceptions; ``pdd.server.errors`` maps them to a
+gRPC status, and this module maps a status to HTTP. Errors only HTTP has (a bad key, a
 body that is not JSON, an unknown model or route) are ``ApiError``s, already
 in OpenAI's terms. Every error body is
 ``{"error": {"message", "type", "param", "code"}}``.
@@ -9,12 +9,12 @@ in OpenAI's terms. Every error body is
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import grpc
 
 from pdd import errors
+from pdd.server.errors import is_domain_error, status_for
 
 INVALID = "invalid_request_error"
 
@@ -28,20 +28,10 @@ class ApiError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
 
+# gRPC status → HTTP: a stage service's status (seen through the gateway's calls to it), and
+# our own exceptions, mapped to a status once in ``pdd.server.errors``.
 # NOTE: FailedPrecondition is 500 here, not 400: in PDD it means the pipeline broke mid-request
 # (a gap in the token stream, a failed fast link), which the client cannot fix by changing the request.
-_DOMAIN: tuple[tuple[type[BaseException], int, str], ...] = (
-    (errors.InvalidArgumentError, 400, INVALID),
-    (errors.NotFoundError, 404, "not_found_error"),
-    (errors.ResourceExhaustedError, 429, "rate_limit_error"),
-    (errors.UnavailableError, 503, "service_unavailable_error"),
-    (errors.FailedPreconditionError, 500, "server_error"),
-    (errors.DeadlineExceededError, 504, "timeout_error"),
-    (asyncio.TimeoutError, 504, "timeout_error"),
-    (ValueError, 400, INVALID),
-)
-
-# A stage service's status (seen through the gateway's calls to it).
 _GRPC: dict[grpc.StatusCode, tuple[int, str]] = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, INVALID),
     grpc.StatusCode.OUT_OF_RANGE: (400, INVALID),
@@ -49,6 +39,7 @@ _GRPC: dict[grpc.StatusCode, tuple[int, str]] = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
+    grpc.StatusCode.FAILED_PRECONDITION: (500, "server_error"),
 }
 
 
@@ -64,13 +55,12 @@ def http_error_for(exc: BaseException) -> tuple[int, dict[str, Any]]:
     if isinstance(exc, grpc.aio.AioRpcError):
         status, kind = _GRPC.get(exc.code(), (500, "server_error"))
         return status, error_body(f"{exc.code().name.lower()}: {exc.details()}", kind)
-    for cls, status, kind in _DOMAIN:
-        if isinstance(exc, cls):
-            param = exc.field if isinstance(exc, errors.InvalidArgumentError) else None
-            return status, error_body(str(exc) or cls.__name__, kind, param)
-    return 500, error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error")
+    code, message = status_for(exc)
+    status, kind = _GRPC.get(code, (500, "server_error"))
+    param = exc.field if isinstance(exc, errors.InvalidArgumentError) else None
+    return status, error_body(message, kind, param)
 
 
 def is_expected(exc: BaseException) -> bool:
     """Whether ``exc`` is an expected error (logged without a traceback)."""
-    return isinstance(exc, (ApiError, grpc.aio.AioRpcError)) or any(isinstance(exc, cls) for cls, _, _ in _DOMAIN)
+    return isinstance(exc, (ApiError, grpc.aio.AioRpcError)) or is_domain_error(exc)

@@ -22,7 +22,6 @@ import asyncio
 import contextlib
 import hmac
 import json
-import re
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -32,7 +31,7 @@ import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
-from pdd.convert.gateway import ModelInfo
+from pdd.convert.gateway import ModelInfo, valid_id
 from pdd.errors import InvalidArgumentError
 from pdd.http import openai_convert as conv
 from pdd.http.config import HttpConfig
@@ -43,7 +42,6 @@ from pdd.telemetry import metrics
 
 log = structlog.get_logger(__name__)
 
-_REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,128}$")
 REQUEST_ID = web.RequestKey("request_id", str)
 _REQUIRED_ROLES = ("prefill", "main_decode")
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
@@ -95,7 +93,7 @@ class OpenAIServer:
     @web.middleware
     async def _middleware(self, request: web.Request, handler) -> web.StreamResponse:
         header = request.headers.get("X-Request-Id", "")
-        rid = header if _REQUEST_ID.match(header) else new_request_id()
+        rid = header if header and valid_id(header) else new_request_id()
         request[REQUEST_ID] = rid
         resource = request.match_info.route.resource
         route = resource.canonical if resource is not None else "unmatched"

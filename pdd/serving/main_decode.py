@@ -238,35 +238,41 @@ class MainDecode:
                 raise FailedPreconditionError(f"handoff tokens disagree with {request_id}'s finished outputs")
         elif not (agrees and state.produced >= target):
             t0 = time.perf_counter()
-            await self._append(state, start, token_ids, expedite=final)
+            appended = await self._append(state, start, token_ids, expedite=final)
             async with state.progress:
                 # The extension is computed once the engine produced the position after it (or finished).
                 await state.progress.wait_for(lambda: state.produced >= target or state.finished)
+            if not appended and not all(state.outputs.get(start + i) == t for i, t in enumerate(token_ids)):
+                # NOTE: MainDecode finished ahead while this round was on its way: its outputs stand
+                # and must agree with the relay's, or the stream would mix two paths.
+                raise FailedPreconditionError(f"handoff tokens disagree with {request_id}'s finished outputs")
             state.extend_s += time.perf_counter() - t0
         if final:
             state.queue.put_nowait(("emit_from", target))
         return target, max(target, state.produced + 1)
 
-    async def _append(self, state: _State, start: int, token_ids: list[int], *, expedite: bool) -> None:
+    async def _append(self, state: _State, start: int, token_ids: list[int], *, expedite: bool) -> bool:
         """Make ``token_ids`` the outputs from ``start`` (extend: computed in one pass); what
         MainDecode decoded ahead is kept where it agrees and dropped from the first disagreement.
 
         ``expedite``: the client is waiting on this extension (the relay has stopped, or it is
-        P-MD's first decode step), so it gets an engine step of its own.
+        P-MD's first decode step), so it gets an engine step of its own. False when the engine
+        no longer holds the request (it finished, or was aborted): nothing was appended.
         """
         rid = state.job.request_id
 
-        def run() -> bool:
+        def run() -> bool | None:
             if not self.engine.holds_request(rid):
-                return False
-            mine = self.engine.output_token_ids(rid)[start:start + len(token_ids)]
-            self.engine.append_tokens(rid, token_ids, start)
+                return None
+            rolled_back = self.engine.append_tokens(rid, token_ids, start)
             self.engine.resume(rid)
             if expedite:
                 self.engine.expedite(rid)
-            return mine != list(token_ids[:len(mine)])
+            return rolled_back
 
         rolled_back = await self.runner.call(run)
+        if rolled_back is None:
+            return False
         # NOTE: through the request's queue, behind every output the engine produced before
         # the extension, so outputs decoded ahead on the old path can't outlive the rollback.
         applied = asyncio.get_running_loop().create_future()
@@ -275,6 +281,7 @@ class MainDecode:
             await asyncio.wait_for(applied, self.kv_timeout_s)
         except asyncio.TimeoutError:
             raise DeadlineExceededError(f"{rid}: the extension was not applied in {self.kv_timeout_s} s") from None
+        return True
 
     async def _apply_extension(self, state: _State, start: int, token_ids: tuple[int, ...], rolled_back: bool,
                                applied: asyncio.Future) -> None:

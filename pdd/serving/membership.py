@@ -9,7 +9,7 @@ task → ``stop()`` deregisters.
 
 Re-registration (lease lapsed, so kvstore dropped the instance and its block
 index): register again with ``reset_index`` → take the cache ``snapshot``
-(may be async: the engine's cache is read on the engine thread) → queue its
+(async: the engine's cache is read on the engine thread) → queue its
 "stored" events → then the live events published while it was being taken.
 
 NOTE: events are set assignments per block hash (stored: present; evicted or
@@ -24,7 +24,6 @@ taken wait behind it.
 from __future__ import annotations
 
 import asyncio
-import inspect
 from collections.abc import Awaitable, Callable
 
 import grpc
@@ -43,13 +42,17 @@ log = structlog.get_logger(__name__)
 MAX_EVENTS_PER_CALL = 256
 
 # The cache's whole content as "stored" events (see ``RadixCache.snapshot_events``).
-Snapshot = Callable[[], list[CacheEvent] | Awaitable[list[CacheEvent]]]
+Snapshot = Callable[[], Awaitable[list[CacheEvent]]]
+
+
+async def _no_cache() -> list[CacheEvent]:
+    return []
 
 
 class Membership:
     def __init__(self, kvstore_address: str, instance: Instance, *, ttl_ms: int = 6000,
                  load: Callable[[], InstanceLoad] = InstanceLoad,
-                 snapshot: Snapshot = list, tls: TlsConfig | None = None) -> None:
+                 snapshot: Snapshot = _no_cache, tls: TlsConfig | None = None) -> None:
         self.instance = instance
         self.ttl_ms = ttl_ms
         self._load = load
@@ -125,9 +128,7 @@ class Membership:
         # was read must reach kvstore after the snapshot, never before it.
         self._held = []
         try:
-            events = self._snapshot()
-            if inspect.isawaitable(events):
-                events = await events
+            events = await self._snapshot()
             for ev in events:
                 self._events.put_nowait(ev)
             self._resync_pending = False

@@ -32,7 +32,7 @@ from pdd.gen.relay.v1 import relay_service_pb2_grpc as r_grpc
 from pdd.instance import InstanceRef
 from pdd.kv import convert as kv_convert
 from pdd.kv.fast_link.region import PrepareRequest
-from pdd.kv.fast_link.select import usable_transports
+from pdd.kv.fast_link.select import usable_candidates
 from pdd.kv.fast_link.sender import FastLinkSender
 from pdd.kv.fast_link.shm import ShmSenderBackend
 from pdd.kv.fast_link.state import TransferState, Transport
@@ -104,15 +104,7 @@ class TransferDone:
 
 def offered_transports(preference: str, same_host: bool) -> tuple[Transport, ...]:
     """The fast-link transports prefill offers the relay, best first: probed once, logged."""
-    usable = usable_transports(same_host)
-    if preference == "auto":
-        offered = usable
-    else:
-        wanted = [Transport(t.strip()) for t in preference.split(",")]
-        offered = tuple(t for t in wanted if t in usable)
-        if not offered:
-            raise ValueError(f"fast_link: none of {preference!r} is usable here (usable: "
-                             f"{[t.value for t in usable]})")
+    offered = usable_candidates(preference, same_host)
     log.info("fast_link_transports", offered=[t.value for t in offered], same_host=same_host)
     return offered
 

@@ -204,13 +204,13 @@ class Relay:
                     call.cancel()
                     return  # NOTE: it finished here meanwhile; decode() hands it over as finished
                 # NOTE: MainDecode decodes ahead between rounds; what it computed needs no extend step.
-                if len(outputs) - max(sent, computed) <= self.config.catch_up_gap:
+                if len(outputs) - computed <= self.config.catch_up_gap:
                     break
                 await call.write(md_pb.TokenHandoffRequest(request_id=rid, start_position=sent,
                                                            token_ids=outputs[sent:], mode=handoff_to_pb(mode)))
                 ack = await call.read()
                 sent, rounds, rounds_left = ack.extended_through, rounds + 1, rounds_left - 1
-                computed = max(ack.computed_through, sent)
+                computed = ack.computed_through
             # NOTE: after pause returns, every output of the last step is already on the queue.
             outputs = await self.runner.call(self._pause_and_read, rid)
             if outputs is None:

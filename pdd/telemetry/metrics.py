@@ -139,16 +139,18 @@ class _LiveCollector(Collector):
         yield from (used, total, usage, queue)
         if pools:
             yield streams
-        if any(_decode_tokens.values()):
-            yield _rld_share()
+        relay, md = _decode_tokens("relay"), _decode_tokens("main_decode")
+        if relay + md:
+            yield _rld_share(relay, md)
 
 
-# Decode tokens by stage, for the RLD share (read at scrape time).
-_decode_tokens = {"relay": 0, "main_decode": 0}
+def _decode_tokens(stage: str) -> float:
+    """What ``GENERATION_TOKENS`` counted for ``stage`` so far (0 before its first token)."""
+    return sum(s.value for m in GENERATION_TOKENS.collect() for s in m.samples
+               if s.name.endswith("_total") and s.labels.get("stage") == stage)
 
 
-def _rld_share() -> GaugeMetricFamily:
-    relay, md = _decode_tokens["relay"], _decode_tokens["main_decode"]
+def _rld_share(relay: float, md: float) -> GaugeMetricFamily:
     share = GaugeMetricFamily("pdd_rld_token_share", "Share of decode tokens produced by the relay "
                               "(relay / (relay + main_decode)) since this gateway started")
     share.add_metric([], relay / (relay + md) if relay + md else 0.0)
@@ -189,8 +191,6 @@ class RequestTracker:
         self._last = now
         GENERATION_TOKENS.labels(stage).inc(n)
         self._tokens[stage] = self._tokens.get(stage, 0) + n
-        if stage in _decode_tokens:
-            _decode_tokens[stage] += n
 
     def finished(self, finish_reason: str | None) -> None:
         self._outcome = finish_reason or "stop"

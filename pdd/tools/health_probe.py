@@ -9,24 +9,21 @@ a container the probe speaks the service's own TLS, presenting its certificate u
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdd.server.flags import add_tls_flags, tls_config
-from pdd.server.tls import TlsConfig
+from pdd.server.tls import TlsConfig, open_channel
 
 
-def check(address: str, service: str = "", *, tls: TlsConfig = TlsConfig(), timeout: float = 3.0) -> int:
+async def check(address: str, service: str = "", *, tls: TlsConfig = TlsConfig(), timeout: float = 3.0) -> int:
     """The ``HealthCheckResponse.ServingStatus`` of ``service`` at ``address`` (raises ``grpc.RpcError``)."""
-    if tls.enabled:
-        channel = grpc.secure_channel(address, tls.channel_credentials(), options=tls.channel_options())
-    else:
-        channel = grpc.insecure_channel(address)
-    with channel:
+    async with open_channel(address, tls) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
-        return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout).status
+        return (await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)).status
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     name = health_pb2.HealthCheckResponse.ServingStatus.Name
     try:
-        status = check(args.address, args.service, tls=tls_config(args), timeout=args.timeout)
+        status = asyncio.run(check(args.address, args.service, tls=tls_config(args), timeout=args.timeout))
     except ValueError as exc:  # a TLS setting that cannot work (missing file, cert without key)
         print(f"{args.address}: {exc}", file=sys.stderr)
         return 2

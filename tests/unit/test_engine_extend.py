@@ -68,13 +68,16 @@ def test_catch_up_append_keeps_agreeing_tokens_and_replaces_the_rest():
     engine.append_tokens("r", reference[1:5])
     engine.step()  # the engine sampled output 5 itself
     assert engine.output_token_ids("r") == reference[:6]
-    engine.append_tokens("r", reference[5:9], start=5)  # overlaps the engine's own output 5
+    assert engine.append_tokens("r", reference[5:9], start=5) is False  # overlaps (agrees with) output 5
     assert engine.output_token_ids("r") == reference[:9]
     # a disagreeing token from the relay wins: K/V after it is dropped and recomputed
     forced = (reference[9] + 1) % 256
-    engine.append_tokens("r", [reference[8], forced], start=8)
+    assert engine.append_tokens("r", [reference[8], forced], start=8) is False  # nothing of ours replaced
     assert engine.output_token_ids("r") == reference[:9] + [forced]
     assert engine.num_cached_tokens("r") <= len(PROMPT) + 9
+    forced8 = (reference[8] + 1) % 256
+    assert engine.append_tokens("r", [reference[7], forced8], start=7) is True  # our output 8 replaced
+    assert engine.output_token_ids("r") == reference[:8] + [forced8]
     drain(engine)
     engine.add_request("s", PROMPT, SamplingParams(max_tokens=20))
     with pytest.raises(ValueError, match="start"):

@@ -20,7 +20,7 @@ from pdd.kv.compression import decode_tensor
 from pdd.kv.fast_link.rdma import pyverbs_available, rdma_devices
 from pdd.kv.fast_link.receiver import FastLinkConfig, FastLinkReceiver
 from pdd.kv.fast_link.region import Completion, PrepareRequest
-from pdd.kv.fast_link.select import HostProbe, probe_host, select_transport
+from pdd.kv.fast_link.select import HostProbe, probe_host, select_transport, usable_candidates
 from pdd.kv.fast_link.sender import FastLinkSender
 from pdd.kv.fast_link.shm import ShmReceiverBackend, ShmSenderBackend, ShmWriter, segment_exists
 from pdd.kv.fast_link.state import TransferState, Transport, advance
@@ -198,6 +198,12 @@ def test_selection_falls_back_when_pyverbs_finds_no_device():
         select_transport("shm", same_host=False, probe=none)
     with pytest.raises(ValueError, match="^fast_link_transport"):
         select_transport("infiniband", probe=none)
+    # what prefill offers the relay: every usable one, in preference order
+    assert usable_candidates("auto", True, probe=none) == (Transport.SHM, Transport.TCP)
+    assert usable_candidates("TCP, shm", True, probe=none) == (Transport.TCP, Transport.SHM)
+    assert usable_candidates("rdma,tcp", False, probe=none) == (Transport.TCP,)
+    with pytest.raises(ValueError, match="none of \\['rdma'\\] is usable"):
+        usable_candidates("rdma", True, probe=none)
 
 
 @pytest.mark.rdma

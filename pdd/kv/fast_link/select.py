@@ -68,6 +68,18 @@ def usable_transports(same_host: bool, probe: HostProbe | None = None) -> tuple[
     return tuple(usable)
 
 
+def usable_candidates(preference: str | Sequence[str | Transport], same_host: bool, *,
+                      probe: HostProbe | None = None) -> tuple[Transport, ...]:
+    """Every transport of ``preference`` this host can use towards a peer, in preference order."""
+    candidates, _ = _parse(preference)
+    usable = usable_transports(same_host, probe)
+    out = tuple(t for t in candidates if t in usable)
+    if not out:
+        raise ValueError(f"fast_link_transport: none of {[c.value for c in candidates]} is usable here "
+                         f"(usable: {[t.value for t in usable]})")
+    return out
+
+
 def select_transport(preference: str | Sequence[str | Transport] = "auto", same_host: bool = False, *,
                      probe: HostProbe | None = None) -> Transport:
     candidates, forced = _parse(preference)
