@@ -67,6 +67,9 @@ class Testbed:
     # (relay flag --catch-up-gap, the relay's default; passed as PDD_CATCH_UP_GAP: stack flags reach every
     # engine).
     catch_up_gap: int = 8
+    # The relay streams no faster than MainDecode decodes during a catch-up, holding a token at most this
+    # long (relay flag --pace-max-hold-ms, the relay's default; 0 = off, the ablation).
+    pace_max_hold_ms: float = 50.0
     # Main and remote cluster on separate CPUs (``pinning``), as on separate hardware.
     pin_clusters: bool = True
 
@@ -80,6 +83,8 @@ class Testbed:
             raise ValueError(f"local_prefill_tokens: must be >= 0, got {self.local_prefill_tokens}")
         if self.catch_up_gap < 0:
             raise ValueError(f"catch_up_gap: must be >= 0, got {self.catch_up_gap}")
+        if self.pace_max_hold_ms < 0:
+            raise ValueError(f"pace_max_hold_ms: must be >= 0, got {self.pace_max_hold_ms}")
         if self.wan_mbps <= 0:
             raise ValueError(f"wan_mbps: the cross-datacenter modes need a finite WAN, got {self.wan_mbps}")
         if self.wan_delay_ms < 0 or self.wan_jitter_ms < 0:
@@ -128,7 +133,7 @@ def stack_config(mode: str, testbed: Testbed, *, log_dir: Path, redis_url: str =
 
 def stack_env(testbed: Testbed) -> dict[str, str]:
     """Environment the stack's services start with (each reads only its own variables)."""
-    return {"PDD_CATCH_UP_GAP": str(testbed.catch_up_gap)}
+    return {"PDD_CATCH_UP_GAP": str(testbed.catch_up_gap), "PDD_PACE_MAX_HOLD_MS": str(testbed.pace_max_hold_ms)}
 
 
 def load_overrides(mode: str) -> dict:

@@ -159,6 +159,9 @@ def add_testbed_flags(p: argparse.ArgumentParser) -> None:
                    help="relay load at which handoffs become one-shot")
     g.add_argument("--catch-up-gap", type=int, default=d.catch_up_gap,
                    help="catch-up handoff ends once MainDecode is this many tokens behind")
+    g.add_argument("--pace-max-hold-ms", type=float, default=d.pace_max_hold_ms,
+                   help="relay streams no faster than MainDecode during a catch-up, holding a token at most "
+                        "this long (0 = off)")
     g.add_argument("--no-pin", dest="pin_clusters", action="store_false",
                    help="do not pin the main and remote cluster to separate CPUs")
 

@@ -41,6 +41,8 @@ class EngineRunner:
         self._task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.steps = 0
+        # Smoothed time between back-to-back steps: what a decoding request waits per token here.
+        self.step_interval_s = 0.0
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -92,6 +94,7 @@ class EngineRunner:
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         schedulable = self.engine.has_schedulable
+        last_step: float | None = None  # when the previous step ended, if the engine stayed busy
         while True:
             try:
                 # NOTE: check and step in one trip to the engine thread: a separate check would
@@ -102,6 +105,7 @@ class EngineRunner:
                 await self._fail_all()
                 continue
             if result is None:
+                last_step = None
                 self._wake.clear()
                 # NOTE: re-check after clearing: a call() may have landed in between.
                 if not await loop.run_in_executor(self._pool, schedulable):
@@ -109,6 +113,10 @@ class EngineRunner:
                 continue
             outputs, progressed, computed = result
             self.steps += 1
+            now = loop.time()
+            if last_step is not None and outputs:
+                self._note_interval(now - last_step)
+            last_step = now if outputs else None
             if not progressed:
                 # NOTE: nothing fit (pool full of paused/kept requests); wait for a change, don't spin.
                 self._wake.clear()
@@ -125,6 +133,10 @@ class EngineRunner:
                 q = self._queues.get(out.request_id)
                 if q is not None:
                     q.put_nowait(out)
+
+    def _note_interval(self, seconds: float) -> None:
+        # NOTE: an EWMA over ~10 steps: follows load changes within a few handoffs, ignores one slow step.
+        self.step_interval_s = seconds if self.step_interval_s == 0 else 0.9 * self.step_interval_s + 0.1 * seconds
 
     def _step_if_schedulable(self, watched: tuple[str, ...]) -> tuple[list, bool, list[tuple[str, int]]] | None:
         return self._step(watched) if self.engine.has_schedulable() else None

@@ -200,6 +200,11 @@ class MainDecode:
         except Exception as exc:  # noqa: BLE001 — surfaced on the request's stream
             state.queue.put_nowait(exc)
 
+    @property
+    def decode_interval_s(self) -> float:
+        """Recent time between this engine's decode steps (0 until measured): the relay paces to it."""
+        return self.runner.step_interval_s
+
     async def wait_kv_ready(self, request_id: str, timeout_s: float) -> bool:
         state = self._requests.get(request_id)
         if state is None:

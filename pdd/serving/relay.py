@@ -22,6 +22,7 @@ Cancellation (the gateway's call ends) aborts the request and frees its KV.
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ from pdd.server.interceptors import outgoing_metadata
 from pdd.serving.channels import Channels
 from pdd.serving.engine_instance import EngineInstance
 from pdd.serving.kv_bridge import import_range
+from pdd.serving.stream_pacer import StreamPacer
 from pdd.telemetry import metrics
 
 log = structlog.get_logger(__name__)
@@ -64,8 +66,13 @@ class RelayConfig:
     # Catch-up stops once MainDecode is at most this many tokens behind.
     catch_up_gap: int = 8
     max_catch_up_rounds: int = 8
+    # During a catch-up handoff the relay streams no faster than MainDecode decodes, holding a
+    # token at most this long (``stream_pacer``); 0 turns pacing off.
+    pace_max_hold_s: float = 0.05
 
     def __post_init__(self) -> None:
+        if self.pace_max_hold_s < 0:
+            raise ValueError(f"pace_max_hold_s: must be >= 0, got {self.pace_max_hold_s}")
         if self.catch_up_gap < 0:
             raise ValueError(f"catch_up_gap: must be >= 0, got {self.catch_up_gap}")
         if self.max_catch_up_rounds < 0:
@@ -138,20 +145,32 @@ class Relay:
                 self.engine.resume(rid)
 
             await self.runner.call(start)
+            pacer = StreamPacer(self.config.pace_max_hold_s)
             kv_ready = asyncio.create_task(self._wait_md(md, rid))
             tasks.append(kv_ready)
             kv_ready.add_done_callback(lambda t: queue.put_nowait(("kv_ready", t)))
             finished: tuple[str | None, int] | None = None
             outputs = list(first)  # NOTE: the engine forgets a finished request; keep its outputs here
+            # NOTE: drained eagerly and stamped, so a token held by the pacer is held from when it was computed.
+            pending: collections.deque[tuple[float, object]] = collections.deque()
             while True:
-                item = await queue.get()
+                if not pending:
+                    pending.append((pacer.clock(), await queue.get()))
+                now = pacer.clock()
+                while not queue.empty():
+                    pending.append((now, queue.get_nowait()))
+                if not pacer.released and any(getattr(it, "finished", False) for _, it in pending):
+                    pacer.release()  # NOTE: it ends here: no switch will come, nothing to hide
+                computed_at, item = pending.popleft()
                 if isinstance(item, BaseException):
                     raise item
                 if isinstance(item, tuple):
                     kind, value = item
                     if kind == "kv_ready" and finished is None:
-                        value.result()  # NOTE: surfaces MainDecode errors on this stream
-                        handoff = asyncio.create_task(self._handoff(md, job, queue, len(first)))
+                        interval_s = value.result()  # NOTE: surfaces MainDecode errors on this stream
+                        if job.handoff_mode is HandoffMode.CATCH_UP:
+                            pacer.pace(interval_s)
+                        handoff = asyncio.create_task(self._handoff(md, job, queue, pacer))
                         tasks.append(handoff)
                         handoff.add_done_callback(lambda t: t.cancelled() or t.exception() is None
                                                   or queue.put_nowait(t.exception()))
@@ -162,6 +181,7 @@ class Relay:
                 if item.token_id is not None and item.position >= len(first):
                     del outputs[item.position:]
                     outputs.append(item.token_id)
+                    await pacer.hold(computed_at)
                     yield Tokens(item.position, (item.token_id,))
                 if item.finished and finished is None:
                     finished = (item.finish_reason, item.position + 1)
@@ -178,7 +198,8 @@ class Relay:
             self.fast.cancel(rid)
             self.runner.submit(self.engine.abort, rid)  # NOTE: not awaited: runs even when cancelled
 
-    async def _wait_md(self, md, rid: str, timeout_s: float | None = None) -> None:
+    async def _wait_md(self, md, rid: str, timeout_s: float | None = None) -> float:
+        """Wait until MainDecode holds the request's KV; returns its decode interval (s, 0 if unknown)."""
         deadline = time.monotonic() + (timeout_s or self.config.finished_handoff_timeout_s)
         while True:
             left_ms = int((deadline - time.monotonic()) * 1000)
@@ -187,10 +208,13 @@ class Relay:
             resp = await md.WaitKvReady(md_pb.WaitKvReadyRequest(request_id=rid, timeout_ms=min(left_ms, 30_000)),
                                         metadata=outgoing_metadata())
             if resp.ready:
-                return
+                return resp.decode_interval_ms / 1000
 
-    async def _handoff(self, md, job: RelayJob, queue: asyncio.Queue, first_len: int) -> None:
-        """Hand the request over; puts ("handed_off", HandedOff) on the request's queue."""
+    async def _handoff(self, md, job: RelayJob, queue: asyncio.Queue, pacer: StreamPacer) -> None:
+        """Hand the request over; puts ("handed_off", HandedOff) on the request's queue.
+
+        Releases ``pacer`` once MainDecode has acknowledged the final batch: it speaks next.
+        """
         rid = job.request_id
         t0 = time.perf_counter()
         mode = job.handoff_mode
@@ -211,6 +235,7 @@ class Relay:
                 ack = await call.read()
                 sent, rounds, rounds_left = ack.extended_through, rounds + 1, rounds_left - 1
                 computed = ack.computed_through
+                pacer.pace(ack.decode_interval_ms / 1000)
             # NOTE: after pause returns, every output of the last step is already on the queue.
             outputs = await self.runner.call(self._pause_and_read, rid)
             if outputs is None:
@@ -220,6 +245,7 @@ class Relay:
                                                        token_ids=outputs[sent:], final=True,
                                                        mode=handoff_to_pb(mode)))
             await call.read()
+            pacer.release()
             await call.done_writing()
         except grpc.aio.AioRpcError:
             call.cancel()

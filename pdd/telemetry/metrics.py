@@ -74,6 +74,8 @@ HANDOFFS = Counter("pdd_handoffs", "Relay → MainDecode token handoffs by mode 
                    ["mode", "kind"])
 HANDOFF_TIME = Histogram("pdd_handoff_seconds", "Time from starting a live handoff to MainDecode holding it",
                          ["mode"], buckets=_TRANSFER)
+PACE_HOLD = Counter("pdd_relay_pace_hold_seconds", "Time the relay held tokens back during handoffs so its "
+                    "stream does not outrun MainDecode's (summed over tokens)")
 
 # ---- every service: gRPC ------------------------------------------------------------
 GRPC_HANDLED = Counter("pdd_grpc_server_handled", "gRPC calls completed by this server",

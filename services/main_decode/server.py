@@ -42,7 +42,8 @@ class MainDecodeServicer(pb_grpc.MainDecodeServiceServicer):
 
     async def WaitKvReady(self, request: pb.WaitKvReadyRequest, context) -> pb.WaitKvReadyResponse:
         timeout = (request.timeout_ms or 30_000) / 1000
-        return pb.WaitKvReadyResponse(ready=await self.md.wait_kv_ready(request.request_id, timeout))
+        ready = await self.md.wait_kv_ready(request.request_id, timeout)
+        return pb.WaitKvReadyResponse(ready=ready, decode_interval_ms=self.md.decode_interval_s * 1000)
 
     async def TokenHandoff(self, request_iterator, context):
         index = 0
@@ -53,7 +54,8 @@ class MainDecodeServicer(pb_grpc.MainDecodeServiceServicer):
             t0 = loop.time()
             through, computed = await self.md.handoff(rid, start, tokens, final=final)
             yield pb.TokenHandoffResponse(extended_through=through, extend_ms=(loop.time() - t0) * 1000,
-                                          computed_through=computed)
+                                          computed_through=computed,
+                                          decode_interval_ms=self.md.decode_interval_s * 1000)
 
     async def Cancel(self, request: pb.CancelRequest, context) -> pb.CancelResponse:
         return pb.CancelResponse(cancelled=await self.md.cancel(request.request_id))

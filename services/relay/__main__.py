@@ -19,7 +19,11 @@ def main(argv: list[str] | None = None) -> None:
     add_engine_flags(parser)
     parser.add_argument("--fast-link", default=env("PDD_FAST_LINK", "auto"),
                         help="transports offered: auto | comma list of rdma,shm,tcp (env PDD_FAST_LINK)")
-    parser.add_argument("--catch-up-gap", type=int, default=int(env("PDD_CATCH_UP_GAP", "8")))
+    parser.add_argument("--catch-up-gap", type=int, default=int(env("PDD_CATCH_UP_GAP", "8")),
+                        help="catch-up ends once MainDecode is at most this many tokens behind (env PDD_CATCH_UP_GAP)")
+    parser.add_argument("--pace-max-hold-ms", type=float, default=float(env("PDD_PACE_MAX_HOLD_MS", "50")),
+                        help="during a catch-up handoff stream no faster than MainDecode decodes, holding a "
+                             "token at most this long; 0 = off (env PDD_PACE_MAX_HOLD_MS)")
     args = parser.parse_args(argv)
     server = server_config(args)
     configure_logging("relay", level=server.log_level, json=server.log_json)
@@ -28,7 +32,8 @@ def main(argv: list[str] | None = None) -> None:
     from services.relay.server import build
 
     config = RelayServiceConfig(server=server, instance=instance_config(args, Role.RELAY),
-                                relay=RelayConfig(catch_up_gap=args.catch_up_gap), transports=args.fast_link)
+                                relay=RelayConfig(catch_up_gap=args.catch_up_gap,
+                                                  pace_max_hold_s=args.pace_max_hold_ms / 1000), transports=args.fast_link)
     run(config.server, build(config))
 
 

@@ -42,16 +42,17 @@ def test_load_overrides_are_greedy_exact_length_and_force_p_md_without_a_relay()
 
 
 def test_link_record_and_environment():
-    tb = modes.Testbed(wan_mbps=40.0, wan_delay_ms=1.0, catch_up_gap=7)
+    tb = modes.Testbed(wan_mbps=40.0, wan_delay_ms=1.0, catch_up_gap=7, pace_max_hold_ms=20.0)
     assert modes.link_record("idc-pd", tb) == {"mbps": 0.0, "delay_ms": 0.0, "jitter_ms": 0.0, "relays": 0,
                                                "model": tb.model}
     assert modes.link_record("pdd", tb)["mbps"] == 40.0 and modes.link_record("pdd", tb)["relays"] == 1
-    assert modes.stack_env(tb) == {"PDD_CATCH_UP_GAP": "7"}
+    assert modes.stack_env(tb) == {"PDD_CATCH_UP_GAP": "7", "PDD_PACE_MAX_HOLD_MS": "20.0"}
 
 
 @pytest.mark.parametrize("bad, match", [
     (dict(wan_mbps=0.0), "wan_mbps"), (dict(threads=0), "threads"), (dict(hit_threshold=1.5), "hit_threshold"),
-    (dict(wan_delay_ms=-1.0), "wan_delay_ms"), (dict(catch_up_gap=-1), "catch_up_gap"), (dict(model=""), "model"),
+    (dict(wan_delay_ms=-1.0), "wan_delay_ms"), (dict(catch_up_gap=-1), "catch_up_gap"),
+    (dict(pace_max_hold_ms=-1.0), "pace_max_hold_ms"), (dict(model=""), "model"),
     (dict(local_prefill_tokens=-1), "local_prefill_tokens"), (dict(md_max_batched_tokens=0), "md_max_batched_tokens"),
 ])
 def test_testbed_rejects_bad_settings(bad, match):

@@ -112,10 +112,12 @@ class WaitKvReadyRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
 
 class WaitKvReadyResponse(_message.Message):
-    __slots__ = ("ready",)
+    __slots__ = ("ready", "decode_interval_ms")
     READY_FIELD_NUMBER: _ClassVar[int]
+    DECODE_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     ready: bool
-    def __init__(self, ready: _Optional[bool] = ...) -> None: ...
+    decode_interval_ms: float
+    def __init__(self, ready: _Optional[bool] = ..., decode_interval_ms: _Optional[float] = ...) -> None: ...
 
 class TokenHandoffRequest(_message.Message):
     __slots__ = ("request_id", "start_position", "token_ids", "final", "request_finished", "mode")
@@ -134,14 +136,16 @@ class TokenHandoffRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., start_position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., final: _Optional[bool] = ..., request_finished: _Optional[bool] = ..., mode: _Optional[_Union[_common_pb2.HandoffMode, str]] = ...) -> None: ...
 
 class TokenHandoffResponse(_message.Message):
-    __slots__ = ("extended_through", "extend_ms", "computed_through")
+    __slots__ = ("extended_through", "extend_ms", "computed_through", "decode_interval_ms")
     EXTENDED_THROUGH_FIELD_NUMBER: _ClassVar[int]
     EXTEND_MS_FIELD_NUMBER: _ClassVar[int]
     COMPUTED_THROUGH_FIELD_NUMBER: _ClassVar[int]
+    DECODE_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     extended_through: int
     extend_ms: float
     computed_through: int
-    def __init__(self, extended_through: _Optional[int] = ..., extend_ms: _Optional[float] = ..., computed_through: _Optional[int] = ...) -> None: ...
+    decode_interval_ms: float
+    def __init__(self, extended_through: _Optional[int] = ..., extend_ms: _Optional[float] = ..., computed_through: _Optional[int] = ..., decode_interval_ms: _Optional[float] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
     __slots__ = ("request_id",)
