@@ -154,6 +154,10 @@ READING = """## Reading the table
   prefill and the WAN: MainDecode prefills the short suffix in its own batch, so TTFT = TTFDT.
 - **goodput** counts requests meeting every per-request SLO ({slo}) per second of the run.
 - **handoff gap**: the client-side gap between the relay's last token and MainDecode's first.
+  During a catch-up the relay streams no faster than MainDecode decodes and releases what it holds
+  when MainDecode takes over, so the stall that used to sit at the switch is spread out; the
+  **handoff window** (the longest gap within 8 tokens either side of the switch) shows whether it
+  was spread or only moved — compare it with ITL P99 and the timeline plot.
 - **CPU busy**: the whole machine, including processes that are not ours (see CPU contention)."""
 
 

@@ -5,7 +5,8 @@ Names follow vLLM's ``bench serve``: TTFT, TPOT (per request, (E2EL − TTFT) /
 ``{mean, p50, p90, p99}`` with numpy's linear-interpolation percentiles; goodput
 is the number of requests meeting *every* SLO of the spec divided by the run's
 duration. PDD adds: pipeline counts, the RLD token share Σrld / Σ(rld + md), WAN
-KV bytes, and the handoff gap (ITL at the RLD→MD handoff) ``{p50, p99}``. Errors
+KV bytes, the handoff gap (ITL at the RLD→MD handoff) ``{p50, p99}``, and the handoff window
+(the longest ITL within 8 tokens of it, ``RequestResult.handoff_window_ms``) ``{p50, p99}``. Errors
 count in ``requests`` and ``errors`` but in no latency figure.
 
 TTFDT (``ttfdt_ms``) is the time to the first token a decode stage produced
@@ -15,7 +16,7 @@ report's TTFT. ``cpu`` is what ``cpu.CpuMeter`` measured (empty when unmeasured)
 
 RESULT keys, exactly: mode, requests, errors, duration_s, ttft_ms, ttfdt_ms,
 tpot_ms, itl_ms, e2el_ms, goodput_rps, slo, rld_token_share, pipelines,
-wan_bytes, handoff_gap_ms, link, outputs, cpu. A summary of no values is all
+wan_bytes, handoff_gap_ms, handoff_window_ms, link, outputs, cpu. A summary of no values is all
 ``None``.
 """
 
@@ -31,8 +32,8 @@ from pdd.bench.record import RequestResult
 
 SLO_METRICS = ("ttft_ms", "ttfdt_ms", "tpot_ms", "e2el_ms")
 RESULT_KEYS = ("mode", "requests", "errors", "duration_s", "ttft_ms", "ttfdt_ms", "tpot_ms", "itl_ms", "e2el_ms",
-               "goodput_rps", "slo", "rld_token_share", "pipelines", "wan_bytes", "handoff_gap_ms", "link",
-               "outputs", "cpu")
+               "goodput_rps", "slo", "rld_token_share", "pipelines", "wan_bytes", "handoff_gap_ms",
+               "handoff_window_ms", "link", "outputs", "cpu")
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -111,6 +112,11 @@ def handoff_gap_ms(records: Sequence[RequestResult]) -> dict[str, float | None]:
     return {"p50": percentile(gaps, 50), "p99": percentile(gaps, 99)}
 
 
+def handoff_window_ms(records: Sequence[RequestResult]) -> dict[str, float | None]:
+    worst = [w for r in records if r.ok and (w := r.handoff_window_ms) is not None]
+    return {"p50": percentile(worst, 50), "p99": percentile(worst, 99)}
+
+
 def build_result(mode: str, records: Sequence[RequestResult], duration_s: float,
                  slo: str | Mapping[str, float] | None = None, link: Mapping | None = None,
                  cpu: Mapping | None = None) -> dict:
@@ -133,6 +139,7 @@ def build_result(mode: str, records: Sequence[RequestResult], duration_s: float,
         "pipelines": pipeline_counts(records),
         "wan_bytes": int(sum(r.wan_bytes for r in ok)),
         "handoff_gap_ms": handoff_gap_ms(records),
+        "handoff_window_ms": handoff_window_ms(records),
         "link": dict(link or {}),
         "outputs": {r.request_id: list(r.output_token_ids) for r in ok},
         "cpu": dict(cpu or {}),
@@ -147,9 +154,15 @@ def write_result(result: Mapping, path: str | Path) -> None:
         f.write("\n")
 
 
+# Keys added after RESULT files were first written: an older file reads with them empty.
+_LATER_KEYS = {"handoff_window_ms": {"p50": None, "p99": None}}
+
+
 def read_result(path: str | Path) -> dict:
     with open(path) as f:
         result = json.load(f)
+    for key, empty in _LATER_KEYS.items():
+        result.setdefault(key, dict(empty))
     missing = [k for k in RESULT_KEYS if k not in result]
     if missing:
         raise ValueError(f"{path}: not a RESULT file, missing {missing}")

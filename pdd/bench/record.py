@@ -19,6 +19,8 @@ from pathlib import Path
 
 
 DECODE_STAGES = ("relay", "main_decode")
+# How many tokens either side of the relay → MainDecode switch count as "around the handoff".
+HANDOFF_WINDOW_TOKENS = 8
 
 
 @dataclass
@@ -65,6 +67,18 @@ class RequestResult:
         for t, stage in zip(self.token_times_ms, self.token_stages):
             if stage in DECODE_STAGES:
                 return t
+        return None
+
+    @property
+    def handoff_window_ms(self) -> float | None:
+        """The longest wait between tokens within ``HANDOFF_WINDOW_TOKENS`` of the relay → MainDecode
+        switch: the stall a user could notice around the handoff, even if it is not at the switch
+        itself (the relay's pacing moves tokens around it). None without a switch."""
+        t, stages = self.token_times_ms, self.token_stages
+        for i in range(1, len(stages)):
+            if stages[i - 1] == "relay" and stages[i] == "main_decode":
+                lo, hi = max(1, i - HANDOFF_WINDOW_TOKENS), min(len(t) - 1, i + HANDOFF_WINDOW_TOKENS)
+                return max(t[j] - t[j - 1] for j in range(lo, hi + 1))
         return None
 
     def to_json(self) -> dict:

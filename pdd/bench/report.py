@@ -1,7 +1,7 @@
 """Side-by-side comparison of benchmark RESULTs, as text, Markdown and plots.
 
 ``compare`` prints one column per mode (TTFT and TTFDT P50/P90/P99, TPOT and
-ITL P50, goodput, RLD token share, WAN bytes, handoff gap, CPU, errors), then
+ITL P50, goodput, RLD token share, WAN bytes, handoff gap and window, ITL P99, CPU, errors), then
 the subject mode's (PDD's) P90 TTFT and TTFDT as ratios of every other mode's
 (CDC-PD, IDC-PD), then how many requests produced identical output tokens in
 every mode (greedy outputs must match across pipelines). ``write_report`` adds
@@ -74,6 +74,10 @@ def rows(results: Sequence[Mapping]) -> list[tuple[str, list[str]]]:
         ("WAN bytes", lambda r: _bytes(r["wan_bytes"])),
         ("handoff gap P50 (ms)", q("handoff_gap_ms", "p50")),
         ("handoff gap P99 (ms)", q("handoff_gap_ms", "p99")),
+        ("handoff window P50 / P99 (ms)",
+         lambda r: "-" if not r.get("handoff_window_ms", {}).get("p50") else
+         f"{r['handoff_window_ms']['p50']:.1f} / {r['handoff_window_ms']['p99']:.1f}"),
+        ("ITL P99 (ms)", q("itl_ms", "p99")),
         ("CPU busy", cpu),
         ("errors", lambda r: str(r["errors"])),
     ]

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from pdd.bench.metrics import (RESULT_KEYS, build_result, goodput_rps, handoff_gap_ms, parse_slo, percentile,
-                               pipeline_counts, read_result, rld_token_share, summarize, write_result)
+from pdd.bench.metrics import (RESULT_KEYS, build_result, goodput_rps, handoff_gap_ms, handoff_window_ms, parse_slo,
+                               percentile, pipeline_counts, read_result, rld_token_share, summarize, write_result)
 from pdd.bench.record import RequestResult, read_records, records_path, write_records
 
 
@@ -71,6 +71,29 @@ def test_rld_share_pipelines_and_handoff_gap():
     assert handoff_gap_ms(RECORDS[:1]) == {"p50": None, "p99": None}
 
 
+def _switched(rid: str, gaps: list[float], relay_tokens: int) -> RequestResult:
+    """Token 0 from prefill, then relay tokens, then MainDecode's, ``gaps[i]`` ms before token i + 1."""
+    times = [100.0]
+    for g in gaps:
+        times.append(times[-1] + g)
+    stages = ["prefill"] + ["relay"] * relay_tokens + ["main_decode"] * (len(gaps) - relay_tokens)
+    return RequestResult(request_id=rid, token_times_ms=times, token_stages=stages, ttft_ms=100.0,
+                         output_token_ids=list(range(len(times))))
+
+
+def test_handoff_window_finds_a_stall_moved_off_the_switch():
+    # A stall 3 tokens before the switch (paced relay, late flush) is what the window must see,
+    # while the ITL at the switch itself is 0 (the relay's last token and MainDecode's first together).
+    paced = _switched("p", [5, 5, 5, 5, 5, 5, 5, 40, 5, 0, 0, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9], relay_tokens=10)
+    assert paced.handoff_window_ms == 40.0
+    # Outside the window (here 12 tokens before the switch) does not count.
+    far = _switched("f", [60] + [5] * 10 + [9] * 12, relay_tokens=12)
+    assert far.handoff_window_ms == 9.0
+    assert _switched("n", [5, 5, 5], relay_tokens=3).handoff_window_ms is None  # never switched
+    assert handoff_window_ms([paced, far]) == {"p50": pytest.approx(24.5), "p99": pytest.approx(39.69)}
+    assert handoff_window_ms(RECORDS) == {"p50": None, "p99": None}
+
+
 def test_result_has_exactly_the_contract_fields(tmp_path):
     result = build_result("pdd", RECORDS, 2.0, slo="ttft_ms:250", link={"mbps": 100.0})
     assert tuple(result) == RESULT_KEYS
@@ -85,6 +108,9 @@ def test_result_has_exactly_the_contract_fields(tmp_path):
     assert result["outputs"] == {"a": [1, 2, 3], "b": [4, 5], "c": [6], "d": [7]}
     write_result(result, tmp_path / "r.json")
     assert read_result(tmp_path / "r.json") == json.loads(json.dumps(result))
+    older = {k: v for k, v in result.items() if k != "handoff_window_ms"}  # written before that key existed
+    write_result(older, tmp_path / "old.json")
+    assert read_result(tmp_path / "old.json")["handoff_window_ms"] == {"p50": None, "p99": None}
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ValueError, match="not a RESULT"):
         read_result(tmp_path / "bad.json")
