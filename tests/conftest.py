@@ -60,7 +60,7 @@ import torch
 
 # NOTE: one definition of a near-tie, shared with the benchmark's output-agreement check.
 from pdd.bench.agreement import NEAR_TIE
-from pdd.engine.checkpoint import Checkpoint
+from pdd.engine.checkpoint_record import Checkpoint
 
 
 class NearTieDivergence(UserWarning):

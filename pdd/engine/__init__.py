@@ -5,7 +5,8 @@ Modules, one thing each: ``engine`` (the API the services use), ``scheduler``,
 ``model_runner`` (batch → tensors → logits), ``model`` + ``attention`` + ``rope``
 (the decoder over paged KV), ``kv_cache`` (the KV tensor), ``kv_wire`` (the KV
 transfer format), ``sampling``, ``checkpoint`` / ``gguf_checkpoint`` / ``tiny``
-(where weights come from).
+(where weights come from, as a ``checkpoint_record``), ``model_source`` /
+``gguf_metadata`` / ``tiny_config`` (what a model is, read without torch).
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ import importlib
 # NOTE: resolved on first use (PEP 562), so importing one light submodule — the radix cache's
 # CacheEvent, SamplingParams — does not load torch and the model code into kvstore or the gateway.
 _EXPORTS = {
-    "Checkpoint": "checkpoint", "build_model": "checkpoint", "load_checkpoint": "checkpoint",
+    "Checkpoint": "checkpoint_record", "build_model": "checkpoint", "load_checkpoint": "checkpoint",
     "EngineConfig": "config", "Engine": "engine", "StepOutput": "engine",
     "EngineStalledError": "errors", "KvCapacityError": "errors",
-    "load_gguf": "gguf_checkpoint", "smollm2_gguf_path": "gguf_checkpoint",
+    "load_gguf": "gguf_checkpoint", "smollm2_gguf_path": "model_source",
     "KvDescriptor": "kv_wire", "KvPayload": "kv_wire", "from_bytes": "kv_wire", "to_bytes": "kv_wire",
     "ModelConfig": "model_config", "SamplingParams": "sampling_params", "tiny_model": "tiny",
 }

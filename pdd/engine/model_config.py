@@ -10,25 +10,31 @@ transformers-5 ``rope_parameters`` form); ``to_hf_dict`` writes one that
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# NOTE: dtypes by name, torch imported only in ``parse_dtype``: the gateway reads a ModelConfig
+# (limits, EOS ids) and must start without torch (tests/unit/test_gateway_is_light.py).
+_DTYPE_NAMES = ("float32", "bfloat16", "float16")
 _SUPPORTED_ROPE = ("default", "linear", "llama3")
 _SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
+def _dtype_key(name: str | torch.dtype) -> str:
+    """``"float32"``/``"bfloat16"``/``"float16"`` (or the torch dtype of one) → its name, checked."""
+    key = str(name).removeprefix("torch.")
+    if key not in _DTYPE_NAMES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPE_NAMES)}, got {name!r}")
+    return key
+
+
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     """``"float32"``/``"bfloat16"``/``"float16"`` (or a torch dtype) → torch dtype."""
-    if isinstance(name, torch.dtype):
-        if name not in _DTYPES.values():
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {name}")
-        return name
-    key = str(name).removeprefix("torch.")
-    if key not in _DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {name!r}")
-    return _DTYPES[key]
+    import torch
+
+    return getattr(torch, _dtype_key(name))
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -70,7 +76,7 @@ class ModelConfig:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
             raise ValueError("rms_norm_eps and rope_theta must be positive")
-        parse_dtype(self.torch_dtype)
+        _dtype_key(self.torch_dtype)
         if self.model_type not in _SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type must be one of {_SUPPORTED_MODEL_TYPES}, got {self.model_type!r}")
         if self.rope_scaling is not None:

@@ -1,36 +1,42 @@
-"""What the gateway needs of the model: its limits and tokenizer, not its weights."""
+"""What the gateway needs of the model: its limits and tokenizer, not its weights.
+
+Read per spec kind without torch (tests/unit/test_gateway_is_light.py):
+``tiny:...`` → ``tiny_config`` (no tokenizer); a ``.gguf`` or ``smollm2`` → its
+metadata (``gguf_metadata``) and tokenizer (``light_tokenizer``); a Hugging Face
+directory → its ``config.json`` and tokenizer files. Each value equals what
+``load_model(spec)`` gives the engines (tests/unit/test_model_info.py).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from pathlib import Path
+
+from gguf import GGUFReader
 
 from pdd.convert.gateway import ModelInfo
+from pdd.engine.gguf_metadata import gguf_config
 from pdd.engine.model_config import ModelConfig
-from pdd.serving.model_spec import load_model
+from pdd.engine.model_source import resolve_model_source
+from pdd.engine.tiny_config import tiny_config
+from pdd.serving.light_tokenizer import load_tokenizer
+from pdd.serving.model_spec import tiny_kwargs
 
 Decode = Callable[[Sequence[int]], str] | None
 
 
 def _config_and_tokenizer(spec: str) -> tuple[ModelConfig, object | None]:
-    path = None
-    if spec == "smollm2":
-        from pdd.engine.gguf_checkpoint import smollm2_gguf_path
-
-        path = smollm2_gguf_path()
-    elif spec.endswith(".gguf"):
-        path = Path(spec)
-    if path is not None:
+    if spec.startswith("tiny:"):
+        shape = tiny_kwargs(spec)
+        del shape["seed"]  # the weights', not the shape's
+        return tiny_config(**shape), None
+    source = resolve_model_source(spec)
+    if source.is_gguf:
         # NOTE: read the metadata only; dequantizing weights the gateway never uses costs seconds.
-        from gguf import GGUFReader
-        from transformers import AutoTokenizer
-
-        from pdd.engine.gguf_checkpoint import gguf_config
-
-        return gguf_config(GGUFReader(str(path))), AutoTokenizer.from_pretrained(str(path.parent),
-                                                                                 gguf_file=path.name)
-    ckpt = load_model(spec)
-    return ckpt.config, ckpt.tokenizer
+        reader = GGUFReader(str(source.path))
+        return gguf_config(reader), load_tokenizer(source, reader)
+    config = source.hf_config()
+    source.safetensors_files()  # NOTE: a directory the engines cannot load is refused here as there
+    return config, load_tokenizer(source) if source.has_tokenizer else None
 
 
 def load_model_info(spec: str) -> tuple[ModelInfo, Decode]:

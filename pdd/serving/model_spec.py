@@ -5,12 +5,17 @@
 - ``tiny:SEED[,key=value...]`` — a deterministic random-weight Llama for
   tests and the benchmark (keys: vocab, hidden, inter, layers, heads,
   kv_heads, ctx, std, eos), identical in every process for identical specs.
+
+``load_model`` loads the weights (torch); the gateway parses specs here too and
+reads only a model's limits and tokenizer (``model_info``).
 """
 
 from __future__ import annotations
 
-from pdd.engine.checkpoint import Checkpoint, load_checkpoint
-from pdd.engine.tiny import tiny_model
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pdd.engine.checkpoint_record import Checkpoint
 
 _TINY_KEYS = {"vocab": "vocab_size", "hidden": "hidden_size", "inter": "intermediate_size",
               "layers": "num_layers", "heads": "num_heads", "kv_heads": "num_kv_heads",
@@ -36,6 +41,10 @@ def tiny_kwargs(spec: str) -> dict:
 
 
 def load_model(spec: str) -> Checkpoint:
+    # NOTE: imported here: they load torch, which the gateway, parsing specs with this module, must not.
+    from pdd.engine.checkpoint import load_checkpoint
+    from pdd.engine.tiny import tiny_model
+
     if spec.startswith("tiny:"):
         return tiny_model(**tiny_kwargs(spec))
     return load_checkpoint(spec)

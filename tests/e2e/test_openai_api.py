@@ -53,7 +53,7 @@ def reference():
     """(greedy tokens of a prompt, detokenize, chat prompt ids) on one in-process engine."""
     from transformers import AutoTokenizer
 
-    from pdd.engine.gguf_checkpoint import smollm2_gguf_path
+    from pdd.engine.model_source import smollm2_gguf_path
 
     path = smollm2_gguf_path()
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
