@@ -8,7 +8,13 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PDD_HOST=0.0.0.0 \
-    PDD_LOG_FORMAT=json
+    PDD_LOG_FORMAT=json \
+    TORCH_EXTENSIONS_DIR=/opt/pdd/torch_extensions
+
+# g++ and ninja compile the engine's paged decode kernel (pdd/engine/paged_decode.py; built below, at
+# image build time, so no service compiles at start). Without them the engine falls back to gather + SDPA.
+RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends g++ ninja-build \
+ && rm -rf /var/lib/apt/lists/*
 
 # NOTE: torch first, pinned, CPU build: an unpinned torch pulls a multi-GB CUDA build.
 ARG TORCH_VERSION=2.13.0
@@ -27,7 +33,9 @@ COPY protos ./protos
 COPY services ./services
 COPY pdd ./pdd
 RUN pip install --no-deps . \
- && useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin pdd
+ && useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin pdd \
+ && python -c "from pdd.engine import paged_decode; paged_decode.load()" \
+ && chown -R 10001 /opt/pdd/torch_extensions
 
 USER 10001
 # gateway gRPC, kvstore, prefill, relay, main_decode; gateway HTTP; plaintext health; metrics.

@@ -8,11 +8,16 @@ STAMP := $(VENV)/.installed
 
 .PHONY: venv tools system-deps protos protos-check lint-protos test demo bench bench-engine clean
 
-# Debian packages the tests need (a real Redis server); skipped when present.
+# Debian packages the tests need (a real Redis server; g++ and ninja build the engine's paged decode
+# kernel, without which the engine falls back to a slower path); each skipped when present.
 system-deps:
-	@command -v redis-server >/dev/null 2>&1 || { \
-	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq redis-server; \
-	  else sudo apt-get update -qq && sudo apt-get install -y -qq redis-server; fi; }
+	@missing=""; \
+	command -v redis-server >/dev/null 2>&1 || missing="$$missing redis-server"; \
+	command -v g++ >/dev/null 2>&1 || missing="$$missing g++"; \
+	command -v ninja >/dev/null 2>&1 || missing="$$missing ninja-build"; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq $$missing; \
+	  else sudo apt-get update -qq && sudo apt-get install -y -qq $$missing; fi; fi
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PY_SYS) -m venv $(VENV)
@@ -20,6 +25,9 @@ $(STAMP): pyproject.toml
 	# NOTE: torch first and pinned: the CPU build comes from local disk.
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[dev]'
+	# Build the paged decode kernel now, not in the first engine to start (~10 s); optional.
+	$(PY) -c 'from pdd.engine import paged_decode; paged_decode.load()' 2>/dev/null \
+	  || echo "note: paged decode kernel not built (needs g++ and ninja); the engine falls back"
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -4,8 +4,10 @@ A step's tokens are laid out decode-first: rows ``[0, num_decode)`` are one new
 token each of ``num_decode`` sequences, the rest are prefill chunks. Every layer
 writes the new K/V into the pool at their slots, then
 
-- decode rows: gathers each sequence's K/V blocks by its (padded) block table
-  and runs one batched SDPA with a key-length mask;
+- decode rows: with ``decode_context_lens`` set, the compiled paged kernel
+  (``paged_decode``) reads each sequence's K/V in place by its block table;
+  otherwise (kernel off, unavailable, or not a CPU float32 pool) gathers the
+  blocks into a contiguous copy and runs one batched SDPA with a key-length mask;
 - prefill rows: the same with a causal mask *offset by the tokens already in
   the cache* (query ``i`` of a chunk starting at ``c`` sees keys ``<= c + i``);
   ``is_causal=True`` would be wrong whenever a cached prefix makes
@@ -25,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from pdd.engine.kv_cache import KvCache
+from pdd.engine.paged_decode import paged_decode
 
 
 @dataclass
@@ -32,7 +35,8 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [N] where each row's new K/V is written
     num_decode: int
     decode_block_tables: torch.Tensor | None = None  # [Bd, MB] (padding → any real block)
-    decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, MB * bs] True = attend
+    decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, MB * bs] True = attend (gather path only)
+    decode_context_lens: torch.Tensor | None = None  # [Bd] int64; set ⇒ decode uses the paged kernel
     prefill_block_tables: torch.Tensor | None = None  # [Bp, MBp]
     prefill_mask: torch.Tensor | None = None  # [Bp, 1, Tq * G, MBp * bs]: row t * G + g is query t
     prefill_pad_index: torch.Tensor | None = None  # [Bp * Tq] prefill row of each padded query
@@ -67,6 +71,8 @@ def _gather(blocks: torch.Tensor, table: torch.Tensor, out: torch.Tensor) -> tup
 
 
 def _decode(q: torch.Tensor, cache: KvCache, layer: int, meta: AttentionMetadata) -> torch.Tensor:
+    if meta.decode_context_lens is not None:  # in place, no gather: [B, H, D]
+        return paged_decode(q, cache.layer(layer), meta.decode_block_tables, meta.decode_context_lens)
     b, h, d = q.shape
     kv = cache.num_kv_heads
     keys, values = _gather(cache.layer(layer), meta.decode_block_tables, meta.decode_gather_buffer)  # [B, KV, L, D]

@@ -23,6 +23,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # CPU float32: also keep every weight oneDNN-prepacked (2x weight memory; faster batched decode)
     prepack_weights: bool = True
+    # CPU float32: decode attention reads K/V in place with the compiled paged kernel (`paged_decode`);
+    # falls back to gather + SDPA when off, unsupported or the build fails
+    paged_decode_kernel: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:

@@ -76,7 +76,8 @@ class Engine:
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, on_cache_event)
         self.scheduler = Scheduler(config.max_num_batched_tokens, config.max_num_seqs, self.blocks)
         self.runner = ModelRunner(self.model, self.kv, self.blocks,
-                                  RotaryTable(mc, self.max_model_len, self.dtype, self.device), self.device)
+                                  RotaryTable(mc, self.max_model_len, self.dtype, self.device), self.device,
+                                  config.paged_decode_kernel)
         self._seqs: dict[str, Sequence] = {}
         self._generate_ids = 0
         self.last_batch: list[tuple[str, int]] = []  # (request_id, tokens computed) of the last step

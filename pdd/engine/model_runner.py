@@ -3,8 +3,10 @@
 Rows are laid out decode-first (one token per decoding sequence), then the
 prefill chunks; only the last row of a sequence that has now computed every
 known token is turned into logits. Block tables are padded into one tensor per
-group so each layer does one gather and one SDPA per group, never a Python
-loop over sequences.
+group so each layer does one kernel call (or one gather and one SDPA) per group,
+never a Python loop over sequences. Decode rows read the pool in place with the
+paged kernel when it is enabled (``paged_decode``): they then need only their
+context lengths, no mask and no gather buffer.
 """
 
 from __future__ import annotations
@@ -15,15 +17,18 @@ from pdd.engine.attention import AttentionMetadata
 from pdd.engine.block_manager import BlockManager
 from pdd.engine.kv_cache import KvCache
 from pdd.engine.model import LlamaModel
+from pdd.engine.paged_decode import enabled as paged_kernel_enabled
 from pdd.engine.rope import RotaryTable
 from pdd.engine.sequence import Sequence
 
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, cache: KvCache, blocks: BlockManager, rope: RotaryTable,
-                 device: torch.device):
+                 device: torch.device, paged_decode_kernel: bool = True):
         self.model, self.cache, self.blocks, self.rope, self.device = model, cache, blocks, rope, device
         self.block_size = blocks.block_size
+        # False when not requested, not a CPU float32 pool, or the kernel failed to build
+        self.paged_kernel = paged_kernel_enabled(paged_decode_kernel, device, cache.dtype)
         self.num_forwards = 0
         self._workspace = torch.empty(0, dtype=cache.dtype, device=device)  # backs the gather buffers
 
@@ -63,7 +68,8 @@ class ModelRunner:
 
     def _gather_buffers(self, meta: AttentionMetadata) -> None:
         """Carve this step's decode and prefill gather buffers out of one reused workspace."""
-        tables = [meta.decode_block_tables, meta.prefill_block_tables]
+        decode_gathers = meta.decode_context_lens is None  # the paged kernel reads the pool in place
+        tables = [meta.decode_block_tables if decode_gathers else None, meta.prefill_block_tables]
         counts = [0 if t is None else t.numel() for t in tables]
         block_shape = self.cache.layer(0).shape[1:]  # [bs, 2, KV, D]
         block_numel = block_shape.numel()
@@ -83,7 +89,10 @@ class ModelRunner:
     def _decode_meta(self, meta: AttentionMetadata, seqs: list[Sequence]) -> None:
         context = [s.num_computed + 1 for s in seqs]
         meta.decode_block_tables, length = self._tables(seqs, context)
-        ctx = torch.tensor(context).to(self.device)
+        ctx = torch.tensor(context).to(self.device)  # [B] int64
+        if self.paged_kernel:
+            meta.decode_context_lens = ctx
+            return
         mask = torch.arange(length, device=self.device)[None, :] < ctx[:, None]  # [B, L]
         meta.decode_mask = mask[:, None, None, :]  # [B, 1, 1, L]
 
