@@ -77,6 +77,10 @@ HANDOFF_TIME = Histogram("pdd_handoff_seconds", "Time from starting a live hando
 PACE_HOLD = Counter("pdd_relay_pace_hold_seconds", "Time the relay held tokens back during handoffs so its "
                     "stream does not outrun MainDecode's (summed over tokens)")
 
+GC_PAUSE = Histogram("pdd_gc_pause_seconds", "Python garbage-collector pauses (every request in the process "
+                     "waits); start-up objects are frozen out of collections", ["generation"],
+                     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0))
+
 # ---- every service: gRPC ------------------------------------------------------------
 GRPC_HANDLED = Counter("pdd_grpc_server_handled", "gRPC calls completed by this server",
                        ["grpc_service", "grpc_method", "grpc_code"])

@@ -159,6 +159,7 @@ async def test_metrics_endpoints_expose_the_named_series_after_traffic(stack):
     assert total(md, "pdd_wan_kv_transfer_seconds_count", side="received") >= 3
     assert 0 < total(md, "pdd_kv_pool_usage_ratio", role="main_decode") <= 1
     assert has(md, "pdd_engine_requests")
+    assert total(md, "pdd_gc_pause_seconds_count") > 0  # every collection after start-up is timed
 
     kv = scrape(stack.metrics["kvstore"])
     assert total(kv, "pdd_grpc_server_handled_total", grpc_method="PredictHits", grpc_code="OK") >= 3
