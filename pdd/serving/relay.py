@@ -12,7 +12,9 @@ Life of a request (one ``decode`` generator per request, opened by the gateway):
        it and keeps decoding ahead; repeat with the newer tokens until
        MainDecode's computed frontier is close, then pause and send the rest
        as the final batch (the tokens MainDecode already computed cost it no
-       step, so it speaks at once);
+       step, so it speaks at once); meanwhile the relay streams no faster
+       than MainDecode decodes and lets held tokens go once MainDecode has
+       the final batch (``stream_pacer``), so a lead shows as no stall;
      the relay then frees the request's KV at once;
   4. a request that finishes here first still hands its final tokens over
      (``request_finished``), so MainDecode's DRC holds prompt + output.
