@@ -16,6 +16,7 @@ import sys
 import threading
 from pathlib import Path
 
+from pdd.server.flags import add_client_tls_flags
 from pdd.stack import LinkSettings, Stack, StackConfig
 
 
@@ -70,15 +71,28 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from pdd.client import generate_stream
+    from pdd.server.flags import client_tls_config
+
+    try:
+        tls = client_tls_config(args)
+    except ValueError as exc:
+        print(f"pdd generate: {exc}", file=sys.stderr)
+        return 2
 
     async def run() -> int:
+        import grpc
+
         final = None
-        async for resp in generate_stream(args.gateway, args.prompt, max_tokens=args.max_tokens,
-                                          temperature=args.temperature, seed=args.seed):
-            if resp.text:
-                print(resp.text, end="", flush=True)
-            if resp.HasField("stats"):
-                final = resp
+        try:
+            async for resp in generate_stream(args.gateway, args.prompt, max_tokens=args.max_tokens,
+                                              temperature=args.temperature, seed=args.seed, tls=tls):
+                if resp.text:
+                    print(resp.text, end="", flush=True)
+                if resp.HasField("stats"):
+                    final = resp
+        except grpc.aio.AioRpcError as exc:
+            print(f"\npdd generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
         print()
         if final is not None and args.stats:
             print(final.stats, file=sys.stderr)
@@ -137,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stats", action="store_true", help="print the request's stats to stderr")
+    add_client_tls_flags(gen)
     gen.set_defaults(fn=cmd_generate)
 
     # Listed for `pdd --help`; main() routes them to their own parsers before argparse sees them.

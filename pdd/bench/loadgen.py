@@ -38,6 +38,8 @@ from pdd.bench.trace import TraceRequest, poisson_arrivals_ms, read_trace
 from pdd.gen.common.v1 import common_pb2
 from pdd.gen.gateway.v1 import gateway_service_pb2 as pb
 from pdd.gen.gateway.v1 import gateway_service_pb2_grpc as pb_grpc
+from pdd.server.flags import add_client_tls_flags, client_tls_config
+from pdd.server.tls import TlsConfig, open_channel
 
 PIPELINES = {"p-md": common_pb2.PIPELINE_P_MD, "p-rld-md": common_pb2.PIPELINE_P_RLD_MD,
              "md": common_pb2.PIPELINE_MD}
@@ -69,6 +71,8 @@ class LoadConfig:
     cache_salt: str = ""
     request_timeout_s: float = 600.0
     progress: bool = True
+    # The channel to the gateway: plaintext unless a CA or client certificate is given.
+    tls: TlsConfig = TlsConfig()
 
     def __post_init__(self) -> None:
         if not self.target:
@@ -220,17 +224,17 @@ async def run_load(trace: Sequence[TraceRequest], cfg: LoadConfig) -> LoadRun:
             if rec.ok:
                 outputs[req.request_id] = rec.output_token_ids
 
-    async with grpc.aio.insecure_channel(cfg.target) as channel:
+    async with open_channel(cfg.target, cfg.tls) as channel:
         stub = pb_grpc.GatewayServiceStub(channel)
         await asyncio.gather(*(session(turns, stub) for turns in sessions.values()))
     progress.update(force=True)
     return LoadRun(records=records, duration_s=loop.time() - start)
 
 
-async def check_vocab(target: str, trace: Sequence[TraceRequest]) -> None:
+async def check_vocab(target: str, trace: Sequence[TraceRequest], tls: TlsConfig = TlsConfig()) -> None:
     """Refuse a trace whose token ids the served model cannot take (when the gateway says its vocab)."""
     try:
-        async with grpc.aio.insecure_channel(target) as channel:
+        async with open_channel(target, tls) as channel:
             info = await pb_grpc.GatewayServiceStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
     except grpc.aio.AioRpcError as e:
         print(f"[pdd bench] GetModelInfo failed ({e.code().name}); vocabulary not checked", file=sys.stderr)
@@ -283,9 +287,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--cache-salt", default=None, help="default: a fresh salt per run, so runs never share KV")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
     p.add_argument("--quiet", action="store_true")
+    add_client_tls_flags(p)
     a = p.parse_args(argv)
     try:
-        cfg = LoadConfig(target=a.target, max_requests=a.max_requests, max_duration_s=a.duration, rps=a.rps,
+        cfg = LoadConfig(target=a.target, tls=client_tls_config(a), max_requests=a.max_requests, max_duration_s=a.duration, rps=a.rps,
                          time_scale=a.time_scale, seed=a.seed, temperature=a.temperature, ignore_eos=a.ignore_eos,
                          force_pipeline=a.force_pipeline, handoff_mode=a.handoff_mode, fill_outputs=a.fill_outputs,
                          cache_salt=a.cache_salt if a.cache_salt is not None else f"{a.mode}-{time.time_ns():x}",
@@ -293,7 +298,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         slo, link = metrics.parse_slo(a.slo), parse_link(a.link)
         trace = (load_mooncake(a.trace, MooncakeConfig(block_tokens=a.block_tokens)) if a.mooncake
                  else read_trace(a.trace))
-        asyncio.run(check_vocab(a.target, trace))
+        asyncio.run(check_vocab(a.target, trace, cfg.tls))
     except ValueError as e:
         p.error(str(e))
     run = asyncio.run(run_load(trace, cfg))

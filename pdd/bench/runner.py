@@ -33,6 +33,8 @@ from pathlib import Path
 from pdd.bench import metrics, modes, pinning
 from pdd.bench.cpu import CpuMeter
 from pdd.bench.loadgen import LoadConfig, check_vocab, run_load
+from pdd.server.flags import add_client_tls_flags, client_tls_config
+from pdd.server.tls import TlsConfig
 from pdd.bench.mooncake import MooncakeConfig, load_mooncake
 from pdd.bench.record import RequestResult, records_path, write_records
 from pdd.bench.trace import TraceRequest, read_trace
@@ -61,7 +63,8 @@ class ModeOutcome:
 WARM_UP_TOKENS = 256
 
 
-async def warm_up(target: str, mode: str, trace: Sequence[TraceRequest], timeout_s: float) -> None:
+async def warm_up(target: str, mode: str, trace: Sequence[TraceRequest], timeout_s: float,
+                  tls: TlsConfig = TlsConfig()) -> None:
     """One short request down each pipeline of ``mode`` (P-RLD-MD first: it warms the relay and a handoff)."""
     if not trace:
         return
@@ -70,7 +73,7 @@ async def warm_up(target: str, mode: str, trace: Sequence[TraceRequest], timeout
         req = TraceRequest(request_id=f"warm-up-{pipeline}-{time.time_ns():x}", session_id="warm-up",
                            timestamp_ms=0.0, prompt_token_ids=prompt, max_tokens=16, expected_hit=0.0)
         cfg = LoadConfig(target=target, force_pipeline=pipeline, cache_salt=f"warm-up-{time.time_ns():x}",
-                         request_timeout_s=timeout_s, progress=False)
+                         request_timeout_s=timeout_s, progress=False, tls=tls)
         rec = (await run_load([req], cfg)).records[0]
         if not rec.ok:
             raise RuntimeError(f"warm-up request ({pipeline}) failed: {rec.error_code} {rec.error_message}")
@@ -104,8 +107,8 @@ def run_mode(trace: Sequence[TraceRequest], mode: str, out: Path, *, testbed: mo
         target = gateway or stack.gateway.address
         fields = {"cache_salt": f"{mode}-{time.time_ns():x}", **(load or {}), **modes.load_overrides(mode)}
         cfg = LoadConfig(target=target, **fields)
-        asyncio.run(check_vocab(target, trace))
-        asyncio.run(warm_up(target, mode, trace, cfg.request_timeout_s))
+        asyncio.run(check_vocab(target, trace, cfg.tls))
+        asyncio.run(warm_up(target, mode, trace, cfg.request_timeout_s, cfg.tls))
         pids = _pids(stack)
         own_mask = pinning.allowed_cpus()
         placed = pinning.pin_processes(pids) if stack is not None and testbed.pin_clusters else {}
@@ -196,12 +199,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
     p.add_argument("--quiet", action="store_true")
     add_testbed_flags(p)
+    add_client_tls_flags(p)
     a = p.parse_args(argv)
     try:
         testbed = testbed_from(a)
         metrics.parse_slo(a.slo)
         load = dict(max_requests=a.max_requests, max_duration_s=a.duration, rps=a.rps, time_scale=a.time_scale,
-                    seed=a.seed, request_timeout_s=a.timeout, progress=not a.quiet)
+                    seed=a.seed, request_timeout_s=a.timeout, progress=not a.quiet, tls=client_tls_config(a))
         LoadConfig(target="check", **load)
         trace = (load_mooncake(a.trace, MooncakeConfig(block_tokens=a.block_tokens)) if a.mooncake
                  else read_trace(a.trace))

@@ -49,6 +49,23 @@ def add_tls_flags(parser: argparse.ArgumentParser) -> None:
                    help="name outgoing channels verify instead of the dialled host (env PDD_TLS_SERVER_NAME)")
 
 
+def add_client_tls_flags(parser: argparse.ArgumentParser) -> None:
+    """TLS of a command-line client's channel to the gateway (``pdd generate``, the bench)."""
+    g = parser.add_argument_group("tls to the gateway (off unless --tls-ca or --tls-cert is given)")
+    g.add_argument("--tls-ca", default=env("PDD_TLS_CA", ""),
+                   help="PEM CA the gateway's certificate chains to (env PDD_TLS_CA)")
+    g.add_argument("--tls-cert", default=env("PDD_TLS_CERT", ""),
+                   help="PEM client certificate, for a gateway that demands mutual TLS (env PDD_TLS_CERT)")
+    g.add_argument("--tls-key", default=env("PDD_TLS_KEY", ""), help="its PEM private key (env PDD_TLS_KEY)")
+    g.add_argument("--tls-server-name", default=env("PDD_TLS_SERVER_NAME", ""),
+                   help="name to verify instead of the dialled host (env PDD_TLS_SERVER_NAME)")
+
+
+def client_tls_config(args: argparse.Namespace) -> tls.TlsConfig:
+    """``add_client_tls_flags``' values as a config; raises ValueError naming the flag when they clash."""
+    return tls.TlsConfig(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca, server_name=args.tls_server_name)
+
+
 def tls_config(args: argparse.Namespace) -> tls.TlsConfig:
     return tls.TlsConfig(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca,
                          require_client_cert=args.tls_client_auth, server_name=args.tls_server_name,

@@ -11,10 +11,16 @@ mutual TLS too.
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
+from dataclasses import replace
 
 import grpc
 import pytest
 
+from pdd.bench.loadgen import LoadConfig, run_load
+from pdd.bench.trace import TraceRequest
 from pdd.client import generate_stream
 from pdd.engine.config import EngineConfig
 from pdd.engine.engine import Engine
@@ -88,3 +94,36 @@ async def test_node_client_streams_over_mutual_tls(tls_stack):
     env = {"PDD_TLS_CA": client.ca, "PDD_TLS_CERT": client.cert, "PDD_TLS_KEY": client.key}
     # NOTE: in a thread: npm's run is blocking and this test's event loop must stay free.
     await asyncio.to_thread(node_test, stack.gateway.address, expected, env)
+
+
+def _cli_generate(address: str, *flags: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PDD_TLS_")}
+    return subprocess.run([sys.executable, "-m", "pdd.cli", "generate", "hello", "--gateway", address, *flags],
+                          capture_output=True, text=True, timeout=120, env=env)
+
+
+async def test_pdd_generate_speaks_mutual_tls_with_flags(tls_stack):
+    stack, folder = tls_stack
+    flags = ("--tls-ca", str(folder / "ca.crt"), "--tls-cert", str(folder / "client.crt"),
+             "--tls-key", str(folder / "client.key"))
+    # NOTE: the tiny test model has no tokenizer, so the gateway itself answers a text prompt with
+    # INVALID_ARGUMENT: that answer proves the request crossed the mutual-TLS channel.
+    out = await asyncio.to_thread(_cli_generate, stack.gateway.address, *flags)
+    assert out.returncode == 1 and "INVALID_ARGUMENT: prompt:" in out.stderr, out.stderr
+    plain = await asyncio.to_thread(_cli_generate, stack.gateway.address)
+    assert plain.returncode == 1 and "UNAVAILABLE" in plain.stderr, plain.stderr
+    half = await asyncio.to_thread(_cli_generate, stack.gateway.address, "--tls-cert", str(folder / "client.crt"))
+    assert half.returncode == 2 and "--tls-cert and --tls-key go together" in half.stderr, half.stderr
+
+
+async def test_load_generator_replays_over_mutual_tls(tls_stack):
+    stack, folder = tls_stack
+    client = TlsConfig(cert=str(folder / "client.crt"), key=str(folder / "client.key"), ca=str(folder / "ca.crt"))
+    req = TraceRequest(request_id="tls-load", session_id="s", timestamp_ms=0.0,
+                       prompt_token_ids=[5, 17, 33, 2, 99, 41, 8], max_tokens=6, expected_hit=0.0)
+    ok = (await run_load([req], LoadConfig(target=stack.gateway.address, tls=client, progress=False,
+                                           cache_salt="tls-load"))).records[0]
+    assert ok.ok and len(ok.output_token_ids) == 6, ok.error_message
+    refused = (await run_load([replace(req, request_id="tls-load-plain")],
+                              LoadConfig(target=stack.gateway.address, progress=False))).records[0]
+    assert refused.error_code == "UNAVAILABLE"
