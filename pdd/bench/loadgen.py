@@ -152,10 +152,8 @@ async def measure(stub: pb_grpc.GatewayServiceStub, msg: pb.GenerateRequest, tim
         _copy_stats(rec, final)
     if rec.ttft_ms is not None and len(out) > 1:
         rec.tpot_ms = (rec.e2el_ms - rec.ttft_ms) / (len(out) - 1)
-    for i in range(1, len(stages)):
-        if stages[i - 1] == "relay" and stages[i] == "main_decode":
-            rec.handoff_gap_ms = times[i] - times[i - 1]
-            break
+    if (i := rec.handoff_index) is not None:
+        rec.handoff_gap_ms = times[i] - times[i - 1]
     return rec
 
 
@@ -290,8 +288,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_client_tls_flags(p)
     a = p.parse_args(argv)
     try:
-        cfg = LoadConfig(target=a.target, tls=client_tls_config(a), max_requests=a.max_requests, max_duration_s=a.duration, rps=a.rps,
-                         time_scale=a.time_scale, seed=a.seed, temperature=a.temperature, ignore_eos=a.ignore_eos,
+        cfg = LoadConfig(target=a.target, max_requests=a.max_requests, max_duration_s=a.duration, rps=a.rps,
+                         tls=client_tls_config(a), time_scale=a.time_scale, seed=a.seed, temperature=a.temperature, ignore_eos=a.ignore_eos,
                          force_pipeline=a.force_pipeline, handoff_mode=a.handoff_mode, fill_outputs=a.fill_outputs,
                          cache_salt=a.cache_salt if a.cache_salt is not None else f"{a.mode}-{time.time_ns():x}",
                          request_timeout_s=a.timeout, progress=not a.quiet)

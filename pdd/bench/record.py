@@ -70,16 +70,22 @@ class RequestResult:
         return None
 
     @property
+    def handoff_index(self) -> int | None:
+        """Output index of MainDecode's first token after the relay's last (None: no switch)."""
+        stages = self.token_stages
+        return next((i for i in range(1, len(stages))
+                     if stages[i - 1] == "relay" and stages[i] == "main_decode"), None)
+
+    @property
     def handoff_window_ms(self) -> float | None:
         """The longest wait between tokens within ``HANDOFF_WINDOW_TOKENS`` of the relay → MainDecode
         switch: the stall a user could notice around the handoff, even if it is not at the switch
         itself (the relay's pacing moves tokens around it). None without a switch."""
-        t, stages = self.token_times_ms, self.token_stages
-        for i in range(1, len(stages)):
-            if stages[i - 1] == "relay" and stages[i] == "main_decode":
-                lo, hi = max(1, i - HANDOFF_WINDOW_TOKENS), min(len(t) - 1, i + HANDOFF_WINDOW_TOKENS)
-                return max(t[j] - t[j - 1] for j in range(lo, hi + 1))
-        return None
+        i, t = self.handoff_index, self.token_times_ms
+        if i is None:
+            return None
+        lo, hi = max(1, i - HANDOFF_WINDOW_TOKENS), min(len(t) - 1, i + HANDOFF_WINDOW_TOKENS)
+        return max(t[j] - t[j - 1] for j in range(lo, hi + 1))
 
     def to_json(self) -> dict:
         return asdict(self)

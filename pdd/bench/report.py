@@ -75,8 +75,8 @@ def rows(results: Sequence[Mapping]) -> list[tuple[str, list[str]]]:
         ("handoff gap P50 (ms)", q("handoff_gap_ms", "p50")),
         ("handoff gap P99 (ms)", q("handoff_gap_ms", "p99")),
         ("handoff window P50 / P99 (ms)",
-         lambda r: "-" if not r.get("handoff_window_ms", {}).get("p50") else
-         f"{r['handoff_window_ms']['p50']:.1f} / {r['handoff_window_ms']['p99']:.1f}"),
+         lambda r: f"{q('handoff_window_ms', 'p50')(r)} / {q('handoff_window_ms', 'p99')(r)}"
+         if (r.get("handoff_window_ms") or {}).get("p50") is not None else "-"),
         ("ITL P99 (ms)", q("itl_ms", "p99")),
         ("CPU busy", cpu),
         ("errors", lambda r: str(r["errors"])),

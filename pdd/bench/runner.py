@@ -33,11 +33,11 @@ from pathlib import Path
 from pdd.bench import metrics, modes, pinning
 from pdd.bench.cpu import CpuMeter
 from pdd.bench.loadgen import LoadConfig, check_vocab, run_load
-from pdd.server.flags import add_client_tls_flags, client_tls_config
-from pdd.server.tls import TlsConfig
 from pdd.bench.mooncake import MooncakeConfig, load_mooncake
 from pdd.bench.record import RequestResult, records_path, write_records
 from pdd.bench.trace import TraceRequest, read_trace
+from pdd.server.flags import add_client_tls_flags, client_tls_config
+from pdd.server.tls import TlsConfig
 from pdd.stack import Stack
 
 # Per-request SLO at testbed scale, on the report's TTFT (our TTFDT) only, as its SLA:

@@ -20,6 +20,7 @@ from pdd.engine.model import LlamaModel
 from pdd.engine.model_config import parse_dtype
 from pdd.engine.model_source import ModelSource, resolve_model_source
 
+
 def load_checkpoint(source: str | Path | Checkpoint) -> Checkpoint:
     if isinstance(source, Checkpoint):
         return source

@@ -155,14 +155,17 @@ class Relay:
             outputs = list(first)  # NOTE: the engine forgets a finished request; keep its outputs here
             # NOTE: drained eagerly and stamped, so a token held by the pacer is held from when it was computed.
             pending: collections.deque[tuple[float, object]] = collections.deque()
+            def take(at: float, item: object) -> None:
+                pending.append((at, item))
+                if getattr(item, "finished", False):
+                    pacer.release()  # NOTE: it ends here: no switch will come, nothing to hide
+
             while True:
                 if not pending:
-                    pending.append((pacer.clock(), await queue.get()))
+                    take(pacer.clock(), await queue.get())
                 now = pacer.clock()
                 while not queue.empty():
-                    pending.append((now, queue.get_nowait()))
-                if not pacer.released and any(getattr(it, "finished", False) for _, it in pending):
-                    pacer.release()  # NOTE: it ends here: no switch will come, nothing to hide
+                    take(now, queue.get_nowait())
                 computed_at, item = pending.popleft()
                 if isinstance(item, BaseException):
                     raise item
