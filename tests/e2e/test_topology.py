@@ -1,6 +1,8 @@
 """A stack with two MainDecode instances (each behind its own WAN link), and a relay that dies.
 
-Runs its own stack: the last test kills the relay process.
+Runs its own stack: the last test kills the relay process. The WAN has a one-way delay so that
+MainDecode cannot hold a request's KV before the relay has streamed its first tokens: without it
+the relay could hand over before the test kills it (seen once in CI on a loaded machine).
 """
 
 from __future__ import annotations
@@ -18,14 +20,19 @@ from pdd.gen.common.v1 import common_pb2
 from pdd.gen.kvstore.v1 import kvstore_service_pb2 as kv_pb
 from pdd.gen.kvstore.v1 import kvstore_service_pb2_grpc as kv_grpc
 from pdd.serving.model_spec import load_model
-from pdd.stack import Stack, StackConfig
+from pdd.stack import LinkSettings, Stack, StackConfig
 from tests.e2e.conftest import BLOCK, TINY
 from tests.e2e.test_pipeline import prompts, run
+
+WAN_DELAY_MS = 400.0
 
 
 @pytest.fixture(scope="module")
 def stack(redis_url, tmp_path_factory):
+    # NOTE: the relay can hand over only once MainDecode's "KV ready" reached it: the KV's hop to
+    # MainDecode, then the reply's hop back (>= 0.8 s), against the few ms until the test sees its token.
     config = StackConfig(model=TINY, redis_url=redis_url, gateway_port=0, main_decode=2,
+                         wan=LinkSettings(delay_ms=WAN_DELAY_MS),
                          engine_flags=("--block-size", str(BLOCK), "--kv-cache-mb", "32", "--threads", "1",
                                        "--lease-ttl-ms", "3000"),
                          gateway_flags=("--seed", "0", "--stage-timeout-s", "60"),
@@ -43,19 +50,24 @@ def reference():
 async def _wait_indexed(stack, prompt, salt, want):
     async with grpc.aio.insecure_channel(stack.by_name("kvstore").address) as ch:
         kv = kv_grpc.KvstoreServiceStub(ch)
-        for _ in range(100):
+        best = 0
+        for _ in range(200):
             hits = await kv.PredictHits(kv_pb.PredictHitsRequest(prompt_token_ids=prompt, cache_salt=salt,
                                                                  role=common_pb2.ROLE_MAIN_DECODE))
-            if max(h.cached_tokens for h in hits.hits) >= want:
+            best = max(h.cached_tokens for h in hits.hits)
+            if best >= want:
                 return
             await asyncio.sleep(0.05)
+        pytest.fail(f"kvstore indexed {best} of {want} tokens of session {salt} after 10 s")
 
 
 async def test_sessions_stick_to_the_main_decode_holding_their_prefix(stack):
     chosen = {}
     for s in range(4):
         salt = f"session-{s}"
-        turn1 = prompts(100 + s, 1)[0] + [5] * 140  # long enough that the DRC hit is >= 0.95
+        # NOTE: long enough that the DRC hit is >= 0.95 and that its affinity (~1.5 running requests'
+        # worth) outweighs a load report still counting turn 1 (seen on a loaded machine).
+        turn1 = prompts(100 + s, 1)[0] + [5] * 340
         out1, _, f1 = await run(stack, turn1, 8, cache_salt=salt, force_pipeline=common_pb2.PIPELINE_P_MD)
         turn2 = turn1 + out1 + [1, 2, 3]
         held = (len(turn1) + len(out1) - 1) // BLOCK * BLOCK
