@@ -72,6 +72,9 @@ class Testbed:
     # The relay streams no faster than MainDecode decodes during a catch-up, holding a token at most this
     # long (relay flag --pace-max-hold-ms, the relay's default; 0 = off, the ablation).
     pace_max_hold_ms: float = 50.0
+    # The relay's playout lead (relay flag --stream-lead-ms): None = auto, learned from recent switches
+    # (the relay's default); 0 = none, the ablation.
+    stream_lead_ms: float | None = None
     # Main and remote cluster on separate CPUs (``pinning``), as on separate hardware.
     pin_clusters: bool = True
 
@@ -87,6 +90,8 @@ class Testbed:
             raise ValueError(f"catch_up_gap: must be >= 0, got {self.catch_up_gap}")
         if self.pace_max_hold_ms < 0:
             raise ValueError(f"pace_max_hold_ms: must be >= 0, got {self.pace_max_hold_ms}")
+        if self.stream_lead_ms is not None and self.stream_lead_ms < 0:
+            raise ValueError(f"stream_lead_ms: must be >= 0 or None (auto), got {self.stream_lead_ms}")
         if self.wan_mbps <= 0:
             raise ValueError(f"wan_mbps: the cross-datacenter modes need a finite WAN, got {self.wan_mbps}")
         if self.wan_delay_ms < 0 or self.wan_jitter_ms < 0:
@@ -135,7 +140,9 @@ def stack_config(mode: str, testbed: Testbed, *, log_dir: Path, redis_url: str =
 
 def stack_env(testbed: Testbed) -> dict[str, str]:
     """Environment the stack's services start with (each reads only its own variables)."""
-    return {"PDD_CATCH_UP_GAP": str(testbed.catch_up_gap), "PDD_PACE_MAX_HOLD_MS": str(testbed.pace_max_hold_ms)}
+    lead = "auto" if testbed.stream_lead_ms is None else str(testbed.stream_lead_ms)
+    return {"PDD_CATCH_UP_GAP": str(testbed.catch_up_gap), "PDD_PACE_MAX_HOLD_MS": str(testbed.pace_max_hold_ms),
+            "PDD_STREAM_LEAD_MS": lead}
 
 
 def load_overrides(mode: str) -> dict:

@@ -36,7 +36,7 @@ from pdd.bench.loadgen import LoadConfig, check_vocab, run_load
 from pdd.bench.mooncake import MooncakeConfig, load_mooncake
 from pdd.bench.record import RequestResult, records_path, write_records
 from pdd.bench.trace import TraceRequest, read_trace
-from pdd.server.flags import add_client_tls_flags, client_tls_config
+from pdd.server.flags import add_client_tls_flags, auto_or_ms, client_tls_config
 from pdd.server.tls import TlsConfig
 from pdd.stack import Stack
 
@@ -165,6 +165,8 @@ def add_testbed_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pace-max-hold-ms", type=float, default=d.pace_max_hold_ms,
                    help="relay streams no faster than MainDecode during a catch-up, holding a token at most "
                         "this long (0 = off)")
+    g.add_argument("--stream-lead-ms", type=auto_or_ms, default=d.stream_lead_ms,
+                   help="relay's playout lead so the switch shows no stall: auto (learned) | ms | 0 = none")
     g.add_argument("--no-pin", dest="pin_clusters", action="store_false",
                    help="do not pin the main and remote cluster to separate CPUs")
 

@@ -17,6 +17,19 @@ def env(name: str, default: str) -> str:
     return os.environ.get(name, default)
 
 
+def auto_or_ms(text: str) -> float | None:
+    """argparse type of a duration flag that may be learned: "auto" → None, else ms >= 0."""
+    if text == "auto":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected auto or a number of ms, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def add_server_flags(parser: argparse.ArgumentParser, default_port: int) -> None:
     g = parser.add_argument_group("server")
     g.add_argument("--host", default=env("PDD_HOST", "127.0.0.1"), help="bind address (env PDD_HOST)")

@@ -15,6 +15,9 @@ Life of a request (one ``decode`` generator per request, opened by the gateway):
        step, so it speaks at once); meanwhile the relay streams no faster
        than MainDecode decodes and lets held tokens go once MainDecode has
        the final batch (``stream_pacer``), so a lead shows as no stall;
+     from its first token the relay streams a small playout lead behind its
+     computation (what recent switches took), so the switch itself shows as
+     no stall either;
      the relay then frees the request's KV at once;
   4. a request that finishes here first still hands its final tokens over
      (``request_finished``), so MainDecode's DRC holds prompt + output.
@@ -44,7 +47,7 @@ from pdd.server.interceptors import outgoing_metadata
 from pdd.serving.channels import Channels
 from pdd.serving.engine_instance import EngineInstance
 from pdd.serving.kv_bridge import import_range
-from pdd.serving.stream_pacer import StreamPacer
+from pdd.serving.stream_pacer import StreamPacer, SwitchTimes
 from pdd.telemetry import metrics
 
 log = structlog.get_logger(__name__)
@@ -60,6 +63,11 @@ class RelayJob:
     handoff_mode: HandoffMode
 
 
+# NOTE: the lead before a switch to that MainDecode was timed (learned from the first switch on):
+# 1.5 × a typical switch on the testbed (two WAN hops, a step in flight and the extension step).
+LEAD_PRIOR_S = 0.03
+
+
 @dataclass(frozen=True)
 class RelayConfig:
     kv_timeout_s: float = 60.0
@@ -71,8 +79,14 @@ class RelayConfig:
     # During a catch-up handoff the relay streams no faster than MainDecode decodes, holding a
     # token at most this long (``stream_pacer``); 0 turns pacing off.
     pace_max_hold_s: float = 0.05
+    # The playout lead the relay's stream keeps behind its computation (``stream_pacer``):
+    # None = what recent switches to the same MainDecode took (LEAD_PRIOR_S until one was
+    # timed), 0 = none; never more than pace_max_hold_s.
+    stream_lead_s: float | None = None
 
     def __post_init__(self) -> None:
+        if self.stream_lead_s is not None and self.stream_lead_s < 0:
+            raise ValueError(f"stream_lead_s: must be >= 0 or None (learned), got {self.stream_lead_s}")
         if self.pace_max_hold_s < 0:
             raise ValueError(f"pace_max_hold_s: must be >= 0, got {self.pace_max_hold_s}")
         if self.catch_up_gap < 0:
@@ -114,6 +128,12 @@ class Relay:
         self.channels = channels
         self.config = config
         self._active: set[str] = set()
+        self._switch_times = SwitchTimes(LEAD_PRIOR_S)
+
+    def _lead_s(self, job: RelayJob) -> float:
+        if self.config.stream_lead_s is not None:
+            return self.config.stream_lead_s
+        return self._switch_times.lead_s((job.main_decode.address, job.handoff_mode))
 
     @property
     def runner(self):
@@ -147,25 +167,30 @@ class Relay:
                 self.engine.resume(rid)
 
             await self.runner.call(start)
-            pacer = StreamPacer(self.config.pace_max_hold_s)
+            pacer = StreamPacer(self.config.pace_max_hold_s, lead_s=self._lead_s(job))
             kv_ready = asyncio.create_task(self._wait_md(md, rid))
             tasks.append(kv_ready)
             kv_ready.add_done_callback(lambda t: queue.put_nowait(("kv_ready", t)))
             finished: tuple[str | None, int] | None = None
             outputs = list(first)  # NOTE: the engine forgets a finished request; keep its outputs here
-            # NOTE: drained eagerly and stamped, so a token held by the pacer is held from when it was computed.
+            # NOTE: collected by a task of its own and stamped on arrival, also while the pacer
+            # holds a token, so a held token is held from when it was computed.
             pending: collections.deque[tuple[float, object]] = collections.deque()
-            def take(at: float, item: object) -> None:
-                pending.append((at, item))
-                if getattr(item, "finished", False):
-                    pacer.release()  # NOTE: it ends here: no switch will come, nothing to hide
+            arrived = asyncio.Event()
 
+            async def collect() -> None:
+                while True:
+                    item = await queue.get()
+                    pending.append((pacer.clock(), item))
+                    if getattr(item, "finished", False):
+                        pacer.release()  # NOTE: it ends here: no switch will come, nothing to hide
+                    arrived.set()
+
+            tasks.append(asyncio.create_task(collect()))
             while True:
-                if not pending:
-                    take(pacer.clock(), await queue.get())
-                now = pacer.clock()
-                while not queue.empty():
-                    take(now, queue.get_nowait())
+                while not pending:
+                    arrived.clear()
+                    await arrived.wait()
                 computed_at, item = pending.popleft()
                 if isinstance(item, BaseException):
                     raise item
@@ -246,11 +271,15 @@ class Relay:
             if outputs is None:
                 call.cancel()
                 return
+            t_final, lag_s = time.perf_counter(), pacer.lag_s
             await call.write(md_pb.TokenHandoffRequest(request_id=rid, start_position=sent,
                                                        token_ids=outputs[sent:], final=True,
                                                        mode=handoff_to_pb(mode)))
             await call.read()
             pacer.release()
+            switch_s = time.perf_counter() - t_final
+            self._switch_times.observe((job.main_decode.address, mode), switch_s)
+            metrics.SWITCH_TIME.labels(mode.value).observe(switch_s)
             await call.done_writing()
         except grpc.aio.AioRpcError:
             call.cancel()
@@ -258,7 +287,8 @@ class Relay:
         rounds += 1
         metrics.HANDOFFS.labels(mode.value, "live").inc()
         metrics.HANDOFF_TIME.labels(mode.value).observe(time.perf_counter() - t0)
-        log.info("handed_off", at=len(outputs), mode=mode.value, rounds=rounds)
+        log.info("handed_off", at=len(outputs), mode=mode.value, rounds=rounds, switch_ms=round(switch_s * 1000, 2),
+                 lead_ms=round(pacer.lead_s * 1000, 2), lag_ms=round(lag_s * 1000, 2))
         queue.put_nowait(("handed_off", HandedOff(len(outputs), mode, rounds, (time.perf_counter() - t0) * 1000)))
 
     def _read(self, rid: str) -> list[int] | None:

@@ -74,8 +74,11 @@ HANDOFFS = Counter("pdd_handoffs", "Relay → MainDecode token handoffs by mode 
                    ["mode", "kind"])
 HANDOFF_TIME = Histogram("pdd_handoff_seconds", "Time from starting a live handoff to MainDecode holding it",
                          ["mode"], buckets=_TRANSFER)
-PACE_HOLD = Counter("pdd_relay_pace_hold_seconds", "Time the relay held tokens back during handoffs so its "
-                    "stream does not outrun MainDecode's (summed over tokens)")
+PACE_HOLD = Counter("pdd_relay_pace_hold_seconds", "Time the relay held tokens back so its stream does not "
+                    "outrun MainDecode's and keeps the playout lead that covers the switch (summed over tokens)")
+SWITCH_TIME = Histogram("pdd_relay_switch_seconds", "Time from the relay's final handoff batch to MainDecode's "
+                        "acknowledgement (it speaks next): what the relay's playout lead must cover",
+                        ["mode"], buckets=_ITL)
 
 GC_PAUSE = Histogram("pdd_gc_pause_seconds", "Python garbage-collector pauses (every request in the process "
                      "waits); start-up objects are frozen out of collections", ["generation"],

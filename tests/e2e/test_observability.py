@@ -150,6 +150,8 @@ async def test_metrics_endpoints_expose_the_named_series_after_traffic(stack):
 
     r = scrape(stack.metrics["relay-0"])
     assert total(r, "pdd_handoffs_total") >= 3
+    # every live handoff's switch is timed (the playout lead is learned from it)
+    assert total(r, "pdd_relay_switch_seconds_count") == total(r, "pdd_handoffs_total", kind="live")
     assert has(r, "pdd_engine_requests")
 
     md = scrape(stack.metrics["main_decode-0"])

@@ -46,13 +46,15 @@ def test_link_record_and_environment():
     assert modes.link_record("idc-pd", tb) == {"mbps": 0.0, "delay_ms": 0.0, "jitter_ms": 0.0, "relays": 0,
                                                "model": tb.model}
     assert modes.link_record("pdd", tb)["mbps"] == 40.0 and modes.link_record("pdd", tb)["relays"] == 1
-    assert modes.stack_env(tb) == {"PDD_CATCH_UP_GAP": "7", "PDD_PACE_MAX_HOLD_MS": "20.0"}
+    assert modes.stack_env(tb) == {"PDD_CATCH_UP_GAP": "7", "PDD_PACE_MAX_HOLD_MS": "20.0", "PDD_STREAM_LEAD_MS": "auto"}
+    assert modes.stack_env(modes.Testbed(stream_lead_ms=0.0))["PDD_STREAM_LEAD_MS"] == "0.0"
 
 
 @pytest.mark.parametrize("bad, match", [
     (dict(wan_mbps=0.0), "wan_mbps"), (dict(threads=0), "threads"), (dict(hit_threshold=1.5), "hit_threshold"),
     (dict(wan_delay_ms=-1.0), "wan_delay_ms"), (dict(catch_up_gap=-1), "catch_up_gap"),
     (dict(pace_max_hold_ms=-1.0), "pace_max_hold_ms"), (dict(model=""), "model"),
+    (dict(stream_lead_ms=-1.0), "stream_lead_ms"),
     (dict(local_prefill_tokens=-1), "local_prefill_tokens"), (dict(md_max_batched_tokens=0), "md_max_batched_tokens"),
 ])
 def test_testbed_rejects_bad_settings(bad, match):
