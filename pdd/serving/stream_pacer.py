@@ -23,8 +23,8 @@ batch's hop to MainDecode, its step in flight, the extension step and the hop
 back (the *switch time*, ~2-4 ITLs on the testbed). A relay whose stream is
 level with its computation shows that as one stall. So, like a media player's
 jitter buffer, the relay builds a small playout lead from its first token:
-each token leaves at most ``LEAD_RAMP`` of its natural gap later than the one
-before, until tokens leave ``lead_s`` after they were computed. At the switch
+each token leaves at most ``LEAD_RAMP`` of its natural gap (of a typical gap,
+if longer) later than the one before, until tokens leave ``lead_s`` after they were computed. At the switch
 the held tokens fill the switch time. The lead is what recent switches to the
 same MainDecode took (``SwitchTimes``), never more than ``max_hold_s``; it
 costs the relay's tokens that much latency and nothing else (the held tokens
@@ -41,7 +41,8 @@ from collections.abc import Callable, Hashable
 from pdd.telemetry import metrics
 
 # NOTE: while the lead builds, the stream runs at most this much slower than the relay computes
-# (+25 %: a 4 ms ITL becomes 5 ms), so building a 10-15 ms lead takes ~10-15 tokens.
+# (+25 %: a 4 ms ITL becomes 5 ms), so building a 20-30 ms lead takes ~20-30 tokens. A slow token
+# (the relay's core was busy) adds no more than a typical one: its gap is long enough already.
 LEAD_RAMP = 0.25
 
 
@@ -60,6 +61,7 @@ class StreamPacer:
         self._last_sent: float | None = None
         self._last_computed: float | None = None
         self._lag_s = 0.0  # how long after it was computed the last token left
+        self._typical_gap_s: float | None = None  # EWMA of the gaps between computed tokens
         self._wake: asyncio.Event | None = None
 
     @property
@@ -91,13 +93,17 @@ class StreamPacer:
     def _lag_target(self, computed_at: float) -> float:
         if self.lead_s <= 0 or self._last_computed is None:
             return 0.0
-        grown = self._lag_s + LEAD_RAMP * max(0.0, computed_at - self._last_computed)
-        return min(self.lead_s, grown)
+        gap = max(0.0, computed_at - self._last_computed)
+        typical = gap if self._typical_gap_s is None else self._typical_gap_s
+        return min(self.lead_s, self._lag_s + LEAD_RAMP * min(gap, typical))
 
     def sent(self, computed_at: float | None = None) -> None:
         now = self.clock()
         self._last_sent = now
         if computed_at is not None:
+            if self._last_computed is not None:
+                gap = max(0.0, computed_at - self._last_computed)
+                self._typical_gap_s = gap if self._typical_gap_s is None else 0.8 * self._typical_gap_s + 0.2 * gap
             self._last_computed = computed_at
             self._lag_s = max(0.0, now - computed_at)
 

@@ -103,6 +103,15 @@ def test_lead_builds_gently_then_holds_steady():
     assert p.lag_s == pytest.approx(0.010)
 
 
+def test_a_slow_token_adds_no_more_lead_than_a_typical_one():
+    clock = Clock()
+    p = StreamPacer(0.05, clock, lead_s=0.030)
+    computed = [100.0 + 0.004 * i for i in range(6)]
+    computed.append(computed[-1] + 0.040)  # the relay's core was busy: a 40 ms token
+    left = _stream(p, clock, computed)
+    assert left[-1] - left[-2] == pytest.approx(0.040 + 0.004 * LEAD_RAMP)  # not 40 ms x 1.25
+
+
 def test_lead_is_bounded_by_max_hold_and_gone_on_release():
     clock = Clock()
     p = StreamPacer(0.006, clock, lead_s=0.5)
