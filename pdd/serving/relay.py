@@ -156,6 +156,7 @@ class Relay:
                                    salt=job.cache_salt, paused=True)
             yield Accepted()
             region = await self.fast.wait_complete(rid, self.config.kv_timeout_s)
+            t_kv = time.perf_counter()
             try:
                 await self.runner.call(import_range, self.engine, rid, region.header, region.view)
             finally:
@@ -167,6 +168,7 @@ class Relay:
                 self.engine.resume(rid)
 
             await self.runner.call(start)
+            t_started = time.perf_counter()
             pacer = StreamPacer(self.config.pace_max_hold_s, lead_s=self._lead_s(job))
             kv_ready = asyncio.create_task(self._wait_md(md, rid))
             tasks.append(kv_ready)
@@ -212,6 +214,11 @@ class Relay:
                     del outputs[item.position:]
                     outputs.append(item.token_id)
                     await pacer.hold(computed_at)
+                    if t_started:
+                        # NOTE: the relay's share of TTFDT, from the KV's arrival to the first token out.
+                        log.info("relay_first_token", import_ms=round((t_started - t_kv) * 1000, 2),
+                                 first_token_ms=round((time.perf_counter() - t_kv) * 1000, 2))
+                        t_started = 0.0
                     yield Tokens(item.position, (item.token_id,))
                 if item.finished and finished is None:
                     finished = (item.finish_reason, item.position + 1)

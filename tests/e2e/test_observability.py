@@ -95,6 +95,9 @@ async def test_one_request_id_is_in_every_services_log(stack, face):
     assert "Prefill" in rpcs["prefill-0"]
     assert {"Decode", "PrepareTransfer", "CompleteTransfer"} <= rpcs["relay-0"]
     assert {"Decode", "PushKv"} <= rpcs["main_decode-0"]
+    if done["tokens"].get("relay", 0) > 0:  # the relay's share of TTFDT: KV arrived → import → first token
+        first = next(d for d in found["relay-0"] if d["event"] == "relay_first_token")
+        assert 0 <= first["import_ms"] <= first["first_token_ms"]
     for name, lines in found.items():
         assert all(d["service"] == name.split("-")[0] for d in lines), name
 
