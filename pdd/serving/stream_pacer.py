@@ -24,11 +24,13 @@ back (the *switch time*, ~2-4 ITLs on the testbed). A relay whose stream is
 level with its computation shows that as one stall. So, like a media player's
 jitter buffer, the relay builds a small playout lead from its first token:
 each token leaves at most ``LEAD_RAMP`` of its natural gap (of a typical gap,
-if longer) later than the one before, until tokens leave ``lead_s`` after they were computed. At the switch
-the held tokens fill the switch time. The lead is what recent switches to the
-same MainDecode took (``SwitchTimes``), never more than ``max_hold_s``; it
-costs the relay's tokens that much latency and nothing else (the held tokens
-leave at once when MainDecode has taken over or the request finished).
+if longer) later than the one before, until tokens leave ``lead_s`` after they
+were computed. At the switch the held tokens fill the switch time. The lead is
+1.5 × the longest recent switch to the same MainDecode (``SwitchTimes``), never
+more than ``max_hold_s``; it costs the relay's tokens that much latency and
+nothing else (the held tokens leave at once when MainDecode has taken over or
+the request finished). Unlike a media player's buffer it does not drain to hide
+a stall of the relay's own: a token never leaves before it was computed + lag.
 """
 
 from __future__ import annotations
