@@ -13,7 +13,13 @@ Life of a request:
   CDC-PD    delta over one of ``wan_links`` WAN links (``SimLink``: a pool of
             ``pool_streams`` streams sharing ``wan_gbps``, FIFO beyond), then one
             MD step and the WAN's one-way delay back.
-  PDD       hit ≥ θ → P-MD as CDC-PD, its transfer urgent in the pool. Else
+  PDD       miss ≤ ``local_prefill_tokens`` (0 = off, the design's router) → MD
+            (conditional disaggregation, as the live router's flag of that name):
+            no prefill stage and nothing on the WAN. The request crosses the WAN
+            to MainDecode (one delay), waits in a FIFO over ``md_instances``,
+            which prefill the miss themselves at ``md_prefill_tokens_per_s``
+            (+ overhead), then one MD step and the delay back. Else hit ≥ θ →
+            P-MD as CDC-PD, its transfer urgent in the pool. Else
             P-RLD-MD if a relay slot is free: full KV over the fast link, the relay
             emits the first token and decodes until the (background) delta lands
             on MD, then hands off: one-shot when the relay pool is busy (MD
@@ -22,15 +28,19 @@ Life of a request:
             MD is level; the gap is about one step). A full relay pool sends the
             request down P-MD.
 Decode capacity is not modelled (one step time per token); decode chips enter
-only the cost. Goodput is the largest RPS meeting the SLA (P90 TTFT < 10 s,
-P99 < 15 s), by bisection; the benefit-cost ratio is PDD's goodput per unit cost
-over a baseline's, minus one (``economics.py``).
+only the cost. So neither is the slowdown a local prefill causes MainDecode's
+decode batch (every stream batched with it waits longer for its next token):
+the MD pipeline here is optimistic about that cost, and its FIFO gives one
+request a MainDecode instance's whole prefill rate at a time. Goodput is the
+largest RPS meeting the SLA (P90 TTFT < 10 s, P99 < 15 s), by bisection; the
+benefit-cost ratio is PDD's goodput per unit cost over a baseline's, minus one
+(``economics.py``).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -69,6 +79,10 @@ class SimConfig:
     # A relay pool fuller than this hands off one-shot; otherwise catch-up.
     relay_busy_fraction: float = 0.8
     hit_threshold: float = 0.95
+    # PDD: a request whose miss is at most this many tokens goes MD (MainDecode prefills it); 0 = off.
+    local_prefill_tokens: int = 0
+    # A bandwidth-strong chip prefills at 81% of the flagship's speed (the report): 0.81 × 18_000.
+    md_prefill_tokens_per_s: float = 14_580.0
     # Extend-decode of n tokens on MD: one MD step + n × this (100 tokens ≈ 305 ms).
     extend_ms_per_token: float = 2.75
     sla_p90_s: float = 10.0
@@ -88,7 +102,8 @@ class SimConfig:
             if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
                 raise ValueError(f"{name}: must be >= 0, got {value}")
         for name in ("rps", "requests", "context_tokens", "kv_bytes_per_token", "wan_gbps", "wan_links", "pool_streams",
-                     "fast_gbps", "prefill_instances", "idc_prefill_instances", "prefill_tokens_per_s"):
+                     "fast_gbps", "prefill_instances", "idc_prefill_instances", "prefill_tokens_per_s",
+                     "md_prefill_tokens_per_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
         for name in ("hit_threshold", "relay_busy_fraction"):
@@ -96,6 +111,8 @@ class SimConfig:
                 raise ValueError(f"{name}: must be in [0, 1], got {getattr(self, name)}")
         if self.urgent_streams >= self.pool_streams:
             raise ValueError(f"urgent_streams: must be < pool_streams, got {self.urgent_streams}")
+        if self.local_prefill_tokens and not self.md_instances:
+            raise ValueError("md_instances: local prefill needs at least one MainDecode instance")
         if self.output_scale < 1:
             raise ValueError(f"output_scale: must be >= 1, got {self.output_scale}")
 
@@ -110,11 +127,16 @@ class _Req:
     ttft: float = 0.0
     queue: float = 0.0      # WAN (or fast link) pool wait
     transfer: float = 0.0   # in flight
-    prefill_wait: float = 0.0
+    prefill_wait: float = 0.0  # for a free prefill instance (MD: a free MainDecode instance)
     pipeline: str = "p-md"
     rld_tokens: int = 0
     gap: float | None = None
     handoff: str = ""
+
+
+def _miss(r: _Req) -> float:
+    """Prompt tokens MainDecode (and prefill) lack: what prefill computes and the WAN carries."""
+    return r.tokens * (1 - r.hit)
 
 
 def workload(cfg: SimConfig) -> list[_Req]:
@@ -125,13 +147,41 @@ def workload(cfg: SimConfig) -> list[_Req]:
                  link=int(rng.integers(cfg.wan_links))) for a in t]
 
 
+class _Fifo:
+    """``servers`` identical servers, first come first served: prefill's instances, or MainDecode's."""
+
+    def __init__(self, loop: EventLoop, servers: int, seconds: Callable[[_Req], float],
+                 done: Callable[[_Req], None]) -> None:
+        self.loop, self.seconds, self.done = loop, seconds, done
+        self.free = list(range(servers))
+        self.waiting: deque[tuple[_Req, float]] = deque()
+
+    def submit(self, r: _Req) -> None:
+        self.waiting.append((r, self.loop.now))
+        self._start()
+
+    def _start(self) -> None:
+        while self.free and self.waiting:
+            (r, since), i = self.waiting.popleft(), self.free.pop()
+            r.prefill_wait = self.loop.now - since
+            self.loop.at(self.loop.now + self.seconds(r), lambda r=r, i=i: self._finish(r, i))
+
+    def _finish(self, r: _Req, i: int) -> None:
+        self.free.append(i)
+        self._start()
+        self.done(r)
+
+
 class _Run:
     def __init__(self, cfg: SimConfig, mode: str) -> None:
         self.cfg, self.mode = cfg, mode
         self.loop = EventLoop()
         n = cfg.idc_prefill_instances if mode == "idc-pd" else cfg.prefill_instances
-        self.free = list(range(n))
-        self.waiting: deque[_Req] = deque()
+        overhead = cfg.prefill_overhead_ms / 1000
+        self.prefill = _Fifo(self.loop, n, lambda r: overhead + _miss(r) / cfg.prefill_tokens_per_s,
+                             self._prefilled)
+        self.md_prefill = _Fifo(self.loop, cfg.md_instances,
+                                lambda r: overhead + _miss(r) / cfg.md_prefill_tokens_per_s, self._md_prefilled)
         wan = cfg.wan_gbps * 1e9 / 8
         pdd = mode == "pdd"
         self.links = [SimLink(self.loop, wan, cfg.pool_streams, cfg.stream_gbps * 1e9, priority=pdd,
@@ -139,24 +189,28 @@ class _Run:
         self.fast = cfg.fast_gbps * 1e9 / 8
         self.relay_free = cfg.relay_slots
         self.fallbacks = 0
+        self.wan_bytes, self.wan_transfers = 0.0, 0
 
     def arrive(self, r: _Req) -> None:
-        self.waiting.append(r)
-        self._start_prefill()
+        lp = self.cfg.local_prefill_tokens
+        if self.mode == "pdd" and lp and _miss(r) <= lp:
+            r.pipeline = "md"  # the request itself crosses the WAN to MainDecode
+            self.loop.at(self.loop.now + self.cfg.wan_delay_ms / 1000, lambda: self.md_prefill.submit(r))
+            return
+        self.prefill.submit(r)
 
-    def _start_prefill(self) -> None:
-        while self.free and self.waiting:
-            r, i = self.waiting.popleft(), self.free.pop()
-            r.prefill_wait = self.loop.now - r.arrival
-            miss = r.tokens * (1 - r.hit)
-            dur = self.cfg.prefill_overhead_ms / 1000 + miss / self.cfg.prefill_tokens_per_s
-            self.loop.at(self.loop.now + dur, lambda r=r, i=i: self._prefilled(r, i))
+    def _md_prefilled(self, r: _Req) -> None:
+        cfg = self.cfg
+        r.ttft = self.loop.now + (cfg.md_step_ms + cfg.wan_delay_ms) / 1000 - r.arrival
 
-    def _prefilled(self, r: _Req, i: int) -> None:
-        self.free.append(i)
-        self._start_prefill()
+    def _send(self, r: _Req, delta: float, landed: Callable[[float, float], None], urgent: bool) -> None:
+        self.wan_bytes += delta
+        self.wan_transfers += 1
+        self.links[r.link].submit(delta, landed, urgent=urgent)
+
+    def _prefilled(self, r: _Req) -> None:
         cfg, now = self.cfg, self.loop.now
-        delta = r.tokens * (1 - r.hit) * cfg.kv_bytes_per_token
+        delta = _miss(r) * cfg.kv_bytes_per_token
         if self.mode == "idc-pd":
             r.transfer = delta / self.fast
             r.ttft = now + r.transfer + cfg.flagship_step_ms / 1000 - r.arrival
@@ -171,7 +225,7 @@ class _Run:
             r.queue, r.transfer = queue, flight
             r.ttft = self.loop.now + (cfg.md_step_ms + cfg.wan_delay_ms) / 1000 - r.arrival
 
-        self.links[r.link].submit(delta, landed, urgent=True)
+        self._send(r, delta, landed, urgent=True)
 
     def _relay(self, r: _Req, delta: float) -> None:
         cfg, now = self.cfg, self.loop.now
@@ -199,7 +253,7 @@ class _Run:
                 r.gap = gap * 1000
                 self.loop.at(self.loop.now + t, release)
 
-        self.links[r.link].submit(delta, landed, urgent=False)
+        self._send(r, delta, landed, urgent=False)
 
     def _handoff(self, k: int, output: int, one_shot: bool) -> tuple[int, float, float]:
         """(relay tokens in all, seconds until the relay stops, the user-visible gap) from k relay tokens."""
@@ -231,7 +285,8 @@ class _Run:
             return {"mean": float(a.mean()), **{f"p{q}": float(np.percentile(a, q)) for q in (50, 90, 99)}}
 
         ttft = pct([r.ttft for r in reqs])
-        sent = [r for r in reqs if r.tokens * (1 - r.hit) > 0]
+        disagg = [r for r in reqs if r.pipeline != "md"]  # MD has no prefill stage and sends no KV
+        sent = [r for r in disagg if _miss(r) > 0]
         total_out = sum(r.output for r in reqs)
         horizon = max(self.loop.now, 1e-9)
         return {
@@ -239,10 +294,12 @@ class _Run:
             "ttft_s": ttft,
             "kv_transfer_ms": pct([r.transfer for r in sent], 1000),
             "kv_queue_ms": pct([r.queue for r in sent], 1000),
-            "prefill_wait_ms": pct([r.prefill_wait for r in reqs], 1000),
+            "prefill_wait_ms": pct([r.prefill_wait for r in disagg], 1000),
+            "md_prefill_wait_ms": pct([r.prefill_wait for r in reqs if r.pipeline == "md"], 1000),
+            "wan_gb": self.wan_bytes / 1e9, "wan_transfers": self.wan_transfers,
             "pool_saturated": float(np.mean([ln.saturated_s for ln in self.links]) / horizon),
             "rld_token_share": sum(r.rld_tokens for r in reqs) / total_out,
-            "pipelines": {p: sum(r.pipeline == p for r in reqs) for p in ("p-md", "p-rld-md")},
+            "pipelines": {p: sum(r.pipeline == p for r in reqs) for p in ("md", "p-md", "p-rld-md")},
             "relay_fallbacks": self.fallbacks,
             "handoff_gap_ms": pct([r.gap for r in reqs if r.gap is not None]),
             "handoffs": {h: sum(r.handoff == h for r in reqs) for h in ("one-shot", "catch-up")},
@@ -263,7 +320,7 @@ def fmt(x: float | None, nd: int = 1) -> str:
 
 def table(runs: Sequence[dict]) -> str:
     head = f"{'mode':<8} {'dist':<8} {'TTFT p50/p90/p99 s':>20} {'KV xfer p50/p99 ms':>20} " \
-           f"{'queue mean ms':>13} {'pool sat':>8} {'RLD share':>9} {'gap p99':>8} SLA"
+           f"{'queue mean ms':>13} {'pool sat':>8} {'RLD share':>9} {'MD reqs':>7} {'gap p99':>8} SLA"
     lines = [head, "-" * len(head)]
     for r in runs:
         t, x = r["ttft_s"], r["kv_transfer_ms"]
@@ -271,5 +328,6 @@ def table(runs: Sequence[dict]) -> str:
                      f"{fmt(t['p50']) + '/' + fmt(t['p90']) + '/' + fmt(t['p99']):>20} "
                      f"{fmt(x['p50'], 0) + '/' + fmt(x['p99'], 0):>20} {fmt(r['kv_queue_ms']['mean'], 0):>13} "
                      f"{r['pool_saturated']:>8.0%} {r['rld_token_share']:>9.1%} "
+                     f"{r['pipelines']['md'] / r['requests']:>7.0%} "
                      f"{fmt(r['handoff_gap_ms']['p99'], 0):>8} {'yes' if r['sla_met'] else 'no'}")
     return "\n".join(lines)
