@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import sys
 import threading
@@ -55,7 +56,9 @@ def cmd_up(args: argparse.Namespace) -> int:
             metrics = f"metrics {stack.metrics[p.name]:<22}" if p.name in stack.metrics else " " * 30
             print(f"{p.name:<12} {p.address:<22} {metrics} log {p.log_path}")
         if stack.http_address:
-            print(f"openai-api   http://{stack.http_address}/v1   (/health /ready /metrics)")
+            # NOTE: every process reads the same PDD_TLS_* environment: with a certificate, HTTPS.
+            scheme = "https" if os.environ.get("PDD_TLS_CERT") else "http"
+            print(f"openai-api   {scheme}://{stack.http_address}/v1   (/health /ready /metrics)")
         print(f"\nready: pdd generate --gateway {stack.gateway.address} \"Hello\"   (Ctrl-C stops everything)",
               flush=True)
         while not done.wait(1.0):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from pdd.server.tls import TlsConfig
 
 
 @dataclass(frozen=True)
@@ -18,6 +20,9 @@ class HttpConfig:
     served_model_name: str = ""
     # Seconds in-flight HTTP requests get on shutdown.
     grace_s: float = 5.0
+    # The gateway's TLS identity: with a certificate the API is HTTPS only (and with client auth,
+    # mutual TLS), like its gRPC port; plaintext otherwise.
+    tls: TlsConfig = field(default_factory=TlsConfig)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

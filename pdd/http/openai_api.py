@@ -77,11 +77,13 @@ class OpenAIServer:
         self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
                                      shutdown_timeout=self.config.grace_s)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.config.host, self.config.port)
+        ssl_context = self.config.tls.server_ssl_context()
+        site = web.TCPSite(self._runner, self.config.host, self.config.port, ssl_context=ssl_context)
         await site.start()
         self.port = self._runner.addresses[0][1]
         address = f"{self.config.host}:{self.port}"
-        log.info("http_started", address=address, model=self.model, auth=bool(self.config.api_keys))
+        log.info("http_started", address=address, model=self.model, auth=bool(self.config.api_keys),
+                 tls=ssl_context is not None, mutual_tls=ssl_context is not None and self.config.tls.require_client_cert)
         return address
 
     async def stop(self) -> None:

@@ -132,8 +132,8 @@ async def serve(config: ServerConfig, spec: ServiceSpec) -> None:
     log.info("gc_startup_frozen", objects=gc_pauses.freeze_startup_objects())
     gc_pauses.watch()
     if config.metrics_port:
-        _, port = start_metrics_server(config.host, config.metrics_port)
-        log.info("metrics_started", address=f"{config.host}:{port}")
+        _, port = start_metrics_server(config.host, config.metrics_port, tls.installed())
+        log.info("metrics_started", address=f"{config.host}:{port}", tls=bool(tls.installed().cert))
     print(f"PDD_LISTENING {spec.name} {config.host}:{server.port}", flush=True)
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()

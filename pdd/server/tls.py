@@ -15,6 +15,7 @@ when peers advertise pod IPs.
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +58,25 @@ class TlsConfig:
         return grpc.ssl_server_credentials([(_read(self.key, "key"), _read(self.cert, "cert"))],
                                            root_certificates=_read(self.ca, "ca") if self.ca else None,
                                            require_client_auth=self.require_client_cert)
+
+    def server_ssl_context(self) -> ssl.SSLContext | None:
+        """The same identity for the service's HTTP listeners (OpenAI API, /metrics); None when plaintext.
+
+        TLS 1.2 or newer; with ``require_client_cert`` a client must present a certificate
+        signed by ``ca``, as on the gRPC port.
+        """
+        if not self.cert:
+            return None
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        try:
+            ctx.load_cert_chain(self.cert, self.key)
+            if self.ca:
+                ctx.load_verify_locations(cafile=self.ca)
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(f"tls: cannot load {self.cert} / {self.key} / {self.ca or '-'}: {exc}") from exc
+        ctx.verify_mode = ssl.CERT_REQUIRED if self.require_client_cert else ssl.CERT_NONE
+        return ctx
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
         return grpc.ssl_channel_credentials(root_certificates=_read(self.ca, "ca") if self.ca else None,

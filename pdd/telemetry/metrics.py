@@ -19,16 +19,20 @@ Who records what:
 
 from __future__ import annotations
 
+import ssl
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from pdd.server.tls import TlsConfig
 
 log = structlog.get_logger(__name__)
 
@@ -216,7 +220,16 @@ class RequestTracker:
                  tokens=self._tokens)
 
 
-def start_metrics_server(host: str, port: int) -> tuple[Any, int]:
-    """Serve ``/metrics`` on ``host:port`` from a daemon thread; returns (server, bound port)."""
-    server, _thread = start_http_server(port, addr=host)
+def start_metrics_server(host: str, port: int, tls: TlsConfig | None = None) -> tuple[Any, int]:
+    """Serve ``/metrics`` on ``host:port`` from a daemon thread; returns (server, bound port).
+
+    With a ``tls`` certificate it is HTTPS only, with the service's identity (and with client
+    auth, mutual TLS, as on its gRPC port): a scraper needs the CA (and a client certificate).
+    """
+    if tls is None or not tls.cert:
+        server, _thread = start_http_server(port, addr=host)
+    else:
+        server, _thread = start_http_server(port, addr=host, certfile=tls.cert, keyfile=tls.key,
+                                            client_cafile=tls.ca or None, client_auth_required=tls.require_client_cert,
+                                            tls_min_version=ssl.TLSVersion.TLSv1_2)
     return server, server.server_port

@@ -6,6 +6,7 @@ import argparse
 
 from pdd.http.config import HttpConfig
 from pdd.routing.policy import RoutingConfig
+from pdd.server import tls
 from pdd.server.bootstrap import run
 from pdd.server.flags import add_server_flags, env, server_config
 from pdd.telemetry.logging import configure_logging
@@ -44,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     server = server_config(args)
     http = HttpConfig(host=server.host, port=args.http_port, api_keys=tuple(args.api_key),
                       max_body_bytes=args.http_max_body_kb * 1024, served_model_name=args.served_model_name,
-                      grace_s=server.grace_s)
+                      grace_s=server.grace_s, tls=tls.installed())
     config = GatewayConfig(server=server, kvstore_address=args.kvstore, model=args.model,
                            routing=RoutingConfig(hit_threshold=args.hit_threshold,
                                                  local_prefill_tokens=args.local_prefill_tokens,

@@ -5,15 +5,18 @@ they share one identity from ``make certs``' CA; every server demands a client c
 A request through P-RLD-MD uses each channel: gateway → kvstore/prefill/relay/main_decode,
 prefill → relay (fast link over gRPC) and → main_decode across the WAN emulator, relay →
 main_decode (handoff), every instance → kvstore (membership). The Node.js client streams over
-mutual TLS too.
+mutual TLS too, and every service's /metrics is HTTPS only, demanding a client certificate.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import ssl
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from dataclasses import replace
 
 import grpc
@@ -127,3 +130,15 @@ async def test_load_generator_replays_over_mutual_tls(tls_stack):
     refused = (await run_load([replace(req, request_id="tls-load-plain")],
                               LoadConfig(target=stack.gateway.address, progress=False))).records[0]
     assert refused.error_code == "UNAVAILABLE"
+
+
+def test_every_services_metrics_are_served_over_mutual_tls(tls_stack):
+    stack, folder = tls_stack
+    ctx = ssl.create_default_context(cafile=str(folder / "ca.crt"))
+    ctx.load_cert_chain(str(folder / "client.crt"), str(folder / "client.key"))
+    assert stack.metrics, "the stack serves /metrics"
+    for name, address in stack.metrics.items():
+        with urllib.request.urlopen(f"https://{address}/metrics", timeout=10, context=ctx) as r:
+            assert b"pdd_" in r.read(), name
+        with pytest.raises((urllib.error.URLError, ConnectionError)):  # no plaintext scrape under TLS
+            urllib.request.urlopen(f"http://{address}/metrics", timeout=10)
