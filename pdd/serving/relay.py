@@ -168,7 +168,8 @@ class Relay:
                 self.engine.resume(rid)
 
             await self.runner.call(start)
-            t_started = time.perf_counter()
+            # NOTE: the relay's share of TTFDT, logged with its first token: KV arrived → decoding → out.
+            ttfdt_share: tuple[float, float] | None = (t_kv, time.perf_counter())
             pacer = StreamPacer(self.config.pace_max_hold_s, lead_s=self._lead_s(job))
             kv_ready = asyncio.create_task(self._wait_md(md, rid))
             tasks.append(kv_ready)
@@ -214,11 +215,11 @@ class Relay:
                     del outputs[item.position:]
                     outputs.append(item.token_id)
                     await pacer.hold(computed_at)
-                    if t_started:
-                        # NOTE: the relay's share of TTFDT, from the KV's arrival to the first token out.
-                        log.info("relay_first_token", import_ms=round((t_started - t_kv) * 1000, 2),
-                                 first_token_ms=round((time.perf_counter() - t_kv) * 1000, 2))
-                        t_started = 0.0
+                    if ttfdt_share is not None:
+                        arrived_at, started_at = ttfdt_share
+                        log.info("relay_first_token", import_ms=round((started_at - arrived_at) * 1000, 2),
+                                 first_token_ms=round((time.perf_counter() - arrived_at) * 1000, 2))
+                        ttfdt_share = None
                     yield Tokens(item.position, (item.token_id,))
                 if item.finished and finished is None:
                     finished = (item.finish_reason, item.position + 1)
