@@ -130,7 +130,8 @@ def stack_config(mode: str, testbed: Testbed, *, log_dir: Path, redis_url: str =
     engine = ("--block-size", str(testbed.block_size), "--kv-cache-mb", str(testbed.kv_cache_mb),
               "--threads", str(testbed.threads))
     gateway = ("--hit-threshold", str(testbed.hit_threshold),
-               "--local-prefill-tokens", str(testbed.local_prefill_tokens), "--relay-busy-requests", str(testbed.relay_busy_requests), "--seed", str(testbed.router_seed))
+               "--local-prefill-tokens", str(testbed.local_prefill_tokens),
+               "--relay-busy-requests", str(testbed.relay_busy_requests), "--seed", str(testbed.router_seed))
     return StackConfig(model=testbed.model, redis_url=redis_url, gateway_port=gateway_port, prefill=1,
                        relay=relays(mode), main_decode=1, wan=link(mode, testbed), engine_flags=engine,
                        main_decode_flags=("--max-num-batched-tokens", str(testbed.md_max_batched_tokens)),

@@ -82,8 +82,9 @@ class OpenAIServer:
         await site.start()
         self.port = self._runner.addresses[0][1]
         address = f"{self.config.host}:{self.port}"
+        tls_on = ssl_context is not None
         log.info("http_started", address=address, model=self.model, auth=bool(self.config.api_keys),
-                 tls=ssl_context is not None, mutual_tls=ssl_context is not None and self.config.tls.require_client_cert)
+                 tls=tls_on, mutual_tls=tls_on and self.config.tls.require_client_cert)
         return address
 
     async def stop(self) -> None:

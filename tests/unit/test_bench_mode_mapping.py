@@ -46,7 +46,8 @@ def test_link_record_and_environment():
     assert modes.link_record("idc-pd", tb) == {"mbps": 0.0, "delay_ms": 0.0, "jitter_ms": 0.0, "relays": 0,
                                                "model": tb.model}
     assert modes.link_record("pdd", tb)["mbps"] == 40.0 and modes.link_record("pdd", tb)["relays"] == 1
-    assert modes.stack_env(tb) == {"PDD_CATCH_UP_GAP": "7", "PDD_PACE_MAX_HOLD_MS": "20.0", "PDD_STREAM_LEAD_MS": "auto"}
+    assert modes.stack_env(tb) == {"PDD_CATCH_UP_GAP": "7", "PDD_PACE_MAX_HOLD_MS": "20.0",
+                                   "PDD_STREAM_LEAD_MS": "auto"}
     assert modes.stack_env(modes.Testbed(stream_lead_ms=0.0))["PDD_STREAM_LEAD_MS"] == "0.0"
 
 
