@@ -66,6 +66,22 @@ def prompts(seed: int, n: int) -> list[list[int]]:
     return [[rng.randrange(1, 256) for _ in range(rng.randrange(3, 60))] for _ in range(n)]
 
 
+async def wait_indexed(stack, prompt, salt, want):
+    """Wait until kvstore's index shows a MainDecode holding ``want`` tokens of ``prompt``: cache
+    events reach it asynchronously. Fails after 10 s."""
+    async with grpc.aio.insecure_channel(stack.by_name("kvstore").address) as ch:
+        kv = kv_grpc.KvstoreServiceStub(ch)
+        best = 0
+        for _ in range(200):
+            hits = await kv.PredictHits(kv_pb.PredictHitsRequest(prompt_token_ids=prompt, cache_salt=salt,
+                                                                 role=common_pb2.ROLE_MAIN_DECODE))
+            best = max(h.cached_tokens for h in hits.hits)
+            if best >= want:
+                return
+            await asyncio.sleep(0.05)
+        pytest.fail(f"kvstore indexed {best} of {want} tokens of session {salt} after 10 s")
+
+
 @pytest.mark.parametrize("mode", list(MODES))
 async def test_greedy_equals_single_engine(stack, reference, oracle, mode):
     ps = prompts(hash(mode) % 1000, 5)
@@ -103,15 +119,7 @@ async def test_second_turn_pushes_only_the_delta(stack, reference):
     tokens1, _, f1 = await run(stack, turn1, 12, session_id="s1", cache_salt="delta", force_pipeline=P_MD)
     turn2 = turn1 + tokens1 + [9, 8, 7, 6, 5]
     held = (len(turn1) + len(tokens1) - 1) // BLOCK * BLOCK
-    # NOTE: cache events reach kvstore asynchronously; wait until the index shows the DRC's blocks.
-    async with grpc.aio.insecure_channel(stack.by_name("kvstore").address) as ch:
-        kv = kv_grpc.KvstoreServiceStub(ch)
-        for _ in range(100):
-            hits = await kv.PredictHits(kv_pb.PredictHitsRequest(prompt_token_ids=turn2, cache_salt="delta",
-                                                                 role=common_pb2.ROLE_MAIN_DECODE))
-            if hits.hits[0].cached_tokens == held:
-                break
-            await asyncio.sleep(0.05)
+    await wait_indexed(stack, turn2, "delta", held)
     tokens2, _, f2 = await run(stack, turn2, 6, session_id="s1", cache_salt="delta", force_pipeline=P_MD)
     s1, s2 = f1.stats, f2.stats
     bytes_per_token = s1.wan_kv_bytes // len(turn1)  # turn 1 was a cold miss: the whole prompt crossed

@@ -7,22 +7,18 @@ the relay could hand over before the test kills it (seen once in CI on a loaded 
 
 from __future__ import annotations
 
-import asyncio
 import signal
 
-import grpc
 import pytest
 
 from pdd.engine.config import EngineConfig
 from pdd.engine.engine import Engine
 from pdd.engine.sampling import SamplingParams
 from pdd.gen.common.v1 import common_pb2
-from pdd.gen.kvstore.v1 import kvstore_service_pb2 as kv_pb
-from pdd.gen.kvstore.v1 import kvstore_service_pb2_grpc as kv_grpc
 from pdd.serving.model_spec import load_model
 from pdd.stack import LinkSettings, Stack, StackConfig
 from tests.e2e.conftest import BLOCK, TINY
-from tests.e2e.test_pipeline import prompts, run
+from tests.e2e.test_pipeline import prompts, run, wait_indexed
 
 WAN_DELAY_MS = 400.0
 
@@ -47,20 +43,6 @@ def reference():
     return Engine(load_model(TINY), EngineConfig(block_size=BLOCK))
 
 
-async def _wait_indexed(stack, prompt, salt, want):
-    async with grpc.aio.insecure_channel(stack.by_name("kvstore").address) as ch:
-        kv = kv_grpc.KvstoreServiceStub(ch)
-        best = 0
-        for _ in range(200):
-            hits = await kv.PredictHits(kv_pb.PredictHitsRequest(prompt_token_ids=prompt, cache_salt=salt,
-                                                                 role=common_pb2.ROLE_MAIN_DECODE))
-            best = max(h.cached_tokens for h in hits.hits)
-            if best >= want:
-                return
-            await asyncio.sleep(0.05)
-        pytest.fail(f"kvstore indexed {best} of {want} tokens of session {salt} after 10 s")
-
-
 async def test_sessions_stick_to_the_main_decode_holding_their_prefix(stack):
     chosen = {}
     for s in range(4):
@@ -71,7 +53,7 @@ async def test_sessions_stick_to_the_main_decode_holding_their_prefix(stack):
         out1, _, f1 = await run(stack, turn1, 8, cache_salt=salt, force_pipeline=common_pb2.PIPELINE_P_MD)
         turn2 = turn1 + out1 + [1, 2, 3]
         held = (len(turn1) + len(out1) - 1) // BLOCK * BLOCK
-        await _wait_indexed(stack, turn2, salt, held)
+        await wait_indexed(stack, turn2, salt, held)
         _, _, f2 = await run(stack, turn2, 4, cache_salt=salt)
         assert f2.stats.main_decode_instance == f1.stats.main_decode_instance
         assert f2.stats.md_cached_tokens == held
