@@ -79,18 +79,25 @@ async def test_one_request_id_is_in_every_services_log(stack, face):
     # NOTE: a fresh prompt: MainDecode holds none of it, so the request takes P-RLD-MD (every service).
     run = http_completion if face == "http" else grpc_completion
     await run(stack, prompt(hash(rid) % 10_000), rid)
-    deadline = time.monotonic() + 10  # the launcher copies each process's output to its log file
+    # NOTE: the client's stream can end before a service has written its closing lines (the gateway's
+    # request_done, each server's rpc_finished), and the launcher copies each process's output to its
+    # log file; so wait until every line asserted below is there, or the deadline.
+    deadline = time.monotonic() + 10
     while True:
         found = {name: lines_of(stack, name, rid) for name in SERVICES}
-        if all(found.values()) or time.monotonic() > deadline:
+        events = {name: {d["event"] for d in lines} for name, lines in found.items()}
+        rpcs = {name: {d.get("rpc") for d in lines if d["event"] == "rpc_finished"} for name, lines in found.items()}
+        complete = ({"routed", "request_done"} <= events["gateway"] and "PredictHits" in rpcs["kvstore"]
+                    and "Prefill" in rpcs["prefill-0"]
+                    and {"Decode", "PrepareTransfer", "CompleteTransfer"} <= rpcs["relay-0"]
+                    and {"Decode", "PushKv"} <= rpcs["main_decode-0"])
+        if complete or time.monotonic() > deadline:
             break
         await asyncio.sleep(0.1)
     assert all(found.values()), f"services without a line of {rid}: {[n for n, v in found.items() if not v]}"
-    events = {name: {d["event"] for d in lines} for name, lines in found.items()}
     assert {"routed", "request_done"} <= events["gateway"]
     done = next(d for d in found["gateway"] if d["event"] == "request_done")
     assert done["pipeline"] == "p-rld-md" and done["outcome"] == "length" and sum(done["tokens"].values()) == 40
-    rpcs = {name: {d.get("rpc") for d in lines if d["event"] == "rpc_finished"} for name, lines in found.items()}
     assert "PredictHits" in rpcs["kvstore"]
     assert "Prefill" in rpcs["prefill-0"]
     assert {"Decode", "PrepareTransfer", "CompleteTransfer"} <= rpcs["relay-0"]
