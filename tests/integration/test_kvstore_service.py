@@ -90,10 +90,11 @@ async def test_predict_counts_leading_cached_blocks_per_instance(stub):
 
 async def test_lease_expires_without_heartbeat_and_heartbeat_renews(stub):
     s, _ = stub
-    await _register(s, "rld-0", common_pb2.ROLE_RELAY, ttl_ms=300)
-    await _register(s, "rld-1", common_pb2.ROLE_RELAY, ttl_ms=300)
-    for _ in range(4):
-        await asyncio.sleep(0.15)
+    # NOTE: heartbeats 4x as often as the lease lasts, so a stall of a loaded machine cannot expire rld-1.
+    await _register(s, "rld-0", common_pb2.ROLE_RELAY, ttl_ms=800)
+    await _register(s, "rld-1", common_pb2.ROLE_RELAY, ttl_ms=800)
+    for _ in range(6):
+        await asyncio.sleep(0.2)
         assert (await s.Heartbeat(pb.HeartbeatRequest(instance_id="rld-1",
                                                       load=pb.InstanceLoad(running_requests=3)))).known
     listed = await s.ListInstances(pb.ListInstancesRequest(role=common_pb2.ROLE_RELAY))

@@ -102,11 +102,14 @@ async def test_records_timings_stages_and_stats(gateway):
     assert (r.rld_tokens, r.md_tokens, r.wan_bytes, r.finish_reason) == (3, 3, 4096, "length")
     assert r.predicted_hit == pytest.approx(0.25) and r.actual_hit == pytest.approx(0.5)
     assert r.server_ttft_ms == 99.0 and r.wan_transfer_ms == 12.5
-    # Timings: generous upper bounds for a loaded CI machine, tight lower bounds.
+    # Timings: generous upper bounds for a loaded CI machine. TTFT's lower bound is tight (the server
+    # sleeps TTFT_S after the client's clock started); a gap's is loose, since a late receipt of the
+    # previous message (the loop busy elsewhere) shortens it, but still tells a step from the handoff.
     assert 1000 * TTFT_S * 0.95 <= r.ttft_ms < 1000 * TTFT_S + 250
     assert len(r.itl_ms) == 5  # six tokens in six messages (the overlap token is dropped, not a message)
-    assert all(1000 * STEP_S * 0.9 <= x < 1000 * STEP_S + 150 for i, x in enumerate(r.itl_ms) if i != 2)
-    assert 1000 * HANDOFF_S * 0.95 <= r.handoff_gap_ms < 1000 * HANDOFF_S + 250
+    assert all(1000 * STEP_S * 0.5 <= x < 1000 * STEP_S + 150 for i, x in enumerate(r.itl_ms) if i != 2)
+    assert 1000 * HANDOFF_S * 0.5 <= r.handoff_gap_ms < 1000 * HANDOFF_S + 250
+    assert sum(r.itl_ms) == pytest.approx(r.token_times_ms[-1] - r.token_times_ms[0])
     assert r.handoff_gap_ms == pytest.approx(r.itl_ms[2])
     assert r.tpot_ms == pytest.approx((r.e2el_ms - r.ttft_ms) / 5)
     assert r.e2el_ms >= r.token_times_ms[-1]
