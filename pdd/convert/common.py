@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pdd.engine.sampling_params import SamplingParams
+import math
+
+from pdd.engine.sampling_params import PENALTY_LIMIT, SamplingParams
 from pdd.errors import InvalidArgumentError
 from pdd.gen.common.v1 import common_pb2
 from pdd.instance import InstanceRef, Role
@@ -50,14 +52,16 @@ def instance_ref_from_pb(msg: common_pb2.InstanceRef, field: str = "ref") -> Ins
 def sampling_to_pb(sp: SamplingParams) -> common_pb2.SamplingParams:
     msg = common_pb2.SamplingParams(max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p,
                                     top_k=sp.top_k, stop_token_ids=list(sp.stop_token_ids),
-                                    ignore_eos=sp.ignore_eos)
+                                    ignore_eos=sp.ignore_eos, presence_penalty=sp.presence_penalty,
+                                    frequency_penalty=sp.frequency_penalty,
+                                    repetition_penalty=sp.repetition_penalty)
     if sp.seed is not None:
         msg.seed = sp.seed
     return msg
 
 
 def sampling_from_pb(msg: common_pb2.SamplingParams, field: str = "sampling") -> SamplingParams:
-    """Validated sampling; an unset top_p (0) means 1.0 (no truncation)."""
+    """Validated sampling; an unset top_p (0) means 1.0 (no truncation), an unset repetition_penalty 1.0."""
     if msg.max_tokens == 0:
         raise InvalidArgumentError(f"{field}.max_tokens", "must be positive")
     if not msg.temperature >= 0.0:  # also rejects NaN
@@ -65,9 +69,26 @@ def sampling_from_pb(msg: common_pb2.SamplingParams, field: str = "sampling") ->
     top_p = msg.top_p or 1.0
     if not 0.0 < top_p <= 1.0:
         raise InvalidArgumentError(f"{field}.top_p", f"must be in (0, 1], got {msg.top_p}")
+    penalties = penalties_from(msg, field)
     return SamplingParams(max_tokens=msg.max_tokens, temperature=msg.temperature, top_p=top_p, top_k=msg.top_k,
                           seed=msg.seed if msg.HasField("seed") else None,
-                          stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos)
+                          stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos, **penalties)
+
+
+def penalties_from(msg, field: str = "") -> dict[str, float]:
+    """The three penalties of a message with those fields, validated; 0 repetition means 1 (off)."""
+    prefix = f"{field}." if field else ""
+    out = {}
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = getattr(msg, name)
+        if not -PENALTY_LIMIT <= v <= PENALTY_LIMIT:  # also rejects NaN
+            raise InvalidArgumentError(prefix + name, f"must be in [-{PENALTY_LIMIT:g}, {PENALTY_LIMIT:g}], got {v}")
+        out[name] = v
+    r = msg.repetition_penalty or 1.0
+    if not (r > 0 and math.isfinite(r)):
+        raise InvalidArgumentError(prefix + "repetition_penalty", f"must be a finite number > 0, got {r}")
+    out["repetition_penalty"] = r
+    return out
 
 
 # --- enums ----------------------------------------------------------------

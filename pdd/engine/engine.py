@@ -38,7 +38,7 @@ from pdd.engine.model_config import parse_dtype
 from pdd.engine.model_runner import ModelRunner
 from pdd.engine.radix_cache import CacheEvent
 from pdd.engine.rope import RotaryTable
-from pdd.engine.sampling import SamplingParams, sample
+from pdd.engine.sampling import SamplingParams, apply_penalties, sample
 from pdd.engine.scheduler import Scheduler
 from pdd.engine.sequence import SeqStatus, Sequence
 
@@ -116,6 +116,9 @@ class Engine:
         sampled, logits = self.runner.run(batch)
         for seq, n in batch:
             seq.num_computed += n
+        if any(s.sampling.penalized for s in sampled):
+            logits = apply_penalties(logits, [(s.sampling, s.token_ids[:s.prompt_len], s.output_ids)
+                                              if s.sampling.penalized else None for s in sampled])
         tokens = sample(logits, [s.sampling for s in sampled], [s.seed for s in sampled],
                         [s.num_tokens for s in sampled])
         outputs = []

@@ -1,4 +1,4 @@
-"""The sampler: greedy, temperature, top-k, top-p, seeded (parameters: ``sampling_params``).
+"""The sampler: penalties, greedy, temperature, top-k, top-p, seeded (parameters: ``sampling_params``).
 
 Reproducibility across engines and across a handoff: the random draw for the
 token at absolute sequence position ``p`` is one uniform number derived from
@@ -6,7 +6,8 @@ token at absolute sequence position ``p`` is one uniform number derived from
 filtered distribution sorted by probability. It never depends on the batch, on
 the step at which the token is produced or on which engine produces it, so an
 engine that takes a request over after an ``append_tokens`` draws exactly what
-the first one would have.
+the first one would have. Penalties read only the request's own prompt and
+outputs, so they too come out the same on every engine.
 """
 
 from __future__ import annotations
@@ -19,13 +20,40 @@ import torch
 
 from pdd.engine.sampling_params import SamplingParams
 
-__all__ = ["SamplingParams", "position_uniform", "sample"]
+__all__ = ["SamplingParams", "apply_penalties", "position_uniform", "sample"]
 
 
 def position_uniform(seed: int, position: int) -> float:
     """A uniform number in [0, 1) that is a pure function of ``(seed, position)``."""
     digest = hashlib.blake2b(struct.pack("<qq", seed & (2**63 - 1), position), digest_size=8).digest()
     return (int.from_bytes(digest, "little") >> 11) / float(1 << 53)
+
+
+def apply_penalties(logits: torch.Tensor, rows: Sequence[tuple[SamplingParams, Sequence[int], Sequence[int]] | None]
+                    ) -> torch.Tensor:
+    """``logits [S, V]`` with each row's penalties applied; ``rows[i]`` = (params, prompt ids, output ids)
+    of row ``i``, or None for a row without penalties (left as it is). Returns a new tensor.
+
+    Order and meaning as in vLLM: repetition first (over prompt and output tokens: a positive
+    logit is divided by it, a negative one multiplied), then frequency (times each token's count in
+    the output) and presence (once per token in the output) are subtracted.
+    """
+    out = logits.clone()
+    vocab = out.shape[-1]
+    for i, row in enumerate(rows):
+        if row is None:
+            continue
+        sp, prompt, outputs = row
+        x = out[i]
+        if sp.repetition_penalty != 1.0:
+            seen = torch.zeros(vocab, dtype=torch.bool, device=x.device)
+            seen[torch.as_tensor(list(prompt) + list(outputs), dtype=torch.long, device=x.device)] = True
+            x[seen] = torch.where(x[seen] > 0, x[seen] / sp.repetition_penalty, x[seen] * sp.repetition_penalty)
+        if outputs and (sp.frequency_penalty or sp.presence_penalty):
+            counts = torch.bincount(torch.as_tensor(list(outputs), dtype=torch.long, device=x.device),
+                                    minlength=vocab)[:vocab].to(x.dtype)
+            x -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0).to(x.dtype)
+    return out
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int],

@@ -6,7 +6,10 @@ must not load torch for it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+PENALTY_LIMIT = 2.0  # |presence_penalty|, |frequency_penalty| at most this (OpenAI's range)
 
 
 @dataclass(frozen=True)
@@ -18,6 +21,12 @@ class SamplingParams:
     seed: int | None = None  # None with temperature > 0: the engine picks one per request
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Penalties, vLLM's meaning: presence/frequency subtract from the logit of every token already in
+    # the output (once / once per occurrence); repetition divides a positive logit (multiplies a
+    # negative one) of every token in the prompt or the output. 0, 0, 1 → off.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -34,7 +43,17 @@ class SamplingParams:
         if any(not isinstance(t, int) or t < 0 for t in stops):
             raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
         object.__setattr__(self, "stop_token_ids", stops)
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not -PENALTY_LIMIT <= v <= PENALTY_LIMIT:  # also rejects NaN
+                raise ValueError(f"{name} must be in [-{PENALTY_LIMIT}, {PENALTY_LIMIT}], got {v}")
+        if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0

@@ -5,10 +5,11 @@ gRPC face receives, and validated by ``pdd.convert.gateway.generate_from_pb``
 — one set of rules for both faces; an ``InvalidArgumentError`` names the
 field (HTTP 400). Supported: ``max_tokens`` (chat: also
 ``max_completion_tokens``), ``temperature``, ``top_p``, ``seed``, ``stop``
-(strings), ``n=1``, ``stream`` + ``stream_options.include_usage``; vLLM-style
-extras ``top_k``, ``stop_token_ids``, ``ignore_eos``, ``cache_salt``,
+(strings), ``presence_penalty``, ``frequency_penalty``, ``n=1``, ``stream`` +
+``stream_options.include_usage``; vLLM-style extras ``top_k``,
+``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``cache_salt``,
 ``session_id``, ``return_token_ids``. Features PDD does not have (logprobs,
-echo, penalties, tools, ...) are refused rather than silently ignored.
+echo, tools, ...) are refused rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -118,9 +119,6 @@ def _refuse_unsupported(body: dict) -> None:
     for name in ("top_logprobs", "suffix", "logit_bias", "tools", "functions"):
         if body.get(name):
             raise InvalidArgumentError(name, "is not supported")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if body.get(name) not in (None, 0, 0.0):
-            raise InvalidArgumentError(name, "is not supported (only 0)")
     fmt = body.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
         raise InvalidArgumentError("response_format", "only {\"type\": \"text\"} is supported")
@@ -133,7 +131,14 @@ def _generate_request(body: dict, request_id: str, max_tokens: int) -> pb.Genera
         max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", 1.0),
         top_k=max(top_k, 0), stop_token_ids=_token_ids(body.get("stop_token_ids") or [], "stop_token_ids"),
         ignore_eos=_bool(body, "ignore_eos"), session_id=_str(body, "session_id"),
-        cache_salt=_str(body, "cache_salt"), request_id=request_id)
+        cache_salt=_str(body, "cache_salt"), request_id=request_id,
+        presence_penalty=_number(body, "presence_penalty", 0.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0))
+    # NOTE: on the wire 0 means "off" (1.0); a body that says 0 asks for something invalid.
+    repetition = _number(body, "repetition_penalty", 1.0)
+    if not repetition > 0:
+        raise InvalidArgumentError("repetition_penalty", f"must be a finite number > 0, got {repetition}")
+    req.repetition_penalty = repetition
     seed = _int(body, "seed", 0, _U64)
     if seed is not None:
         req.seed = seed

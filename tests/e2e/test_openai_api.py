@@ -61,11 +61,11 @@ def reference():
 
     class Ref:
         @functools.lru_cache(maxsize=None)  # noqa: B019 — one Ref per module; tests share results
-        def _greedy(self, ids: tuple[int, ...], n: int) -> tuple[int, ...]:
-            return tuple(engine.generate([list(ids)], SamplingParams(max_tokens=n))[0])
+        def _greedy(self, ids: tuple[int, ...], n: int, extra: tuple) -> tuple[int, ...]:
+            return tuple(engine.generate([list(ids)], SamplingParams(max_tokens=n, **dict(extra)))[0])
 
-        def greedy(self, ids: list[int], n: int) -> list[int]:
-            return list(self._greedy(tuple(ids), n))
+        def greedy(self, ids: list[int], n: int, **extra) -> list[int]:
+            return list(self._greedy(tuple(ids), n, tuple(sorted(extra.items()))))
 
         def text(self, ids: list[int]) -> str:
             return tok.decode(ids, skip_special_tokens=True)
@@ -140,6 +140,19 @@ def test_stop_string_ends_the_text_before_it(stack, client, reference):
     for outcome, grew in (("stop", 1), ("cancelled", 0)):
         assert (total(after, "pdd_requests_total", outcome=outcome)
                 - total(before, "pdd_requests_total", outcome=outcome)) == grew, outcome
+
+
+def test_penalties_change_the_text_as_in_the_reference(client, reference):
+    prompt = "The three primary colors are"
+    # NOTE: values exact in float32 (the gRPC wire's type) so the reference gets the same numbers.
+    penalties = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.25)
+    ids = reference.encode(prompt)
+    want = reference.text(reference.greedy(ids, 16, **penalties))
+    assert want != reference.text(reference.greedy(ids, 16)), "these penalties should change the text"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0,
+                                  presence_penalty=0.5, frequency_penalty=0.5,
+                                  extra_body={"repetition_penalty": 1.25})
+    assert r.choices[0].text == want
 
 
 def test_seeded_sampling_is_reproducible(client):

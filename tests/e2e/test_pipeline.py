@@ -179,6 +179,24 @@ async def test_seeded_sampling_matches_single_engine(stack, reference, mode):
     assert other != tokens
 
 
+@pytest.mark.parametrize("mode", list(MODES))
+async def test_penalties_match_single_engine_across_the_handoff(stack, reference, mode):
+    # NOTE: values exact in float32 (the wire's type), so the reference gets the very same numbers.
+    penalties = dict(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.25)
+    p = prompts(23, 1)[0] + [7, 7, 7, 9]
+    # NOTE: 200 tokens take the relay far longer than MainDecode needs to hold this prompt's KV, so a
+    # one-shot handoff happens (a catch-up may take longer: its rounds cross the WAN while the relay runs).
+    tokens, _, final = await run(stack, p, 200, temperature=0.75, seed=4321, cache_salt=f"pen-{mode}",
+                                 **penalties, **MODES[mode])
+    ref = reference.generate([p], SamplingParams(max_tokens=200, temperature=0.75, seed=4321, ignore_eos=True,
+                                                 **penalties))[0]
+    assert tokens == ref
+    plain = reference.generate([p], SamplingParams(max_tokens=200, temperature=0.75, seed=4321, ignore_eos=True))[0]
+    assert plain != ref, "the penalties should change this output"
+    if mode == "p-rld-md-one-shot":  # the relay's tokens were counted by MainDecode's penalties too
+        assert final.stats.rld_tokens > 0 and final.stats.md_tokens > 0, "the relay should have handed over"
+
+
 @pytest.mark.parametrize("mode", ["p-md", "p-rld-md-one-shot", "md"])
 async def test_cancel_mid_stream_frees_kv_everywhere(stack, mode):
     p = prompts(31, 1)[0]

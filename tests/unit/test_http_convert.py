@@ -49,6 +49,14 @@ def test_token_prompt_and_sampling_fields():
     assert r.stream and r.include_usage and r.stop == ("\n",)
 
 
+def test_penalties_reach_the_job():
+    s = completion(prompt="x", presence_penalty=0.5, frequency_penalty=-1, repetition_penalty=1.25).job.sampling
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty) == (0.5, -1.0, 1.25)
+    chat = conv.chat_request({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                              "frequency_penalty": 0.75}, INFO, "c").job.sampling
+    assert (chat.presence_penalty, chat.frequency_penalty, chat.repetition_penalty) == (0.0, 0.75, 1.0)
+
+
 def test_a_batch_of_one_prompt_is_unwrapped():
     assert completion(prompt=["ab"]).job.prompt_token_ids == tuple(encode("ab"))
     assert completion(prompt=[[4, 5]]).job.prompt_token_ids == (4, 5)
@@ -78,7 +86,11 @@ def test_a_batch_of_one_prompt_is_unwrapped():
         (dict(prompt="x", stop=7), "stop"),
         (dict(prompt="x", echo=True), "echo"),
         (dict(prompt="x", logprobs=2), "logprobs"),
-        (dict(prompt="x", presence_penalty=0.5), "presence_penalty"),
+        (dict(prompt="x", presence_penalty=2.5), "presence_penalty"),
+        (dict(prompt="x", frequency_penalty="much"), "frequency_penalty"),
+        (dict(prompt="x", frequency_penalty=-2.5), "frequency_penalty"),
+        (dict(prompt="x", repetition_penalty=0), "repetition_penalty"),
+        (dict(prompt="x", repetition_penalty=-1.0), "repetition_penalty"),
         (dict(prompt="x", stream_options={"include_usage": True}), "stream_options"),
         (dict(prompt="x", stream="yes"), "stream"),
         (dict(prompt="x", cache_salt="has space"), "cache_salt"),

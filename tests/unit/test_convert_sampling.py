@@ -1,0 +1,60 @@
+"""Sampling parameters on the wire: the gateway's request and the stages' ``SamplingParams``."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdd.convert.common import sampling_from_pb, sampling_to_pb
+from pdd.convert.gateway import ModelInfo, generate_from_pb
+from pdd.engine.sampling_params import SamplingParams
+from pdd.errors import InvalidArgumentError
+from pdd.gen.common.v1 import common_pb2
+from pdd.gen.gateway.v1 import gateway_service_pb2 as pb
+
+INFO = ModelInfo("m", vocab_size=100, max_context_tokens=64)
+
+
+def request(**fields) -> pb.GenerateRequest:
+    req = pb.GenerateRequest(max_tokens=4, **fields)
+    req.prompt_token_ids.token_ids.extend([1, 2, 3])
+    return req
+
+
+def test_penalties_cross_the_gateway_and_every_stage_hop():
+    job = generate_from_pb(request(presence_penalty=0.5, frequency_penalty=-1.25, repetition_penalty=1.5), INFO)
+    sp = job.sampling
+    assert (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty) == (0.5, -1.25, 1.5)
+    assert sampling_from_pb(sampling_to_pb(sp)) == sp
+    # float32 on the wire: what the gateway accepted is what every stage's engine gets
+    odd = generate_from_pb(request(repetition_penalty=1.3), INFO).sampling
+    assert sampling_from_pb(sampling_to_pb(odd)) == odd and odd.repetition_penalty == pytest.approx(1.3)
+
+
+def test_unset_penalties_are_off():
+    sp = generate_from_pb(request(), INFO).sampling
+    assert (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty) == (0.0, 0.0, 1.0)
+    assert not sp.penalized
+    assert sampling_from_pb(common_pb2.SamplingParams(max_tokens=3)).repetition_penalty == 1.0
+
+
+@pytest.mark.parametrize(("fields", "field"), [
+    (dict(presence_penalty=2.5), "presence_penalty"),
+    (dict(frequency_penalty=-3.0), "frequency_penalty"),
+    (dict(frequency_penalty=float("nan")), "frequency_penalty"),
+    (dict(repetition_penalty=-0.5), "repetition_penalty"),
+    (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+])
+def test_bad_penalties_name_their_field(fields, field):
+    with pytest.raises(InvalidArgumentError) as err:
+        generate_from_pb(request(**fields), INFO)
+    assert err.value.field == field
+    stage = common_pb2.SamplingParams(max_tokens=3, **fields)
+    with pytest.raises(InvalidArgumentError) as err:
+        sampling_from_pb(stage)
+    assert err.value.field == f"sampling.{field}"
+
+
+def test_sampling_params_round_trip_keeps_every_field():
+    sp = SamplingParams(max_tokens=9, temperature=0.5, top_p=0.75, top_k=7, seed=3, stop_token_ids=(4, 5),
+                        ignore_eos=True, presence_penalty=0.25, frequency_penalty=0.5, repetition_penalty=1.25)
+    assert sampling_from_pb(sampling_to_pb(sp)) == sp

@@ -1,0 +1,107 @@
+"""Presence, frequency and repetition penalties: the math, the oracle, and a handoff in the middle.
+
+Oracle for repetition: transformers' own ``repetition_penalty`` (it too penalizes prompt and
+generated tokens). For presence/frequency (transformers has none): greedy decoding of the oracle's
+logits with the penalties applied in the test, step by step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdd.engine import Engine, EngineConfig, SamplingParams, tiny_model
+from pdd.engine.sampling import apply_penalties, sample
+
+CKPT = tiny_model(43, num_layers=2, num_heads=4, num_kv_heads=2, std=0.05)
+PROMPTS = [[12, 200, 3, 45, 6, 78, 9], [5, 5, 5, 7, 100, 101, 102, 5, 7]]
+
+
+@pytest.mark.parametrize("bad", [dict(presence_penalty=2.5), dict(presence_penalty=float("nan")),
+                                 dict(frequency_penalty=-2.01), dict(repetition_penalty=0.0),
+                                 dict(repetition_penalty=-1.0), dict(repetition_penalty=float("inf"))])
+def test_penalty_validation(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        SamplingParams(**bad)
+
+
+def test_penalized_is_off_only_at_the_neutral_values():
+    assert not SamplingParams().penalized
+    assert SamplingParams(presence_penalty=0.1).penalized and SamplingParams(frequency_penalty=-0.1).penalized
+    assert SamplingParams(repetition_penalty=1.1).penalized
+
+
+def test_penalty_math_on_known_logits():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 1.0], [1.0, 1.0, 1.0, 1.0, 1.0, 1.0]])
+    sp = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=2.0)
+    out = apply_penalties(logits, [(sp, [0, 1], [3, 3, 4]), None])
+    # token 0: prompt → repetition only (2/2); 1: prompt, negative → -1*2; 2 untouched;
+    # 3: output twice → 3/2 - 2*0.25 - 0.5; 4: output once, negative → -2*2 - 0.25 - 0.5; 5 untouched
+    assert out[0].tolist() == pytest.approx([1.0, -2.0, 0.5, 0.5, -4.75, 1.0])
+    assert torch.equal(out[1], logits[1])  # a row without penalties is left as it is
+    assert logits[0, 0] == 2.0  # the input is not changed
+
+
+def test_greedy_with_penalties_turns_away_from_a_repeated_token():
+    logits = torch.tensor([[3.0, 2.9, 0.0]])
+    plain = sample(logits, [SamplingParams()], [0], [0])
+    sp = SamplingParams(presence_penalty=0.2)
+    assert plain == [0] and sample(apply_penalties(logits, [(sp, [], [0])]), [sp], [0], [0]) == [1]
+
+
+def run(engine: Engine, prompt, sp, rid: str = "r") -> list[int]:
+    engine.add_request(rid, prompt, sp)
+    out = []
+    while engine.has_unfinished():
+        out += [o.token_id for o in engine.step() if o.request_id == rid]
+    return out
+
+
+@pytest.mark.parametrize("penalty", [1.3, 0.7])
+def test_repetition_penalty_matches_transformers(llama_oracle, penalty):
+    oracle = llama_oracle(CKPT)
+    sp = SamplingParams(max_tokens=20, repetition_penalty=penalty, ignore_eos=True)
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            want = oracle.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20,
+                                         min_new_tokens=20, do_sample=False, pad_token_id=0,
+                                         repetition_penalty=penalty)[0, len(prompt):].tolist()
+        ours = run(Engine(CKPT, EngineConfig(num_blocks=64)), prompt, sp)
+        oracle.assert_greedy_equal(prompt, ours, want)
+
+
+def test_presence_and_frequency_match_the_oracle_penalized_by_hand(llama_oracle):
+    oracle = llama_oracle(CKPT)
+    sp = SamplingParams(max_tokens=20, presence_penalty=0.8, frequency_penalty=0.6, repetition_penalty=1.2,
+                        ignore_eos=True)
+    for prompt in PROMPTS:
+        outputs: list[int] = []
+        for _ in range(20):
+            row = oracle.next_logits(prompt + outputs)[None]
+            outputs.append(int(apply_penalties(row, [(sp, prompt, outputs)])[0].argmax()))
+        plain = run(Engine(CKPT, EngineConfig(num_blocks=64)), prompt, SamplingParams(max_tokens=20, ignore_eos=True))
+        assert outputs != plain, "the penalties should change this greedy output"
+        oracle.assert_greedy_equal(prompt, run(Engine(CKPT, EngineConfig(num_blocks=64)), prompt, sp), outputs)
+
+
+def test_penalties_survive_a_handoff_and_a_busy_batch():
+    """Relay → MainDecode as in the service: tokens appended on the second engine count as outputs."""
+    sp = SamplingParams(max_tokens=24, presence_penalty=0.5, frequency_penalty=0.4, repetition_penalty=1.3,
+                        temperature=0.9, seed=77, ignore_eos=True)
+    prompt = PROMPTS[1]
+    (reference,) = Engine(CKPT, EngineConfig(num_blocks=64)).generate([prompt], sp)
+    relay = Engine(CKPT, EngineConfig(num_blocks=64))
+    relay.add_request("r", prompt, sp, keep_after_finish=True)
+    relayed = [o.token_id for _ in range(9) for o in relay.step()]
+    md = Engine(CKPT, EngineConfig(num_blocks=96, block_size=8, max_num_batched_tokens=6))
+    for i in range(3):  # other requests without penalties in the same batches
+        md.add_request(f"o{i}", list(range(i + 1, i + 12)), SamplingParams(max_tokens=12))
+    md.add_request("r", prompt, sp, paused=True)
+    md.import_kv("r", relay.export_kv("r", 0, len(prompt)))
+    md.append_tokens("r", relayed)
+    md.resume("r")
+    rest = []
+    while md.has_unfinished():
+        rest += [o.token_id for o in md.step() if o.request_id == "r"]
+    assert relayed + rest == reference
