@@ -36,7 +36,7 @@ from pdd.errors import InvalidArgumentError
 from pdd.http import openai_convert as conv
 from pdd.http.config import HttpConfig
 from pdd.http.errors import ApiError, error_body, http_error_for, is_expected
-from pdd.http.text_stream import Delta, End, text_events
+from pdd.http.text_stream import Delta, End, choice_events
 from pdd.serving.gateway import Gateway, new_request_id
 from pdd.telemetry import metrics
 
@@ -198,46 +198,51 @@ class OpenAIServer:
     # ---- generation -----------------------------------------------------------------
     async def _generate(self, request: web.Request, convert) -> web.StreamResponse:
         api = convert(await self._body(request), self.info, request[REQUEST_ID])
-        events = text_events(self.gateway, api.job, self.decode, api.stop)
+        events = choice_events(self.gateway, api.choice_jobs(), self.decode, api.stop)
         async with contextlib.aclosing(events):
             if api.stream:
                 return await self._stream(request, api, events)
             return await self._whole(api, events)
 
-    async def _whole(self, api: conv.ApiRequest, events: AsyncIterator[Delta | End]) -> web.Response:
-        texts: list[str] = []
-        ids: list[int] = []
-        end: End | None = None
-        async for ev in events:
+    async def _whole(self, api: conv.ApiRequest, events: AsyncIterator[tuple[int, Delta | End]]) -> web.Response:
+        texts: list[list[str]] = [[] for _ in range(api.n)]
+        ids: list[list[int]] = [[] for _ in range(api.n)]
+        ends: dict[int, End] = {}
+        async for i, ev in events:
             if isinstance(ev, Delta):
-                texts.append(ev.text)
-                ids.extend(ev.token_ids)
+                texts[i].append(ev.text)
+                ids[i].extend(ev.token_ids)
             else:
-                end = ev
-        assert end is not None, "the request life always ends with a final event"
-        return _json(conv.response_body(api, "".join(texts), conv.finish_reason(end.finish_reason), ids,
-                                        end.prompt_tokens, end.completion_tokens))
+                ends[i] = ev
+        assert len(ends) == api.n, "every request life ends with a final event"
+        choices = [conv.Choice("".join(texts[i]), conv.finish_reason(ends[i].finish_reason), ids[i])
+                   for i in range(api.n)]
+        return _json(conv.response_body(api, choices, ends[0].prompt_tokens,
+                                        sum(e.completion_tokens for e in ends.values())))
 
     async def _stream(self, request: web.Request, api: conv.ApiRequest,
-                      events: AsyncIterator[Delta | End]) -> web.StreamResponse:
+                      events: AsyncIterator[tuple[int, Delta | End]]) -> web.StreamResponse:
         resp = web.StreamResponse(headers={**_SSE_HEADERS, "x-request-id": request[REQUEST_ID]})
 
         async def send(obj: Any) -> None:
             await resp.write(b"data: " + (obj if isinstance(obj, bytes) else _dumps(obj)) + b"\n\n")
 
+        ends: dict[int, End] = {}
         try:
-            async for ev in events:
+            async for i, ev in events:
                 if not resp.prepared:
                     await resp.prepare(request)
                     if api.kind == conv.CHAT:
-                        await send(conv.chunk_body(api, role=True))
+                        for k in range(api.n):
+                            await send(conv.chunk_body(api, role=True, index=k))
                 if isinstance(ev, Delta):
                     if ev.text or api.return_token_ids:
-                        await send(conv.chunk_body(api, ev.text, None, ev.token_ids))
+                        await send(conv.chunk_body(api, ev.text, None, ev.token_ids, index=i))
                     continue
-                await send(conv.chunk_body(api, "", conv.finish_reason(ev.finish_reason), ()))
-                if api.include_usage:
-                    await send(conv.usage_chunk(api, ev.prompt_tokens, ev.completion_tokens))
+                ends[i] = ev
+                await send(conv.chunk_body(api, "", conv.finish_reason(ev.finish_reason), (), index=i))
+                if api.include_usage and len(ends) == api.n:
+                    await send(conv.usage_chunk(api, ev.prompt_tokens, sum(e.completion_tokens for e in ends.values())))
         except (ConnectionResetError, asyncio.CancelledError):
             log.info("http_client_gone")
             raise

@@ -5,7 +5,7 @@ gRPC face receives, and validated by ``pdd.convert.gateway.generate_from_pb``
 — one set of rules for both faces; an ``InvalidArgumentError`` names the
 field (HTTP 400). Supported: ``max_tokens`` (chat: also
 ``max_completion_tokens``), ``temperature``, ``top_p``, ``seed``, ``stop``
-(strings), ``presence_penalty``, ``frequency_penalty``, ``n=1``, ``stream`` +
+(strings), ``presence_penalty``, ``frequency_penalty``, ``n`` (up to ``MAX_N``), ``stream`` +
 ``stream_options.include_usage``; vLLM-style extras ``top_k``,
 ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``cache_salt``,
 ``session_id``, ``return_token_ids``. Features PDD does not have (logprobs,
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pdd.convert.gateway import ModelInfo, generate_from_pb
@@ -29,6 +29,7 @@ COMPLETION, CHAT = "text_completion", "chat.completion"
 _U32, _U64 = 2**32, 2**64
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_STOP_STRINGS = 16
+MAX_N = 16  # choices per request: each is a whole generation
 
 
 @dataclass(frozen=True)
@@ -40,11 +41,28 @@ class ApiRequest:
     include_usage: bool = False
     stop: tuple[str, ...] = ()
     return_token_ids: bool = False
+    n: int = 1
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
     def id(self) -> str:
         return ("chatcmpl-" if self.kind == CHAT else "cmpl-") + self.job.request_id
+
+    def choice_jobs(self) -> list[GenerateJob]:
+        """One request life per choice: ``n`` requests with the same prompt (so the later ones find it
+        in the prefix caches), ids ``<request_id>-<i>``; with a seed, choice ``i`` draws with
+        ``seed + i`` (vLLM's rule), so choice 0 is what ``n = 1`` would give."""
+        if self.n == 1:
+            return [self.job]
+        jobs = []
+        for i in range(self.n):
+            suffix = f"-{i}"
+            sampling = self.job.sampling
+            if sampling.seed is not None:
+                sampling = replace(sampling, seed=(sampling.seed + i) % _U64)
+            jobs.append(replace(self.job, request_id=self.job.request_id[:128 - len(suffix)] + suffix,
+                                sampling=sampling))
+        return jobs
 
 
 # ---- type checks ------------------------------------------------------------------
@@ -107,9 +125,6 @@ def _stop_strings(body: dict) -> tuple[str, ...]:
 
 
 def _refuse_unsupported(body: dict) -> None:
-    n = body.get("n")
-    if n is not None and n != 1:
-        raise InvalidArgumentError("n", "only n=1 is supported")
     best_of = body.get("best_of")
     if best_of is not None and best_of != 1:
         raise InvalidArgumentError("best_of", "only best_of=1 is supported")
@@ -155,7 +170,8 @@ def _common(body: Any, kind: str) -> dict[str, Any]:
         raise InvalidArgumentError("stream_options", "is only allowed as an object with stream: true")
     return dict(kind=kind, model=body.get("model"), stream=stream,
                 include_usage=bool(options and options.get("include_usage")),
-                stop=_stop_strings(body), return_token_ids=_bool(body, "return_token_ids"))
+                stop=_stop_strings(body), return_token_ids=_bool(body, "return_token_ids"),
+                n=_int(body, "n", 1, MAX_N + 1, 1))
 
 
 def completion_request(body: Any, info: ModelInfo, request_id: str) -> ApiRequest:
@@ -206,9 +222,9 @@ def _envelope(r: ApiRequest, chunk: bool) -> dict[str, Any]:
 
 
 def _choice(r: ApiRequest, text: str, finish: str | None, token_ids: Sequence[int] | None,
-            chunk: bool, role: bool = False) -> dict[str, Any]:
+            chunk: bool, role: bool = False, index: int = 0) -> dict[str, Any]:
     if r.kind == CHAT:
-        body: dict[str, Any] = {"index": 0}
+        body: dict[str, Any] = {"index": index}
         if chunk:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text or role:
@@ -217,7 +233,7 @@ def _choice(r: ApiRequest, text: str, finish: str | None, token_ids: Sequence[in
         else:
             body["message"] = {"role": "assistant", "content": text}
     else:
-        body = {"index": 0, "text": text}
+        body = {"index": index, "text": text}
     body["logprobs"] = None
     body["finish_reason"] = finish
     if r.return_token_ids and token_ids is not None:
@@ -225,17 +241,26 @@ def _choice(r: ApiRequest, text: str, finish: str | None, token_ids: Sequence[in
     return body
 
 
-def response_body(r: ApiRequest, text: str, finish: str, token_ids: Sequence[int],
-                  prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-    """The whole (non-streamed) response."""
-    return {**_envelope(r, False), "choices": [_choice(r, text, finish, token_ids, False)],
+@dataclass(frozen=True)
+class Choice:
+    text: str
+    finish: str
+    token_ids: Sequence[int]
+
+
+def response_body(r: ApiRequest, choices: Sequence[Choice], prompt_tokens: int,
+                  completion_tokens: int) -> dict[str, Any]:
+    """The whole (non-streamed) response; ``choices`` in index order, usage over all of them."""
+    return {**_envelope(r, False),
+            "choices": [_choice(r, c.text, c.finish, c.token_ids, False, index=i) for i, c in enumerate(choices)],
             "usage": usage(prompt_tokens, completion_tokens)}
 
 
 def chunk_body(r: ApiRequest, text: str = "", finish: str | None = None, token_ids: Sequence[int] | None = None,
-               *, role: bool = False) -> dict[str, Any]:
-    """One streamed chunk; ``role`` marks chat's first chunk (OpenAI sends the role once)."""
-    out = {**_envelope(r, True), "choices": [_choice(r, text, finish, token_ids, True, role)]}
+               *, role: bool = False, index: int = 0) -> dict[str, Any]:
+    """One streamed chunk of choice ``index``; ``role`` marks chat's first chunk of a choice (OpenAI
+    sends the role once)."""
+    out = {**_envelope(r, True), "choices": [_choice(r, text, finish, token_ids, True, role, index)]}
     if r.include_usage:
         out["usage"] = None
     return out

@@ -3,10 +3,13 @@
 Runs ``Gateway.generate`` (the one request life) and turns its events into
 ``Delta``s and one ``End``. A stop string ends the request early: the
 generator is closed, which cancels every stage call (and frees the KV).
+``choice_events`` runs several (OpenAI's ``n``) side by side, events tagged
+with the choice's index.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
@@ -48,3 +51,42 @@ async def text_events(gateway: Gateway, job: GenerateJob, decode: Callable[[Sequ
             if tail := stops.flush():
                 yield Delta(tail, ())
             yield End(ev.finish_reason, ev.stats.prompt_tokens, ev.stats.completion_tokens)
+
+
+async def choice_events(gateway: Gateway, jobs: Sequence[GenerateJob], decode: Callable[[Sequence[int]], str] | None,
+                        stop: Sequence[str] = ()) -> AsyncIterator[tuple[int, Delta | End]]:
+    """``(index, event)`` of every job's ``text_events``, as they come; each job ends with its own
+    ``End``. The first failure of any job is raised here and, like closing this generator early,
+    cancels every job still running (their stage calls and KV with them)."""
+    if len(jobs) == 1:
+        async with contextlib.aclosing(text_events(gateway, jobs[0], decode, stop)) as events:
+            async for ev in events:
+                yield 0, ev
+        return
+    queue: asyncio.Queue[tuple[int, Delta | End | None, BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, job: GenerateJob) -> None:
+        try:
+            async with contextlib.aclosing(text_events(gateway, job, decode, stop)) as events:
+                async for ev in events:
+                    queue.put_nowait((index, ev, None))
+        except Exception as exc:  # noqa: BLE001 — handed to the consumer, which raises it
+            queue.put_nowait((index, None, exc))
+            return
+        queue.put_nowait((index, None, None))
+
+    tasks = [asyncio.create_task(pump(i, job)) for i, job in enumerate(jobs)]
+    try:
+        running = len(tasks)
+        while running:
+            index, ev, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if ev is None:
+                running -= 1
+                continue
+            yield index, ev
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

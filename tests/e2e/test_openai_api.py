@@ -155,6 +155,27 @@ def test_penalties_change_the_text_as_in_the_reference(client, reference):
     assert r.choices[0].text == want
 
 
+def test_n_choices_greedy_and_seeded(client, reference):
+    prompt = "Once upon a time"
+    want = reference.text(reference.greedy(reference.encode(prompt), 8))
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, n=2)
+    assert [(c.index, c.text) for c in r.choices] == [(0, want), (1, want)]
+    assert r.usage.completion_tokens == 2 * len(reference.greedy(reference.encode(prompt), 8))
+    # Seeded: choice i is what a single request with seed + i gives.
+    kw = dict(model=MODEL, prompt="My favourite animal is", max_tokens=10, temperature=0.9)
+    many = client.completions.create(n=3, seed=40, **kw).choices
+    assert [c.index for c in many] == [0, 1, 2]
+    assert [c.text for c in many] == [client.completions.create(seed=40 + i, **kw).choices[0].text for i in range(3)]
+    assert len({c.text for c in many}) > 1
+    stream = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=12, temperature=0, n=2,
+                                            stream=True)
+    texts = ["", ""]
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+    assert texts[0] == texts[1] == reference.text(reference.greedy(reference.chat_ids(QUESTION), 12))
+
+
 def test_seeded_sampling_is_reproducible(client):
     kw = dict(model=MODEL, prompt="My favourite animal is", max_tokens=10, temperature=0.9, seed=7)
     assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
@@ -184,7 +205,7 @@ def test_unknown_model_is_404_and_bad_fields_are_400(client):
         client.completions.create(model="gpt-4o", prompt="hi", max_tokens=1)
     assert err.value.code == "model_not_found" and err.value.param == "model"
     with pytest.raises(openai.BadRequestError) as err:
-        client.completions.create(model=MODEL, prompt="hi", max_tokens=1, n=2)
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=1, n=17)
     assert err.value.param == "n"
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model=MODEL, messages=[{"role": "wizard", "content": "x"}], max_tokens=1)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 
 import aiohttp
 import pytest
@@ -30,22 +31,25 @@ def decode(ids):
 class ScriptedGateway:
     def __init__(self, text: str = "Hello world", *, fail_before: BaseException | None = None,
                  fail_after: int | None = None, delay_s: float = 0.0,
-                 roles: tuple[Role, ...] = (Role.PREFILL, Role.RELAY, Role.MAIN_DECODE)) -> None:
+                 roles: tuple[Role, ...] = (Role.PREFILL, Role.RELAY, Role.MAIN_DECODE),
+                 texts: dict[str, str] | None = None) -> None:
         self.text, self.fail_before, self.fail_after, self.delay_s, self.roles = text, fail_before, fail_after, delay_s, roles
+        self.texts = texts or {}  # request_id → its text, instead of ``text``
         self.jobs, self.ends = [], []
 
     async def generate(self, job, ending=None):
         self.jobs.append(job)
         end = "cancelled"
+        text = self.texts.get(job.request_id, self.text)
         try:
-            if self.fail_before is not None:
+            if self.fail_before is not None and job.request_id in self.texts.get("fail", job.request_id):
                 raise self.fail_before
-            for i, ch in enumerate(self.text[:job.sampling.max_tokens]):
+            for i, ch in enumerate(text[:job.sampling.max_tokens]):
                 if i == self.fail_after:
                     raise UnavailableError("relay went away")
                 await asyncio.sleep(self.delay_s)
                 yield TokenEvent(i, (ord(ch),), 2)
-            n = min(len(self.text), job.sampling.max_tokens)
+            n = min(len(text), job.sampling.max_tokens)
             end = "finished"
             yield FinalEvent("length" if n == job.sampling.max_tokens else "stop",
                              RequestStats(prompt_tokens=len(job.prompt_token_ids), completion_tokens=n))
@@ -60,8 +64,8 @@ class ScriptedGateway:
 async def serve():
     servers = []
 
-    async def start(gateway, **config):
-        server = OpenAIServer(gateway, INFO, decode, HttpConfig(port=0, **config))
+    async def start(gateway, info=INFO, **config):
+        server = OpenAIServer(gateway, info, decode, HttpConfig(port=0, **config))
         await server.start()
         servers.append(server)
         return f"http://127.0.0.1:{server.port}"
@@ -111,6 +115,51 @@ async def test_completion_stream_ends_with_usage_and_done(serve):
     assert gw.ends == ["finished"]
 
 
+async def test_n_choices_whole(serve):
+    gw = ScriptedGateway(texts={"r-0": "Red", "r-1": "Green!", "r-2": "Blue"}, delay_s=0.001)
+    url = await serve(gw)
+    status, _, text = await post(f"{url}/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 5, "n": 3,
+                                                           "seed": 10}, {"X-Request-Id": "r"})
+    body = json.loads(text)
+    assert status == 200 and body["id"] == "cmpl-r"
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in body["choices"]] == \
+        [(0, "Red", "stop"), (1, "Green", "length"), (2, "Blue", "stop")]
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 12, "total_tokens": 14}
+    assert sorted((j.request_id, j.sampling.seed) for j in gw.jobs) == [("r-0", 10), ("r-1", 11), ("r-2", 12)]
+    assert gw.ends == ["finished"] * 3
+
+
+async def test_n_choices_streamed_chat(serve):
+    gw = ScriptedGateway(texts={"c-0": "abc", "c-1": "defgh"}, delay_s=0.002)
+    url = await serve(gw, replace(INFO, chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}"))
+    _, _, text = await post(f"{url}/v1/chat/completions", {
+        "model": "m", "messages": [{"role": "user", "content": "q"}], "max_tokens": 8, "n": 2, "stream": True,
+        "stream_options": {"include_usage": True}}, {"X-Request-Id": "c"})
+    evs = events(text)
+    assert evs[-1] == "[DONE]" and evs[-2]["choices"] == [] and evs[-2]["usage"]["completion_tokens"] == 8
+    chunks = [e["choices"][0] for e in evs[:-2]]
+    assert [c["delta"] for c in chunks[:2]] == [{"role": "assistant", "content": ""}] * 2
+    assert [c["index"] for c in chunks[:2]] == [0, 1]
+    for index, want in ((0, "abc"), (1, "defgh")):
+        mine = [c for c in chunks[2:] if c["index"] == index]
+        assert "".join(c["delta"].get("content", "") for c in mine) == want
+        assert [c["finish_reason"] for c in mine][-1] == "stop" and sum(c["finish_reason"] is not None for c in mine) == 1
+    assert all(e["usage"] is None for e in evs[:-2])  # usage once, after every choice ended
+
+
+async def test_a_failing_choice_fails_the_request_and_cancels_the_others(serve):
+    gw = ScriptedGateway(texts={"fail": "f-1"}, fail_before=UnavailableError("no prefill"), delay_s=0.01)
+    url = await serve(gw)
+    status, _, text = await post(f"{url}/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 50, "n": 3},
+                                 {"X-Request-Id": "f"})
+    assert status == 503 and "no prefill" in json.loads(text)["error"]["message"]
+    for _ in range(500):
+        if len(gw.ends) == 3:
+            break
+        await asyncio.sleep(0.02)
+    assert sorted(gw.ends) == ["cancelled"] * 3  # the failed one and the two it took down
+
+
 async def test_stop_string_cuts_the_text_and_ends_the_request_early(serve):
     gw = ScriptedGateway()
     url = await serve(gw)
@@ -145,7 +194,7 @@ async def test_api_keys_guard_v1_only(serve):
         ("[1, 2]", 400, "body", None),
         ('{"prompt": "hi"}', 400, "model", None),
         ('{"model": "gpt-4", "prompt": "hi"}', 404, "model", "model_not_found"),
-        ('{"model": "m", "prompt": "hi", "n": 3}', 400, "n", None),
+        ('{"model": "m", "prompt": "hi", "n": 17}', 400, "n", None),
         ('{"model": "m", "prompt": "hi", "max_tokens": 1000}', 400, "max_tokens", None),
     ],
 )
@@ -192,18 +241,19 @@ async def test_failure_mid_stream_is_an_error_event_then_done(serve):
     assert evs[3]["error"]["type"] == "service_unavailable_error" and evs[4] == "[DONE]"
 
 
-async def test_client_going_away_cancels_the_request(serve):
+@pytest.mark.parametrize("n", [1, 2])
+async def test_client_going_away_cancels_the_request(serve, n):
     gw = ScriptedGateway(text="x" * 50, delay_s=0.02)
     url = await serve(gw)
     async with aiohttp.ClientSession() as s:
         async with s.post(f"{url}/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 50,
-                                                         "stream": True}) as r:
+                                                         "stream": True, "n": n}) as r:
             await r.content.readline()
     for _ in range(500):  # the server notices on its next write (every 20 ms); 10 s for a loaded machine
-        if gw.ends:
+        if len(gw.ends) == n:
             break
         await asyncio.sleep(0.02)
-    assert gw.ends == ["cancelled"]
+    assert gw.ends == ["cancelled"] * n
 
 
 async def test_ready_needs_prefill_and_main_decode(serve):

@@ -81,7 +81,11 @@ def test_a_batch_of_one_prompt_is_unwrapped():
         (dict(prompt="x", temperature=math.nan), "temperature"),
         (dict(prompt="x", top_p=1.5), "top_p"),
         (dict(prompt="x", seed=-1), "seed"),
-        (dict(prompt="x", n=2), "n"),
+        (dict(prompt="x", n=0), "n"),
+        (dict(prompt="x", n=conv.MAX_N + 1), "n"),
+        (dict(prompt="x", n="2"), "n"),
+        (dict(prompt="x", n=True), "n"),
+        (dict(prompt="x", best_of=2), "best_of"),
         (dict(prompt="x", stop=[""]), "stop"),
         (dict(prompt="x", stop=7), "stop"),
         (dict(prompt="x", echo=True), "echo"),
@@ -152,7 +156,7 @@ def test_chat_needs_a_template_and_template_errors_are_bad_requests():
 
 def test_response_shapes_match_openai():
     r = completion(prompt="x", return_token_ids=True)
-    body = conv.response_body(r, "hello", "length", [1, 2], 3, 2)
+    body = conv.response_body(r, [conv.Choice("hello", "length", [1, 2])], 3, 2)
     assert body["object"] == "text_completion" and body["id"] == "cmpl-rid-1" and body["model"] == "m"
     assert body["choices"] == [{"index": 0, "text": "hello", "logprobs": None, "finish_reason": "length",
                                 "token_ids": [1, 2]}]
@@ -170,9 +174,27 @@ def test_response_shapes_match_openai():
     tail = conv.usage_chunk(c, 7, 1)
     assert tail["choices"] == [] and tail["usage"]["total_tokens"] == 8
     whole = conv.response_body(conv.chat_request({"model": "m", "messages": [{"role": "user", "content": "q"}]},
-                                                 INFO, "c4"), "4", "stop", [9], 7, 1)
+                                                 INFO, "c4"), [conv.Choice("4", "stop", [9])], 7, 1)
     assert whole["object"] == "chat.completion"
     assert whole["choices"][0]["message"] == {"role": "assistant", "content": "4"}
+
+
+def test_n_choices_are_requests_of_their_own():
+    one = completion(prompt="x", seed=5)
+    assert one.n == 1 and one.choice_jobs() == [one.job]
+    r = completion(prompt="x", n=3, seed=2**64 - 2, session_id="s", cache_salt="t")
+    jobs = r.choice_jobs()
+    assert [j.request_id for j in jobs] == ["rid-1-0", "rid-1-1", "rid-1-2"] and r.id == "cmpl-rid-1"
+    # vLLM's rule: choice i draws with seed + i (kept within the wire's uint64)
+    assert [j.sampling.seed for j in jobs] == [2**64 - 2, 2**64 - 1, 0]
+    assert all(j.prompt_token_ids == r.job.prompt_token_ids and (j.session_id, j.cache_salt) == ("s", "t")
+               for j in jobs)
+    assert all(j.sampling.seed is None for j in completion(prompt="x", n=2, temperature=1).choice_jobs())
+    long_id = conv.completion_request({"model": "m", "prompt": "x", "n": 12}, INFO, "r" * 128).choice_jobs()
+    assert [len(j.request_id) for j in long_id] == [128] * 12 and len({j.request_id for j in long_id}) == 12
+    body = conv.response_body(r, [conv.Choice("a", "stop", [1]), conv.Choice("bc", "length", [2, 3])], 1, 3)
+    assert [(c["index"], c["text"]) for c in body["choices"]] == [(0, "a"), (1, "bc")]
+    assert conv.chunk_body(r, "z", index=2)["choices"][0]["index"] == 2
 
 
 def test_finish_reasons_are_openai_ones():
