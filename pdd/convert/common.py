@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from pdd.engine.sampling_params import PENALTY_LIMIT, SamplingParams
+from pdd.engine.sampling_params import LOGIT_BIAS_LIMIT, PENALTY_LIMIT, SamplingParams
 from pdd.errors import InvalidArgumentError
 from pdd.gen.common.v1 import common_pb2
 from pdd.instance import InstanceRef, Role
@@ -54,7 +54,7 @@ def sampling_to_pb(sp: SamplingParams) -> common_pb2.SamplingParams:
                                     top_k=sp.top_k, stop_token_ids=list(sp.stop_token_ids),
                                     ignore_eos=sp.ignore_eos, presence_penalty=sp.presence_penalty,
                                     frequency_penalty=sp.frequency_penalty,
-                                    repetition_penalty=sp.repetition_penalty)
+                                    repetition_penalty=sp.repetition_penalty, logit_bias=dict(sp.logit_bias))
     if sp.seed is not None:
         msg.seed = sp.seed
     return msg
@@ -69,14 +69,15 @@ def sampling_from_pb(msg: common_pb2.SamplingParams, field: str = "sampling") ->
     top_p = msg.top_p or 1.0
     if not 0.0 < top_p <= 1.0:
         raise InvalidArgumentError(f"{field}.top_p", f"must be in (0, 1], got {msg.top_p}")
-    penalties = penalties_from(msg, field)
+    penalties = logit_adjustments_from(msg, field)
     return SamplingParams(max_tokens=msg.max_tokens, temperature=msg.temperature, top_p=top_p, top_k=msg.top_k,
                           seed=msg.seed if msg.HasField("seed") else None,
                           stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos, **penalties)
 
 
-def penalties_from(msg, field: str = "") -> dict[str, float]:
-    """The three penalties of a message with those fields, validated; 0 repetition means 1 (off)."""
+def logit_adjustments_from(msg, field: str = "", vocab_size: int | None = None) -> dict[str, object]:
+    """The three penalties and the logit bias of a message with those fields, validated; 0 repetition
+    means 1 (off); bias token ids checked against ``vocab_size`` when given."""
     prefix = f"{field}." if field else ""
     out = {}
     for name in ("presence_penalty", "frequency_penalty"):
@@ -88,6 +89,14 @@ def penalties_from(msg, field: str = "") -> dict[str, float]:
     if not (r > 0 and math.isfinite(r)):
         raise InvalidArgumentError(prefix + "repetition_penalty", f"must be a finite number > 0, got {r}")
     out["repetition_penalty"] = r
+    for token, bias in msg.logit_bias.items():
+        if vocab_size is not None and token >= vocab_size:
+            raise InvalidArgumentError(f"{prefix}logit_bias[{token}]",
+                                       f"token id {token} is outside the vocabulary (size {vocab_size})")
+        if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:  # also rejects NaN
+            raise InvalidArgumentError(f"{prefix}logit_bias[{token}]",
+                                       f"must be in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}], got {bias}")
+    out["logit_bias"] = tuple(msg.logit_bias.items())
     return out
 
 

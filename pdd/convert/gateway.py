@@ -11,8 +11,8 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from pdd.convert.common import (finish_to_pb, handoff_from_pb, handoff_to_pb, penalties_from, pipeline_from_pb,
-                                pipeline_to_pb)
+from pdd.convert.common import (finish_to_pb, handoff_from_pb, handoff_to_pb, logit_adjustments_from,
+                                pipeline_from_pb, pipeline_to_pb)
 from pdd.engine.sampling_params import SamplingParams
 from pdd.errors import InvalidArgumentError
 from pdd.gen.gateway.v1 import gateway_service_pb2 as pb
@@ -85,7 +85,8 @@ def generate_from_pb(msg: pb.GenerateRequest, info: ModelInfo) -> GenerateJob:
     sampling = SamplingParams(
         max_tokens=msg.max_tokens, temperature=msg.temperature, top_p=top_p, top_k=msg.top_k,
         seed=msg.seed if msg.HasField("seed") else None,
-        stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos, **penalties_from(msg))
+        stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
+        **logit_adjustments_from(msg, vocab_size=info.vocab_size))
     return GenerateJob(
         request_id=_check_id(msg.request_id, "request_id") or new_request_id(),
         prompt_token_ids=tuple(ids), sampling=sampling,

@@ -38,7 +38,7 @@ from pdd.engine.model_config import parse_dtype
 from pdd.engine.model_runner import ModelRunner
 from pdd.engine.radix_cache import CacheEvent
 from pdd.engine.rope import RotaryTable
-from pdd.engine.sampling import SamplingParams, apply_penalties, sample
+from pdd.engine.sampling import SamplingParams, adjust_logits, sample
 from pdd.engine.scheduler import Scheduler
 from pdd.engine.sequence import SeqStatus, Sequence
 
@@ -91,6 +91,7 @@ class Engine:
         if request_id in self._seqs:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
         prompt = self._check_tokens("prompt_token_ids", prompt_token_ids)
+        self._check_tokens("logit_bias", [t for t, _ in sampling.logit_bias])
         if not prompt:
             raise ValueError("prompt_token_ids must not be empty")
         if len(prompt) + sampling.max_tokens > self.max_model_len:
@@ -116,9 +117,9 @@ class Engine:
         sampled, logits = self.runner.run(batch)
         for seq, n in batch:
             seq.num_computed += n
-        if any(s.sampling.penalized for s in sampled):
-            logits = apply_penalties(logits, [(s.sampling, s.token_ids[:s.prompt_len], s.output_ids)
-                                              if s.sampling.penalized else None for s in sampled])
+        if any(s.sampling.adjusts_logits for s in sampled):
+            logits = adjust_logits(logits, [(s.sampling, s.token_ids[:s.prompt_len], s.output_ids)
+                                              if s.sampling.adjusts_logits else None for s in sampled])
         tokens = sample(logits, [s.sampling for s in sampled], [s.seed for s in sampled],
                         [s.num_tokens for s in sampled])
         outputs = []

@@ -1,4 +1,4 @@
-"""The sampler: penalties, greedy, temperature, top-k, top-p, seeded (parameters: ``sampling_params``).
+"""The sampler: logit bias, penalties, greedy, temperature, top-k, top-p, seeded (``sampling_params``).
 
 Reproducibility across engines and across a handoff: the random draw for the
 token at absolute sequence position ``p`` is one uniform number derived from
@@ -6,8 +6,8 @@ token at absolute sequence position ``p`` is one uniform number derived from
 filtered distribution sorted by probability. It never depends on the batch, on
 the step at which the token is produced or on which engine produces it, so an
 engine that takes a request over after an ``append_tokens`` draws exactly what
-the first one would have. Penalties read only the request's own prompt and
-outputs, so they too come out the same on every engine.
+the first one would have. Bias and penalties read only the request's own
+parameters, prompt and outputs, so they too come out the same on every engine.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 
 from pdd.engine.sampling_params import SamplingParams
 
-__all__ = ["SamplingParams", "apply_penalties", "position_uniform", "sample"]
+__all__ = ["SamplingParams", "adjust_logits", "position_uniform", "sample"]
 
 
 def position_uniform(seed: int, position: int) -> float:
@@ -29,14 +29,15 @@ def position_uniform(seed: int, position: int) -> float:
     return (int.from_bytes(digest, "little") >> 11) / float(1 << 53)
 
 
-def apply_penalties(logits: torch.Tensor, rows: Sequence[tuple[SamplingParams, Sequence[int], Sequence[int]] | None]
-                    ) -> torch.Tensor:
-    """``logits [S, V]`` with each row's penalties applied; ``rows[i]`` = (params, prompt ids, output ids)
-    of row ``i``, or None for a row without penalties (left as it is). Returns a new tensor.
+def adjust_logits(logits: torch.Tensor,
+                  rows: Sequence[tuple[SamplingParams, Sequence[int], Sequence[int]] | None]) -> torch.Tensor:
+    """``logits [S, V]`` with each row's bias and penalties applied; ``rows[i]`` = (params, prompt ids,
+    output ids) of row ``i``, or None for a row without any (left as it is). Returns a new tensor.
 
-    Order and meaning as in vLLM: repetition first (over prompt and output tokens: a positive
-    logit is divided by it, a negative one multiplied), then frequency (times each token's count in
-    the output) and presence (once per token in the output) are subtracted.
+    Order and meaning as in vLLM: the logit bias is added first; then repetition (over prompt and
+    output tokens: a positive logit is divided by it, a negative one multiplied); then frequency
+    (times each token's count in the output) and presence (once per token in the output) are
+    subtracted.
     """
     out = logits.clone()
     vocab = out.shape[-1]
@@ -45,6 +46,10 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[tuple[SamplingParams, S
             continue
         sp, prompt, outputs = row
         x = out[i]
+        if sp.logit_bias:
+            ids, bias = zip(*sp.logit_bias)
+            x[torch.as_tensor(ids, dtype=torch.long, device=x.device)] += torch.as_tensor(bias, dtype=x.dtype,
+                                                                                         device=x.device)
         if sp.repetition_penalty != 1.0:
             seen = torch.zeros(vocab, dtype=torch.bool, device=x.device)
             seen[torch.as_tensor(list(prompt) + list(outputs), dtype=torch.long, device=x.device)] = True

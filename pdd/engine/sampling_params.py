@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 
 PENALTY_LIMIT = 2.0  # |presence_penalty|, |frequency_penalty| at most this (OpenAI's range)
+LOGIT_BIAS_LIMIT = 100.0  # |a logit bias| at most this (OpenAI's range)
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # (token id, bias) pairs added to the logits before the penalties (OpenAI's logit_bias), by id.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -49,6 +52,17 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-{PENALTY_LIMIT}, {PENALTY_LIMIT}], got {v}")
         if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
             raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        pairs = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        bias = tuple(sorted((t, float(b)) for t, b in pairs))
+        for t, b in bias:
+            if not isinstance(t, int) or t < 0:
+                raise ValueError(f"logit_bias: token ids must be non-negative ints, got {t!r}")
+            if not -LOGIT_BIAS_LIMIT <= b <= LOGIT_BIAS_LIMIT:
+                raise ValueError(f"logit_bias: the bias of token {t} must be in [-{LOGIT_BIAS_LIMIT:g}, "
+                                 f"{LOGIT_BIAS_LIMIT:g}], got {b}")
+        if len({t for t, _ in bias}) != len(bias):
+            raise ValueError("logit_bias: a token id appears twice")
+        object.__setattr__(self, "logit_bias", bias)
 
     @property
     def greedy(self) -> bool:
@@ -57,3 +71,8 @@ class SamplingParams:
     @property
     def penalized(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the sampler must change the model's logits first (bias, penalties)."""
+        return self.penalized or bool(self.logit_bias)

@@ -5,10 +5,10 @@ gRPC face receives, and validated by ``pdd.convert.gateway.generate_from_pb``
 — one set of rules for both faces; an ``InvalidArgumentError`` names the
 field (HTTP 400). Supported: ``max_tokens`` (chat: also
 ``max_completion_tokens``), ``temperature``, ``top_p``, ``seed``, ``stop``
-(strings), ``presence_penalty``, ``frequency_penalty``, ``n`` (up to ``MAX_N``), ``stream`` +
-``stream_options.include_usage``; vLLM-style extras ``top_k``,
-``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``cache_salt``,
-``session_id``, ``return_token_ids``. Features PDD does not have (logprobs,
+(strings), ``presence_penalty``, ``frequency_penalty``, ``logit_bias``, ``n``
+(up to ``MAX_N``), ``stream`` + ``stream_options.include_usage``; vLLM-style
+extras ``top_k``, ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``,
+``cache_salt``, ``session_id``, ``return_token_ids``. Features PDD does not have (logprobs,
 echo, tools, ...) are refused rather than silently ignored.
 """
 
@@ -131,7 +131,7 @@ def _refuse_unsupported(body: dict) -> None:
     for name in ("echo", "logprobs"):
         if body.get(name) not in (None, False):
             raise InvalidArgumentError(name, "is not supported")
-    for name in ("top_logprobs", "suffix", "logit_bias", "tools", "functions"):
+    for name in ("top_logprobs", "suffix", "tools", "functions"):
         if body.get(name):
             raise InvalidArgumentError(name, "is not supported")
     fmt = body.get("response_format")
@@ -154,6 +154,16 @@ def _generate_request(body: dict, request_id: str, max_tokens: int) -> pb.Genera
     if not repetition > 0:
         raise InvalidArgumentError("repetition_penalty", f"must be a finite number > 0, got {repetition}")
     req.repetition_penalty = repetition
+    bias = body.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict):
+            raise InvalidArgumentError("logit_bias", "must be an object of token id → bias")
+        for key, value in bias.items():
+            if not (isinstance(key, str) and key.isascii() and key.isdigit()) or int(key) >= _U32:
+                raise InvalidArgumentError("logit_bias", f"keys must be token ids, got {key!r}")
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise InvalidArgumentError(f"logit_bias[{key}]", f"must be a number, got {value!r}")
+            req.logit_bias[int(key)] = float(value)
     seed = _int(body, "seed", 0, _U64)
     if seed is not None:
         req.seed = seed

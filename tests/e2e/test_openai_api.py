@@ -153,6 +153,12 @@ def test_penalties_change_the_text_as_in_the_reference(client, reference):
                                   presence_penalty=0.5, frequency_penalty=0.5,
                                   extra_body={"repetition_penalty": 1.25})
     assert r.choices[0].text == want
+    # logit_bias: ban the reference's first token; the reply starts with something else
+    first = reference.greedy(ids, 1)[0]
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0,
+                                  logit_bias={str(first): -100}, extra_body={"return_token_ids": True})
+    assert r.choices[0].token_ids[0] != first
+    assert r.choices[0].token_ids == reference.greedy(ids, 4, logit_bias=((first, -100.0),))
 
 
 def test_n_choices_greedy_and_seeded(client, reference):

@@ -180,9 +180,10 @@ async def test_seeded_sampling_matches_single_engine(stack, reference, mode):
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-async def test_penalties_match_single_engine_across_the_handoff(stack, reference, mode):
+async def test_bias_and_penalties_match_single_engine_across_the_handoff(stack, reference, mode):
     # NOTE: values exact in float32 (the wire's type), so the reference gets the very same numbers.
-    penalties = dict(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.25)
+    penalties = dict(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.25,
+                     logit_bias={9: -100.0, 7: 1.5})
     p = prompts(23, 1)[0] + [7, 7, 7, 9]
     # NOTE: 200 tokens take the relay far longer than MainDecode needs to hold this prompt's KV, so a
     # one-shot handoff happens (a catch-up may take longer: its rounds cross the WAN while the relay runs).
@@ -190,7 +191,7 @@ async def test_penalties_match_single_engine_across_the_handoff(stack, reference
                                  **penalties, **MODES[mode])
     ref = reference.generate([p], SamplingParams(max_tokens=200, temperature=0.75, seed=4321, ignore_eos=True,
                                                  **penalties))[0]
-    assert tokens == ref
+    assert tokens == ref and 9 not in tokens
     plain = reference.generate([p], SamplingParams(max_tokens=200, temperature=0.75, seed=4321, ignore_eos=True))[0]
     assert plain != ref, "the penalties should change this output"
     if mode == "p-rld-md-one-shot":  # the relay's tokens were counted by MainDecode's penalties too

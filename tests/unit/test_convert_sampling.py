@@ -33,7 +33,7 @@ def test_penalties_cross_the_gateway_and_every_stage_hop():
 def test_unset_penalties_are_off():
     sp = generate_from_pb(request(), INFO).sampling
     assert (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty) == (0.0, 0.0, 1.0)
-    assert not sp.penalized
+    assert not sp.adjusts_logits
     assert sampling_from_pb(common_pb2.SamplingParams(max_tokens=3)).repetition_penalty == 1.0
 
 
@@ -43,6 +43,7 @@ def test_unset_penalties_are_off():
     (dict(frequency_penalty=float("nan")), "frequency_penalty"),
     (dict(repetition_penalty=-0.5), "repetition_penalty"),
     (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+    (dict(logit_bias={7: 101.0}), "logit_bias[7]"),
 ])
 def test_bad_penalties_name_their_field(fields, field):
     with pytest.raises(InvalidArgumentError) as err:
@@ -56,5 +57,16 @@ def test_bad_penalties_name_their_field(fields, field):
 
 def test_sampling_params_round_trip_keeps_every_field():
     sp = SamplingParams(max_tokens=9, temperature=0.5, top_p=0.75, top_k=7, seed=3, stop_token_ids=(4, 5),
-                        ignore_eos=True, presence_penalty=0.25, frequency_penalty=0.5, repetition_penalty=1.25)
+                        ignore_eos=True, presence_penalty=0.25, frequency_penalty=0.5, repetition_penalty=1.25,
+                        logit_bias={8: -100.0, 3: 2.5})
     assert sampling_from_pb(sampling_to_pb(sp)) == sp
+
+
+def test_logit_bias_ids_are_checked_against_the_vocabulary():
+    req = request()
+    req.logit_bias[99] = 1.0
+    assert generate_from_pb(req, INFO).sampling.logit_bias == ((99, 1.0),)
+    req.logit_bias[100] = 1.0
+    with pytest.raises(InvalidArgumentError) as err:
+        generate_from_pb(req, INFO)
+    assert err.value.field == "logit_bias[100]"

@@ -1,4 +1,4 @@
-"""Presence, frequency and repetition penalties: the math, the oracle, and a handoff in the middle.
+"""Logit bias and presence, frequency, repetition penalties: the math, the oracle, a handoff in the middle.
 
 Oracle for repetition: transformers' own ``repetition_penalty`` (it too penalizes prompt and
 generated tokens). For presence/frequency (transformers has none): greedy decoding of the oracle's
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pdd.engine import Engine, EngineConfig, SamplingParams, tiny_model
-from pdd.engine.sampling import apply_penalties, sample
+from pdd.engine.sampling import adjust_logits, sample
 
 CKPT = tiny_model(43, num_layers=2, num_heads=4, num_kv_heads=2, std=0.05)
 PROMPTS = [[12, 200, 3, 45, 6, 78, 9], [5, 5, 5, 7, 100, 101, 102, 5, 7]]
@@ -19,22 +19,30 @@ PROMPTS = [[12, 200, 3, 45, 6, 78, 9], [5, 5, 5, 7, 100, 101, 102, 5, 7]]
 
 @pytest.mark.parametrize("bad", [dict(presence_penalty=2.5), dict(presence_penalty=float("nan")),
                                  dict(frequency_penalty=-2.01), dict(repetition_penalty=0.0),
-                                 dict(repetition_penalty=-1.0), dict(repetition_penalty=float("inf"))])
+                                 dict(repetition_penalty=-1.0), dict(repetition_penalty=float("inf")),
+                                 dict(logit_bias={3: 100.5}), dict(logit_bias={-1: 1.0}),
+                                 dict(logit_bias=((3, 1.0), (3, 2.0))), dict(logit_bias={2: float("nan")})])
 def test_penalty_validation(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         SamplingParams(**bad)
 
 
+def test_logit_bias_is_normalised_to_sorted_pairs():
+    sp = SamplingParams(logit_bias={9: -1, 2: 0.5})
+    assert sp.logit_bias == ((2, 0.5), (9, -1.0)) and sp.adjusts_logits and not sp.penalized
+    assert SamplingParams(logit_bias=[(9, -1.0), (2, 0.5)]) == sp
+
+
 def test_penalized_is_off_only_at_the_neutral_values():
-    assert not SamplingParams().penalized
-    assert SamplingParams(presence_penalty=0.1).penalized and SamplingParams(frequency_penalty=-0.1).penalized
-    assert SamplingParams(repetition_penalty=1.1).penalized
+    assert not SamplingParams().adjusts_logits
+    assert SamplingParams(presence_penalty=0.1).adjusts_logits and SamplingParams(frequency_penalty=-0.1).adjusts_logits
+    assert SamplingParams(repetition_penalty=1.1).adjusts_logits
 
 
 def test_penalty_math_on_known_logits():
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 1.0], [1.0, 1.0, 1.0, 1.0, 1.0, 1.0]])
     sp = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=2.0)
-    out = apply_penalties(logits, [(sp, [0, 1], [3, 3, 4]), None])
+    out = adjust_logits(logits, [(sp, [0, 1], [3, 3, 4]), None])
     # token 0: prompt → repetition only (2/2); 1: prompt, negative → -1*2; 2 untouched;
     # 3: output twice → 3/2 - 2*0.25 - 0.5; 4: output once, negative → -2*2 - 0.25 - 0.5; 5 untouched
     assert out[0].tolist() == pytest.approx([1.0, -2.0, 0.5, 0.5, -4.75, 1.0])
@@ -42,11 +50,18 @@ def test_penalty_math_on_known_logits():
     assert logits[0, 0] == 2.0  # the input is not changed
 
 
+def test_logit_bias_comes_before_the_penalties():
+    logits = torch.tensor([[2.0, -1.0, 0.5]])
+    sp = SamplingParams(repetition_penalty=2.0, logit_bias={0: 2.0, 1: -3.0, 2: 1.0})
+    # bias first: [4, -4, 1.5]; then repetition over tokens 0 and 2 (in the prompt): [2, -4, 0.75]
+    assert adjust_logits(logits, [(sp, [0, 2], [])])[0].tolist() == pytest.approx([2.0, -4.0, 0.75])
+
+
 def test_greedy_with_penalties_turns_away_from_a_repeated_token():
     logits = torch.tensor([[3.0, 2.9, 0.0]])
     plain = sample(logits, [SamplingParams()], [0], [0])
     sp = SamplingParams(presence_penalty=0.2)
-    assert plain == [0] and sample(apply_penalties(logits, [(sp, [], [0])]), [sp], [0], [0]) == [1]
+    assert plain == [0] and sample(adjust_logits(logits, [(sp, [], [0])]), [sp], [0], [0]) == [1]
 
 
 def run(engine: Engine, prompt, sp, rid: str = "r") -> list[int]:
@@ -79,16 +94,30 @@ def test_presence_and_frequency_match_the_oracle_penalized_by_hand(llama_oracle)
         outputs: list[int] = []
         for _ in range(20):
             row = oracle.next_logits(prompt + outputs)[None]
-            outputs.append(int(apply_penalties(row, [(sp, prompt, outputs)])[0].argmax()))
+            outputs.append(int(adjust_logits(row, [(sp, prompt, outputs)])[0].argmax()))
         plain = run(Engine(CKPT, EngineConfig(num_blocks=64)), prompt, SamplingParams(max_tokens=20, ignore_eos=True))
         assert outputs != plain, "the penalties should change this greedy output"
         oracle.assert_greedy_equal(prompt, run(Engine(CKPT, EngineConfig(num_blocks=64)), prompt, sp), outputs)
 
 
+def test_logit_bias_bans_and_forces_tokens():
+    plain = run(Engine(CKPT, EngineConfig(num_blocks=64)), PROMPTS[0], SamplingParams(max_tokens=12, ignore_eos=True))
+    banned = {t: -100.0 for t in set(plain)}
+    ours = run(Engine(CKPT, EngineConfig(num_blocks=64)), PROMPTS[0],
+               SamplingParams(max_tokens=12, ignore_eos=True, logit_bias=banned))
+    assert not set(ours) & set(plain)
+    forced = run(Engine(CKPT, EngineConfig(num_blocks=64)), PROMPTS[0],
+                 SamplingParams(max_tokens=5, ignore_eos=True, temperature=1.0, seed=1, logit_bias={77: 100.0}))
+    assert forced == [77] * 5
+    engine = Engine(CKPT, EngineConfig(num_blocks=64))
+    with pytest.raises(ValueError, match="logit_bias"):
+        engine.add_request("r", PROMPTS[0], SamplingParams(logit_bias={engine.model_config.vocab_size: 1.0}))
+
+
 def test_penalties_survive_a_handoff_and_a_busy_batch():
     """Relay → MainDecode as in the service: tokens appended on the second engine count as outputs."""
     sp = SamplingParams(max_tokens=24, presence_penalty=0.5, frequency_penalty=0.4, repetition_penalty=1.3,
-                        temperature=0.9, seed=77, ignore_eos=True)
+                        temperature=0.9, seed=77, ignore_eos=True, logit_bias={5: -5.0, 100: 2.0})
     prompt = PROMPTS[1]
     (reference,) = Engine(CKPT, EngineConfig(num_blocks=64)).generate([prompt], sp)
     relay = Engine(CKPT, EngineConfig(num_blocks=64))

@@ -52,6 +52,7 @@ def test_token_prompt_and_sampling_fields():
 def test_penalties_reach_the_job():
     s = completion(prompt="x", presence_penalty=0.5, frequency_penalty=-1, repetition_penalty=1.25).job.sampling
     assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty) == (0.5, -1.0, 1.25)
+    assert completion(prompt="x", logit_bias={"50": -100, "7": 2.5}).job.sampling.logit_bias == ((7, 2.5), (50, -100.0))
     chat = conv.chat_request({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
                               "frequency_penalty": 0.75}, INFO, "c").job.sampling
     assert (chat.presence_penalty, chat.frequency_penalty, chat.repetition_penalty) == (0.0, 0.75, 1.0)
@@ -95,6 +96,12 @@ def test_a_batch_of_one_prompt_is_unwrapped():
         (dict(prompt="x", frequency_penalty=-2.5), "frequency_penalty"),
         (dict(prompt="x", repetition_penalty=0), "repetition_penalty"),
         (dict(prompt="x", repetition_penalty=-1.0), "repetition_penalty"),
+        (dict(prompt="x", logit_bias=[1, 2]), "logit_bias"),
+        (dict(prompt="x", logit_bias={"a": 1}), "logit_bias"),
+        (dict(prompt="x", logit_bias={"-1": 1}), "logit_bias"),
+        (dict(prompt="x", logit_bias={"5": "up"}), "logit_bias[5]"),
+        (dict(prompt="x", logit_bias={"5": 250}), "logit_bias[5]"),
+        (dict(prompt="x", logit_bias={"4000": 1}), "logit_bias[4000]"),
         (dict(prompt="x", stream_options={"include_usage": True}), "stream_options"),
         (dict(prompt="x", stream="yes"), "stream"),
         (dict(prompt="x", cache_salt="has space"), "cache_salt"),
