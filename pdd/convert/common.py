@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from pdd.engine.sampling_params import LOGIT_BIAS_LIMIT, PENALTY_LIMIT, SamplingParams
+from pdd.engine.sampling_params import LOGIT_BIAS_LIMIT, MAX_LOGPROBS, PENALTY_LIMIT, Logprob, SamplingParams
 from pdd.errors import InvalidArgumentError
 from pdd.gen.common.v1 import common_pb2
 from pdd.instance import InstanceRef, Role
@@ -57,6 +57,8 @@ def sampling_to_pb(sp: SamplingParams) -> common_pb2.SamplingParams:
                                     repetition_penalty=sp.repetition_penalty, logit_bias=dict(sp.logit_bias))
     if sp.seed is not None:
         msg.seed = sp.seed
+    if sp.logprobs is not None:
+        msg.logprobs = sp.logprobs
     return msg
 
 
@@ -97,7 +99,20 @@ def logit_adjustments_from(msg, field: str = "", vocab_size: int | None = None) 
             raise InvalidArgumentError(f"{prefix}logit_bias[{token}]",
                                        f"must be in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}], got {bias}")
     out["logit_bias"] = tuple(msg.logit_bias.items())
+    if msg.HasField("logprobs"):
+        if msg.logprobs > MAX_LOGPROBS:
+            raise InvalidArgumentError(f"{prefix}logprobs", f"must be in [0, {MAX_LOGPROBS}], got {msg.logprobs}")
+        out["logprobs"] = msg.logprobs
     return out
+
+
+def logprob_to_pb(lp: Logprob) -> common_pb2.TokenLogprob:
+    return common_pb2.TokenLogprob(logprob=lp.logprob, top_token_ids=[t for t, _ in lp.top],
+                                   top_logprobs=[v for _, v in lp.top])
+
+
+def logprob_from_pb(msg: common_pb2.TokenLogprob) -> Logprob:
+    return Logprob(msg.logprob, tuple(zip(msg.top_token_ids, msg.top_logprobs)))
 
 
 # --- enums ----------------------------------------------------------------

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pdd.convert.common import (finish_to_pb, handoff_from_pb, handoff_to_pb, logit_adjustments_from,
-                                pipeline_from_pb, pipeline_to_pb)
+                                logprob_to_pb, pipeline_from_pb, pipeline_to_pb)
 from pdd.engine.sampling_params import SamplingParams
 from pdd.errors import InvalidArgumentError
 from pdd.gen.gateway.v1 import gateway_service_pb2 as pb
@@ -109,7 +109,8 @@ def stats_to_pb(s: RequestStats) -> pb.GenerateStats:
 def event_to_pb(ev: TokenEvent | FinalEvent, request_id: str, text: str = "") -> pb.GenerateResponse:
     if isinstance(ev, TokenEvent):
         return pb.GenerateResponse(token_ids=list(ev.token_ids), text=text, stage=ev.stage,
-                                   start_position=ev.start_position, request_id=request_id)
+                                   start_position=ev.start_position, request_id=request_id,
+                                   logprobs=[logprob_to_pb(lp) for lp in ev.logprobs])
     return pb.GenerateResponse(finish_reason=finish_to_pb(ev.finish_reason), stats=stats_to_pb(ev.stats),
                                request_id=request_id, start_position=ev.stats.completion_tokens)
 

@@ -6,7 +6,7 @@ domain generators in ``pdd.serving`` become response messages here.
 
 from __future__ import annotations
 
-from pdd.convert.common import (finish_to_pb, handoff_from_pb, handoff_to_pb, instance_ref_from_pb,
+from pdd.convert.common import (finish_to_pb, handoff_from_pb, handoff_to_pb, instance_ref_from_pb, logprob_to_pb,
                                 pipeline_from_pb, sampling_from_pb)
 from pdd.errors import InvalidArgumentError
 from pdd.gen.common.v1 import common_pb2
@@ -52,9 +52,11 @@ def prefill_job_from_pb(msg: p_pb.PrefillRequest, vocab: int) -> p.PrefillJob:
 
 def prefill_event_to_pb(ev: p.FirstToken | p.TransferDone) -> p_pb.PrefillResponse:
     if isinstance(ev, p.FirstToken):
-        return p_pb.PrefillResponse(first_token=p_pb.FirstToken(
-            token_id=ev.token_id, prompt_tokens=ev.prompt_tokens, cached_tokens=ev.cached_tokens,
-            prefill_ms=ev.prefill_ms))
+        first = p_pb.FirstToken(token_id=ev.token_id, prompt_tokens=ev.prompt_tokens, cached_tokens=ev.cached_tokens,
+                                prefill_ms=ev.prefill_ms)
+        if ev.logprob is not None:
+            first.logprob.CopyFrom(logprob_to_pb(ev.logprob))
+        return p_pb.PrefillResponse(first_token=first)
     return p_pb.PrefillResponse(transfer_done=p_pb.TransferDone(
         relay_kv_bytes=ev.relay_kv_bytes, wan_kv_bytes=ev.wan_kv_bytes, relay_transfer_ms=ev.relay_transfer_ms,
         wan_transfer_ms=ev.wan_transfer_ms, wan_queue_ms=ev.wan_queue_ms, fast_link=ev.fast_link))
@@ -69,12 +71,16 @@ def relay_job_from_pb(msg: r_pb.DecodeRequest, vocab: int) -> r.RelayJob:
                       instance_ref_from_pb(msg.main_decode, "main_decode"), mode)
 
 
+def _delta(ev: r.Tokens | md.Tokens, stage: int) -> common_pb2.TokenDelta:
+    return common_pb2.TokenDelta(start_position=ev.start_position, token_ids=list(ev.token_ids), stage=stage,
+                                 logprobs=[logprob_to_pb(lp) for lp in ev.logprobs])
+
+
 def relay_event_to_pb(ev) -> r_pb.DecodeResponse:
     if isinstance(ev, r.Accepted):
         return r_pb.DecodeResponse(accepted=r_pb.Accepted())
     if isinstance(ev, r.Tokens):
-        return r_pb.DecodeResponse(tokens=common_pb2.TokenDelta(
-            start_position=ev.start_position, token_ids=list(ev.token_ids), stage=common_pb2.STAGE_RELAY))
+        return r_pb.DecodeResponse(tokens=_delta(ev, common_pb2.STAGE_RELAY))
     if isinstance(ev, r.HandedOff):
         return r_pb.DecodeResponse(handed_off=r_pb.HandedOff(
             at_position=ev.at_position, mode=handoff_to_pb(ev.mode), rounds=ev.rounds, handoff_ms=ev.handoff_ms))
@@ -91,8 +97,7 @@ def md_event_to_pb(ev, instance_id: str) -> md_pb.DecodeResponse:
     if isinstance(ev, md.Accepted):
         return md_pb.DecodeResponse(accepted=md_pb.Accepted(instance_id=instance_id, cached_tokens=ev.cached_tokens))
     if isinstance(ev, md.Tokens):
-        return md_pb.DecodeResponse(tokens=common_pb2.TokenDelta(
-            start_position=ev.start_position, token_ids=list(ev.token_ids), stage=common_pb2.STAGE_MAIN_DECODE))
+        return md_pb.DecodeResponse(tokens=_delta(ev, common_pb2.STAGE_MAIN_DECODE))
     return md_pb.DecodeResponse(finished=md_pb.Finished(
         finish_reason=finish_to_pb(ev.finish_reason), completion_tokens=ev.completion_tokens, md_tokens=ev.md_tokens,
         wan_kv_bytes_received=ev.wan_kv_bytes, extend_ms=ev.extend_ms))

@@ -38,7 +38,7 @@ from pdd.engine.model_config import parse_dtype
 from pdd.engine.model_runner import ModelRunner
 from pdd.engine.radix_cache import CacheEvent
 from pdd.engine.rope import RotaryTable
-from pdd.engine.sampling import SamplingParams, adjust_logits, sample
+from pdd.engine.sampling import Logprob, SamplingParams, adjust_logits, sample, token_logprobs
 from pdd.engine.scheduler import Scheduler
 from pdd.engine.sequence import SeqStatus, Sequence
 
@@ -51,6 +51,7 @@ class StepOutput:
     position: int  # index in the request's outputs
     finished: bool
     finish_reason: str | None  # "stop" | "length" | None
+    logprob: Logprob | None = None  # when the request asked for logprobs (never for appended tokens)
 
 
 class Engine:
@@ -117,16 +118,20 @@ class Engine:
         sampled, logits = self.runner.run(batch)
         for seq, n in batch:
             seq.num_computed += n
+        raw = logits
         if any(s.sampling.adjusts_logits for s in sampled):
             logits = adjust_logits(logits, [(s.sampling, s.token_ids[:s.prompt_len], s.output_ids)
-                                              if s.sampling.adjusts_logits else None for s in sampled])
+                                            if s.sampling.adjusts_logits else None for s in sampled])
         tokens = sample(logits, [s.sampling for s in sampled], [s.seed for s in sampled],
                         [s.num_tokens for s in sampled])
+        wants = [s.sampling.logprobs for s in sampled]
+        logprobs = token_logprobs(raw, tokens, wants) if any(k is not None for k in wants) else [None] * len(tokens)
         outputs = []
-        for seq, token in zip(sampled, tokens):
+        for seq, token, logprob in zip(sampled, tokens, logprobs):
             seq.token_ids.append(token)
             reason = self._finish_reason(seq, token)
-            outputs.append(StepOutput(seq.request_id, token, seq.num_outputs - 1, reason is not None, reason))
+            outputs.append(StepOutput(seq.request_id, token, seq.num_outputs - 1, reason is not None, reason,
+                                      logprob))
             if reason is not None:
                 self._finish(seq, reason)
         for seq, _ in batch:

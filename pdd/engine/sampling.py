@@ -18,9 +18,9 @@ from typing import Sequence
 
 import torch
 
-from pdd.engine.sampling_params import SamplingParams
+from pdd.engine.sampling_params import Logprob, SamplingParams
 
-__all__ = ["SamplingParams", "adjust_logits", "position_uniform", "sample"]
+__all__ = ["Logprob", "SamplingParams", "adjust_logits", "position_uniform", "sample", "token_logprobs"]
 
 
 def position_uniform(seed: int, position: int) -> float:
@@ -91,3 +91,21 @@ def _sample_row(logits: torch.Tensor, sp: SamplingParams, u: float) -> int:
     cum = cum[:keep]
     idx = int(torch.searchsorted(cum, torch.tensor(u * cum[-1].item(), dtype=cum.dtype), right=True).item())
     return int(order[min(idx, keep - 1)].item())
+
+
+def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], wants: Sequence[int | None]) -> list[Logprob | None]:
+    """Row ``i``'s ``Logprob`` of ``tokens[i]`` when ``wants[i]`` is not None (with its top ``wants[i]``),
+    from the raw ``logits [S, V]``; None elsewhere."""
+    rows = [i for i, k in enumerate(wants) if k is not None]
+    out: list[Logprob | None] = [None] * len(wants)
+    if not rows:
+        return out
+    lsm = torch.log_softmax(logits[rows].float(), dim=-1)
+    for j, i in enumerate(rows):
+        k = wants[i]
+        top: tuple[tuple[int, float], ...] = ()
+        if k:
+            values, ids = lsm[j].topk(k)
+            top = tuple(zip(ids.tolist(), values.tolist()))
+        out[i] = Logprob(float(lsm[j, tokens[i]]), top)
+    return out

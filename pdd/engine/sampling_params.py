@@ -11,6 +11,16 @@ from dataclasses import dataclass
 
 PENALTY_LIMIT = 2.0  # |presence_penalty|, |frequency_penalty| at most this (OpenAI's range)
 LOGIT_BIAS_LIMIT = 100.0  # |a logit bias| at most this (OpenAI's range)
+MAX_LOGPROBS = 20  # most likely tokens reported per output token at most (vLLM's default cap)
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """An output token's log-probability under the model — its raw logits, before bias, penalties and
+    temperature (vLLM's default) — and the ``logprobs`` most likely tokens' as (id, logprob), best first."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -30,6 +40,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     # (token id, bias) pairs added to the logits before the penalties (OpenAI's logit_bias), by id.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # None: no log-probabilities; k: each output token's, plus the k most likely tokens' (0..MAX_LOGPROBS)
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -63,6 +75,8 @@ class SamplingParams:
         if len({t for t, _ in bias}) != len(bias):
             raise ValueError("logit_bias: a token id appears twice")
         object.__setattr__(self, "logit_bias", bias)
+        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:

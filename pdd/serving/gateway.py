@@ -28,17 +28,17 @@ import contextlib
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 
 import grpc
 import structlog
 
-from pdd.convert.common import (finish_from_pb, handoff_to_pb, instance_ref_to_pb, pipeline_to_pb,
+from pdd.convert.common import (finish_from_pb, handoff_to_pb, instance_ref_to_pb, logprob_from_pb, pipeline_to_pb,
                                 sampling_to_pb)
 from pdd.convert.kvstore import load_from_pb
 from pdd.convert.common import instance_ref_from_pb
-from pdd.engine.sampling_params import SamplingParams
+from pdd.engine.sampling_params import Logprob, SamplingParams
 from pdd.errors import FailedPreconditionError, UnavailableError
 from pdd.gen.common.v1 import common_pb2
 from pdd.gen.kvstore.v1 import kvstore_service_pb2 as kv_pb
@@ -98,6 +98,7 @@ class TokenEvent:
     start_position: int
     token_ids: tuple[int, ...]
     stage: int
+    logprobs: tuple[Logprob, ...] = ()  # one per token when the request asked for them
 
 
 @dataclass
@@ -118,24 +119,27 @@ class _Merge:
     """Orders token deltas from several stages by output position."""
 
     next_pos: int = 0
-    pending: dict[int, tuple[int, int]] = field(default_factory=dict)
+    pending: dict[int, tuple[int, int, Logprob | None]] = field(default_factory=dict)
     # Every token streamed so far, in order: the whole state a handoff needs besides KV.
     emitted: list[int] = field(default_factory=list)
 
-    def add(self, start: int, tokens: list[int], stage: int) -> list[TokenEvent]:
+    def add(self, start: int, tokens: list[int], stage: int,
+            logprobs: Sequence[Logprob] = ()) -> list[TokenEvent]:
+        """``logprobs``: one per token, or none (the request did not ask for them)."""
         for i, tok in enumerate(tokens):
             pos = start + i
             if pos >= self.next_pos and pos not in self.pending:
-                self.pending[pos] = (tok, stage)
+                self.pending[pos] = (tok, stage, logprobs[i] if logprobs else None)
         out: list[TokenEvent] = []
         while self.next_pos in self.pending:
-            tok, stage = self.pending.pop(self.next_pos)
+            tok, stage, lp = self.pending.pop(self.next_pos)
             self.emitted.append(tok)
+            lps = () if lp is None else (lp,)
             if out and out[-1].stage == stage:
                 last = out[-1]
-                out[-1] = TokenEvent(last.start_position, (*last.token_ids, tok), stage)
+                out[-1] = TokenEvent(last.start_position, (*last.token_ids, tok), stage, (*last.logprobs, *lps))
             else:
-                out.append(TokenEvent(self.next_pos, (tok,), stage))
+                out.append(TokenEvent(self.next_pos, (tok,), stage, lps))
             self.next_pos += 1
         return out
 
@@ -235,7 +239,8 @@ class Gateway:
             readers = [asyncio.create_task(self._pump(name, call, queue))
                        for name, call in (("prefill", p_call), ("main_decode", md_call), ("relay", relay_call))
                        if call is not None]
-            async for event in self._merge(queue, stats, t0, len(readers), plan, job.request_id):
+            async for event in self._merge(queue, stats, t0, len(readers), plan, job.request_id,
+                                           sampling.logprobs is not None):
                 yield event
         finally:
             for task in readers:
@@ -244,7 +249,7 @@ class Gateway:
                 call.cancel()
 
     async def _merge(self, queue: asyncio.Queue, stats: RequestStats, t0: float, live: int, plan: Route,
-                     request_id: str) -> AsyncIterator[TokenEvent | FinalEvent]:
+                     request_id: str, logprobs: bool) -> AsyncIterator[TokenEvent | FinalEvent]:
         merge = _Merge()
         relay_done = False
         finish: str | None = None
@@ -268,12 +273,21 @@ class Gateway:
             which = msg.WhichOneof("event")
             if which == "first_token":
                 stats.prefill_cached_tokens = msg.first_token.cached_tokens
-                events = merge.add(0, [msg.first_token.token_id], STAGE_PREFILL)
+                first = msg.first_token
+                if logprobs and not first.HasField("logprob"):
+                    raise FailedPreconditionError(f"{name} sent its token without the logprobs asked for")
+                events = merge.add(0, [first.token_id], STAGE_PREFILL,
+                                   [logprob_from_pb(first.logprob)] if logprobs else [])
             elif which == "transfer_done":
                 stats.wan_kv_bytes = msg.transfer_done.wan_kv_bytes
                 stats.wan_transfer_ms = msg.transfer_done.wan_transfer_ms
             elif which == "tokens":
-                events = merge.add(msg.tokens.start_position, list(msg.tokens.token_ids), msg.tokens.stage)
+                delta = msg.tokens
+                if logprobs and len(delta.logprobs) != len(delta.token_ids):
+                    raise FailedPreconditionError(f"{name} sent {len(delta.logprobs)} logprobs for "
+                                                  f"{len(delta.token_ids)} tokens; the request asked for them")
+                events = merge.add(delta.start_position, list(delta.token_ids), delta.stage,
+                                   [logprob_from_pb(lp) for lp in delta.logprobs] if logprobs else [])
             elif which == "handed_off":
                 stats.handoff_at_token = msg.handed_off.at_position
                 relay_done = True

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from pdd.engine.sampling import SamplingParams
+from pdd.engine.sampling import Logprob, SamplingParams
 from pdd.errors import DeadlineExceededError, FailedPreconditionError, InvalidArgumentError, NotFoundError
 from pdd.kv.receiver import KvReceiver
 from pdd.routing.policy import Pipeline
@@ -58,6 +58,7 @@ class Accepted:
 class Tokens:
     start_position: int
     token_ids: tuple[int, ...]
+    logprobs: tuple[Logprob, ...] = ()  # one per token when the request asked for them
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,8 @@ class _State:
     finished: bool = False
     finish_reason: str | None = None
     outputs: dict[int, int] = field(default_factory=dict)
+    # Of the outputs this engine sampled (not those another stage's tokens extended), when asked for.
+    logprobs: dict[int, Logprob] = field(default_factory=dict)
     wan_bytes: int = 0
     extend_s: float = 0.0
 
@@ -139,7 +142,7 @@ class MainDecode:
                     ready = sorted(p for p in state.outputs if p >= emit_from)
                     if ready:
                         md_tokens += len(ready)
-                        yield Tokens(ready[0], tuple(state.outputs[p] for p in ready))
+                        yield Tokens(ready[0], tuple(state.outputs[p] for p in ready), self._logprobs(state, ready))
                     if state.finished:
                         done = True
                         yield self._finished(state, state.finish_reason, md_tokens)
@@ -148,7 +151,7 @@ class MainDecode:
                 await self._note(state, item)
                 if item.token_id is not None and emit_from is not None and item.position >= emit_from:
                     md_tokens += 1
-                    yield Tokens(item.position, (item.token_id,))
+                    yield Tokens(item.position, (item.token_id,), self._logprobs(state, [item.position]))
                 if item.finished:
                     state.finish_reason = item.finish_reason
                     if emit_from is not None:
@@ -165,6 +168,15 @@ class MainDecode:
                 self.runner.submit(self.engine.abort, rid)  # NOTE: not awaited: runs even when cancelled
                 log.info("md_request_aborted")
 
+    @staticmethod
+    def _logprobs(state: _State, positions: list[int]) -> tuple[Logprob, ...]:
+        if state.job.sampling.logprobs is None:
+            return ()
+        missing = [p for p in positions if p not in state.logprobs]
+        if missing:  # NOTE: MainDecode speaks only from where it sampled; anything else is a bug
+            raise FailedPreconditionError(f"no logprobs for outputs {missing[:5]} of {state.job.request_id}")
+        return tuple(state.logprobs[p] for p in positions)
+
     def _finished(self, state: _State, reason: str | None, md_tokens: int) -> Finished:
         return Finished(reason, max(state.outputs, default=-1) + 1, md_tokens, state.wan_bytes,
                         state.extend_s * 1000)
@@ -172,6 +184,8 @@ class MainDecode:
     async def _note(self, state: _State, out) -> None:
         if out.token_id is not None:
             state.outputs[out.position] = out.token_id
+            if out.logprob is not None:
+                state.logprobs[out.position] = out.logprob
         async with state.progress:
             state.produced = max(state.produced, out.position)
             state.finished = state.finished or out.finished
@@ -293,10 +307,12 @@ class MainDecode:
         end = start + len(token_ids)
         for i, tok in enumerate(token_ids):
             state.outputs[start + i] = tok
+            state.logprobs.pop(start + i, None)  # another stage's token now
         async with state.progress:
             if rolled_back:
                 for pos in [p for p in state.outputs if p >= end]:
                     del state.outputs[pos]
+                    state.logprobs.pop(pos, None)
                 state.produced = end - 1
             else:
                 state.produced = max(state.produced, end - 1)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 
 import structlog
 
-from pdd.engine.sampling import SamplingParams
+from pdd.engine.sampling import Logprob, SamplingParams
 from pdd.errors import FailedPreconditionError, InvalidArgumentError
 from pdd.gen.main_decode.v1 import main_decode_service_pb2_grpc as md_grpc
 from pdd.gen.relay.v1 import relay_service_pb2_grpc as r_grpc
@@ -90,6 +90,7 @@ class FirstToken:
     prompt_tokens: int
     cached_tokens: int
     prefill_ms: float
+    logprob: Logprob | None = None
 
 
 @dataclass(frozen=True)
@@ -202,7 +203,7 @@ class Prefill:
             first.set_result((token,))
             # NOTE: the token leaves before any housekeeping: awaiting the engine thread first let it
             # wait behind the event loop's other work (the KV pushes starting) — 10-150 ms of TTFT.
-            yield FirstToken(token, n, cached, prefill_ms)
+            yield FirstToken(token, n, cached, prefill_ms, item.logprob)
             await self.runner.call(self.engine.release, rid)
             held = False
             wan = await tasks[0]

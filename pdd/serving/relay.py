@@ -36,7 +36,7 @@ import grpc
 import structlog
 
 from pdd.convert.common import handoff_to_pb
-from pdd.engine.sampling import SamplingParams
+from pdd.engine.sampling import Logprob, SamplingParams
 from pdd.errors import DeadlineExceededError, InvalidArgumentError
 from pdd.gen.main_decode.v1 import main_decode_service_pb2 as md_pb
 from pdd.gen.main_decode.v1 import main_decode_service_pb2_grpc as md_grpc
@@ -104,6 +104,7 @@ class Accepted:
 class Tokens:
     start_position: int
     token_ids: tuple[int, ...]
+    logprobs: tuple[Logprob, ...] = ()  # one per token when the request asked for them
 
 
 @dataclass(frozen=True)
@@ -220,7 +221,7 @@ class Relay:
                         log.info("relay_first_token", import_ms=round((started_at - arrived_at) * 1000, 2),
                                  first_token_ms=round((time.perf_counter() - arrived_at) * 1000, 2))
                         ttfdt_share = None
-                    yield Tokens(item.position, (item.token_id,))
+                    yield Tokens(item.position, (item.token_id,), () if item.logprob is None else (item.logprob,))
                 if item.finished and finished is None:
                     finished = (item.finish_reason, item.position + 1)
                     for t in tasks:

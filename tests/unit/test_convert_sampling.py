@@ -1,15 +1,16 @@
-"""Sampling parameters on the wire: the gateway's request and the stages' ``SamplingParams``."""
+"""Sampling parameters and logprobs on the wire: the gateway's request, the stages' messages, the merge."""
 
 from __future__ import annotations
 
 import pytest
 
-from pdd.convert.common import sampling_from_pb, sampling_to_pb
+from pdd.convert.common import logprob_from_pb, logprob_to_pb, sampling_from_pb, sampling_to_pb
 from pdd.convert.gateway import ModelInfo, generate_from_pb
-from pdd.engine.sampling_params import SamplingParams
+from pdd.engine.sampling_params import Logprob, SamplingParams
 from pdd.errors import InvalidArgumentError
 from pdd.gen.common.v1 import common_pb2
 from pdd.gen.gateway.v1 import gateway_service_pb2 as pb
+from pdd.serving.gateway import TokenEvent, _Merge
 
 INFO = ModelInfo("m", vocab_size=100, max_context_tokens=64)
 
@@ -70,3 +71,26 @@ def test_logit_bias_ids_are_checked_against_the_vocabulary():
     with pytest.raises(InvalidArgumentError) as err:
         generate_from_pb(req, INFO)
     assert err.value.field == "logit_bias[100]"
+
+
+def test_logprobs_request_and_values_on_the_wire():
+    assert generate_from_pb(request(), INFO).sampling.logprobs is None
+    assert generate_from_pb(request(logprobs=0), INFO).sampling.logprobs == 0
+    sp = generate_from_pb(request(logprobs=5), INFO).sampling
+    assert sp.logprobs == 5 and sampling_from_pb(sampling_to_pb(sp)) == sp
+    with pytest.raises(InvalidArgumentError) as err:
+        generate_from_pb(request(logprobs=21), INFO)
+    assert err.value.field == "logprobs"
+    lp = Logprob(-0.5, ((3, -0.5), (9, -1.25)))
+    assert logprob_from_pb(logprob_to_pb(lp)) == lp and logprob_from_pb(logprob_to_pb(Logprob(-2.0))) == Logprob(-2.0)
+
+
+def test_merged_stream_keeps_each_tokens_logprob_whichever_stage_sent_it():
+    """The gateway's merge: out-of-order deltas, an overlap two stages both sent, stages grouped."""
+    lp = {pos: Logprob(-float(pos)) for pos in range(6)}
+    merge = _Merge()
+    assert merge.add(0, [10], 1, [lp[0]]) == [TokenEvent(0, (10,), 1, (lp[0],))]
+    assert merge.add(3, [13, 14], 3, [lp[3], lp[4]]) == []  # ahead of the relay: held
+    out = merge.add(1, [11, 12, 99], 2, [lp[1], lp[2], Logprob(-9.0)])  # 99 at 3: MainDecode's 13 came first
+    assert out == [TokenEvent(1, (11, 12), 2, (lp[1], lp[2])), TokenEvent(3, (13, 14), 3, (lp[3], lp[4]))]
+    assert merge.add(5, [15], 3) == [TokenEvent(5, (15,), 3)]  # not asked for: none

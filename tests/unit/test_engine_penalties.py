@@ -134,3 +134,40 @@ def test_penalties_survive_a_handoff_and_a_busy_batch():
     while md.has_unfinished():
         rest += [o.token_id for o in md.step() if o.request_id == "r"]
     assert relayed + rest == reference
+
+
+def run_logprobs(engine: Engine, prompt, sp, rid: str = "r"):
+    engine.add_request(rid, prompt, sp)
+    out = []
+    while engine.has_unfinished():
+        out += [(o.token_id, o.logprob) for o in engine.step() if o.request_id == rid]
+    return out
+
+
+@pytest.mark.parametrize("bad", [dict(logprobs=-1), dict(logprobs=21), dict(logprobs=1.5)])
+def test_logprobs_validation(bad):
+    with pytest.raises(ValueError, match="logprobs"):
+        SamplingParams(**bad)
+
+
+def test_logprobs_are_the_models_raw_log_softmax(llama_oracle):
+    """Each output token's logprob and top-k equal the oracle's log-softmax, whatever the bias,
+    penalties and temperature did to the draw (vLLM's raw logprobs)."""
+    oracle = llama_oracle(CKPT)
+    prompt = PROMPTS[1]
+    sp = SamplingParams(max_tokens=10, temperature=0.8, seed=3, logprobs=4, ignore_eos=True, logit_bias={5: 3.0},
+                        repetition_penalty=1.2)
+    engine = Engine(CKPT, EngineConfig(num_blocks=64, max_num_batched_tokens=4))  # chunked prefill too
+    engine.add_request("other", [9] * 13, SamplingParams(max_tokens=10))  # a batch mate without logprobs
+    outs = run_logprobs(engine, prompt, sp)
+    tokens = [t for t, _ in outs]
+    for i, (token, lp) in enumerate(outs):
+        want = torch.log_softmax(oracle.next_logits(prompt + tokens[:i]), dim=-1)
+        assert lp.logprob == pytest.approx(float(want[token]), abs=1e-4)
+        values, ids = want.topk(4)
+        assert [t for t, _ in lp.top] == ids.tolist()
+        assert [v for _, v in lp.top] == pytest.approx(values.tolist(), abs=1e-4)
+    assert all(lp is None for _, lp in run_logprobs(Engine(CKPT, EngineConfig(num_blocks=64)), prompt,
+                                                    SamplingParams(max_tokens=3)))
+    only = run_logprobs(Engine(CKPT, EngineConfig(num_blocks=64)), prompt, SamplingParams(max_tokens=3, logprobs=0))
+    assert all(lp is not None and lp.top == () and lp.logprob <= 0 for _, lp in only)
