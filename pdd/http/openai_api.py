@@ -36,6 +36,7 @@ from pdd.errors import InvalidArgumentError
 from pdd.http import openai_convert as conv
 from pdd.http.config import HttpConfig
 from pdd.http.errors import ApiError, error_body, http_error_for, is_expected
+from pdd.engine.sampling_params import Logprob
 from pdd.http.text_stream import Delta, End, choice_events
 from pdd.serving.gateway import Gateway, new_request_id
 from pdd.telemetry import metrics
@@ -204,18 +205,26 @@ class OpenAIServer:
                 return await self._stream(request, api, events)
             return await self._whole(api, events)
 
+    def _token_text(self, token: int) -> str:
+        # NOTE: a model without a tokenizer has no token strings; vLLM's spelling for that case
+        return self.decode([token]) if self.decode is not None else f"token_id:{token}"
+
     async def _whole(self, api: conv.ApiRequest, events: AsyncIterator[tuple[int, Delta | End]]) -> web.Response:
         texts: list[list[str]] = [[] for _ in range(api.n)]
         ids: list[list[int]] = [[] for _ in range(api.n)]
+        logprobs: list[list[Logprob]] = [[] for _ in range(api.n)]
         ends: dict[int, End] = {}
         async for i, ev in events:
             if isinstance(ev, Delta):
                 texts[i].append(ev.text)
                 ids[i].extend(ev.token_ids)
+                logprobs[i].extend(ev.logprobs)
             else:
                 ends[i] = ev
         assert len(ends) == api.n, "every request life ends with a final event"
-        choices = [conv.Choice("".join(texts[i]), conv.finish_reason(ends[i].finish_reason), ids[i])
+        choices = [conv.Choice("".join(texts[i]), conv.finish_reason(ends[i].finish_reason), ids[i],
+                               conv.logprobs_body(api, list(zip(ids[i], logprobs[i])), self._token_text)
+                               if api.logprobs else None)
                    for i in range(api.n)]
         return _json(conv.response_body(api, choices, ends[0].prompt_tokens,
                                         sum(e.completion_tokens for e in ends.values())))
@@ -228,6 +237,7 @@ class OpenAIServer:
             await resp.write(b"data: " + (obj if isinstance(obj, bytes) else _dumps(obj)) + b"\n\n")
 
         ends: dict[int, End] = {}
+        offsets = [0] * api.n  # completions' text_offset continues over a choice's chunks
         try:
             async for i, ev in events:
                 if not resp.prepared:
@@ -236,8 +246,13 @@ class OpenAIServer:
                         for k in range(api.n):
                             await send(conv.chunk_body(api, role=True, index=k))
                 if isinstance(ev, Delta):
-                    if ev.text or api.return_token_ids:
-                        await send(conv.chunk_body(api, ev.text, None, ev.token_ids, index=i))
+                    logprobs = None
+                    if api.logprobs and ev.token_ids:
+                        logprobs = conv.logprobs_body(api, list(zip(ev.token_ids, ev.logprobs)), self._token_text,
+                                                      offsets[i])
+                        offsets[i] += sum(len(t) for t in logprobs.get("tokens", ()))
+                    if ev.text or api.return_token_ids or logprobs:
+                        await send(conv.chunk_body(api, ev.text, None, ev.token_ids, index=i, logprobs=logprobs))
                     continue
                 ends[i] = ev
                 await send(conv.chunk_body(api, "", conv.finish_reason(ev.finish_reason), (), index=i))

@@ -6,20 +6,22 @@ gRPC face receives, and validated by ``pdd.convert.gateway.generate_from_pb``
 field (HTTP 400). Supported: ``max_tokens`` (chat: also
 ``max_completion_tokens``), ``temperature``, ``top_p``, ``seed``, ``stop``
 (strings), ``presence_penalty``, ``frequency_penalty``, ``logit_bias``, ``n``
-(up to ``MAX_N``), ``stream`` + ``stream_options.include_usage``; vLLM-style
+(up to ``MAX_N``), ``logprobs`` (chat: ``logprobs`` + ``top_logprobs``), ``stream``
++ ``stream_options.include_usage``; vLLM-style
 extras ``top_k``, ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``,
-``cache_salt``, ``session_id``, ``return_token_ids``. Features PDD does not have (logprobs,
-echo, tools, ...) are refused rather than silently ignored.
+``cache_salt``, ``session_id``, ``return_token_ids``. Features PDD does not have (echo,
+tools, ...) are refused rather than silently ignored.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pdd.convert.gateway import ModelInfo, generate_from_pb
+from pdd.engine.sampling_params import MAX_LOGPROBS, Logprob
 from pdd.errors import InvalidArgumentError
 from pdd.gen.gateway.v1 import gateway_service_pb2 as pb
 from pdd.http.chat_template import render_chat
@@ -43,6 +45,11 @@ class ApiRequest:
     return_token_ids: bool = False
     n: int = 1
     created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def logprobs(self) -> bool:
+        """Whether the request asked for logprobs."""
+        return self.job.sampling.logprobs is not None
 
     @property
     def id(self) -> str:
@@ -128,10 +135,9 @@ def _refuse_unsupported(body: dict) -> None:
     best_of = body.get("best_of")
     if best_of is not None and best_of != 1:
         raise InvalidArgumentError("best_of", "only best_of=1 is supported")
-    for name in ("echo", "logprobs"):
-        if body.get(name) not in (None, False):
-            raise InvalidArgumentError(name, "is not supported")
-    for name in ("top_logprobs", "suffix", "tools", "functions"):
+    if body.get("echo") not in (None, False):
+        raise InvalidArgumentError("echo", "is not supported")
+    for name in ("suffix", "tools", "functions"):
         if body.get(name):
             raise InvalidArgumentError(name, "is not supported")
     fmt = body.get("response_format")
@@ -195,6 +201,10 @@ def completion_request(body: Any, info: ModelInfo, request_id: str) -> ApiReques
     if isinstance(prompt, list) and all(isinstance(p, (str, list)) for p in prompt):
         raise InvalidArgumentError("prompt", "batches of prompts are not supported; send one request per prompt")
     req = _generate_request(body, request_id, _int(body, "max_tokens", 0, _U32, DEFAULT_COMPLETION_MAX_TOKENS))
+    # NOTE: OpenAI's completions logprobs: the top k, and always the sampled token's
+    k = _int(body, "logprobs", 0, MAX_LOGPROBS + 1)
+    if k is not None:
+        req.logprobs = k
     if isinstance(prompt, str):
         req.prompt = prompt
     elif isinstance(prompt, list):
@@ -217,6 +227,11 @@ def chat_request(body: Any, info: ModelInfo, request_id: str) -> ApiRequest:
         limit = max(1, info.max_context_tokens - len(ids))
     req = _generate_request(body, request_id, limit)
     req.prompt_token_ids.token_ids.extend(ids)
+    top = _int(body, "top_logprobs", 0, MAX_LOGPROBS + 1)
+    if _bool(body, "logprobs"):
+        req.logprobs = top or 0
+    elif top is not None:
+        raise InvalidArgumentError("top_logprobs", "needs \"logprobs\": true")
     return ApiRequest(job=generate_from_pb(req, info), **common)
 
 
@@ -231,8 +246,33 @@ def _envelope(r: ApiRequest, chunk: bool) -> dict[str, Any]:
     return {"id": r.id, "object": obj, "created": r.created, "model": r.model}
 
 
+def logprobs_body(r: ApiRequest, items: Sequence[tuple[int, Logprob]], token_text: Callable[[int], str],
+                  text_offset: int = 0) -> dict[str, Any]:
+    """OpenAI's ``logprobs`` of a choice (or chunk) for its tokens ``items`` = (token id, Logprob).
+
+    Chat: ``content`` entries with ``token``, ``logprob``, ``bytes`` and ``top_logprobs``.
+    Completions: ``tokens``, ``token_logprobs``, ``top_logprobs`` (the top k and always the
+    sampled token, so up to k + 1) and ``text_offset`` (from ``text_offset``, in token strings).
+    """
+    if r.kind == CHAT:
+        def entry(token: int, logprob: float) -> dict[str, Any]:
+            text = token_text(token)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return {"content": [{**entry(t, lp.logprob), "top_logprobs": [entry(tt, v) for tt, v in lp.top]}
+                            for t, lp in items]}
+    tokens = [token_text(t) for t, _ in items]
+    offsets = []
+    for text in tokens:
+        offsets.append(text_offset)
+        text_offset += len(text)
+    top = [{**{token_text(tt): v for tt, v in lp.top}, token_text(t): lp.logprob} for t, lp in items]
+    return {"tokens": tokens, "token_logprobs": [lp.logprob for _, lp in items], "top_logprobs": top,
+            "text_offset": offsets}
+
+
 def _choice(r: ApiRequest, text: str, finish: str | None, token_ids: Sequence[int] | None,
-            chunk: bool, role: bool = False, index: int = 0) -> dict[str, Any]:
+            chunk: bool, role: bool = False, index: int = 0, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     if r.kind == CHAT:
         body: dict[str, Any] = {"index": index}
         if chunk:
@@ -244,7 +284,7 @@ def _choice(r: ApiRequest, text: str, finish: str | None, token_ids: Sequence[in
             body["message"] = {"role": "assistant", "content": text}
     else:
         body = {"index": index, "text": text}
-    body["logprobs"] = None
+    body["logprobs"] = logprobs
     body["finish_reason"] = finish
     if r.return_token_ids and token_ids is not None:
         body["token_ids"] = list(token_ids)
@@ -256,21 +296,23 @@ class Choice:
     text: str
     finish: str
     token_ids: Sequence[int]
+    logprobs: dict[str, Any] | None = None  # ``logprobs_body`` when the request asked for them
 
 
 def response_body(r: ApiRequest, choices: Sequence[Choice], prompt_tokens: int,
                   completion_tokens: int) -> dict[str, Any]:
     """The whole (non-streamed) response; ``choices`` in index order, usage over all of them."""
     return {**_envelope(r, False),
-            "choices": [_choice(r, c.text, c.finish, c.token_ids, False, index=i) for i, c in enumerate(choices)],
+            "choices": [_choice(r, c.text, c.finish, c.token_ids, False, index=i, logprobs=c.logprobs)
+                        for i, c in enumerate(choices)],
             "usage": usage(prompt_tokens, completion_tokens)}
 
 
 def chunk_body(r: ApiRequest, text: str = "", finish: str | None = None, token_ids: Sequence[int] | None = None,
-               *, role: bool = False, index: int = 0) -> dict[str, Any]:
+               *, role: bool = False, index: int = 0, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     """One streamed chunk of choice ``index``; ``role`` marks chat's first chunk of a choice (OpenAI
     sends the role once)."""
-    out = {**_envelope(r, True), "choices": [_choice(r, text, finish, token_ids, True, role, index)]}
+    out = {**_envelope(r, True), "choices": [_choice(r, text, finish, token_ids, True, role, index, logprobs)]}
     if r.include_usage:
         out["usage"] = None
     return out

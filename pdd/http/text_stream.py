@@ -14,6 +14,7 @@ import contextlib
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
+from pdd.engine.sampling_params import Logprob
 from pdd.http.stop_strings import StopStrings
 from pdd.serving.detokenizer import Detokenizer
 from pdd.serving.gateway import Ending, Gateway, GenerateJob, TokenEvent
@@ -23,6 +24,7 @@ from pdd.serving.gateway import Ending, Gateway, GenerateJob, TokenEvent
 class Delta:
     text: str
     token_ids: tuple[int, ...]
+    logprobs: tuple[Logprob, ...] = ()  # one per token when the request asked for them
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,7 @@ async def text_events(gateway: Gateway, job: GenerateJob, decode: Callable[[Sequ
             if isinstance(ev, TokenEvent):
                 produced += len(ev.token_ids)
                 text = stops.feed(detok.add(ev.token_ids))
-                yield Delta(text, ev.token_ids)
+                yield Delta(text, ev.token_ids, ev.logprobs)
                 if stops.hit:
                     ending.reason = "stop"  # NOTE: before the close below, so metrics say stop, not cancelled
                     yield End("stop", len(job.prompt_token_ids), produced)

@@ -67,6 +67,14 @@ def reference():
         def greedy(self, ids: list[int], n: int, **extra) -> list[int]:
             return list(self._greedy(tuple(ids), n, tuple(sorted(extra.items()))))
 
+        def logprobs(self, ids: list[int], n: int, k: int) -> list:
+            """The reference's (token, Logprob) for greedy decoding with top ``k``."""
+            engine.add_request("ref-logprobs", list(ids), SamplingParams(max_tokens=n, logprobs=k))
+            out = []
+            while engine.has_unfinished():
+                out += [(o.token_id, o.logprob) for o in engine.step() if o.token_id is not None]
+            return out
+
         def text(self, ids: list[int]) -> str:
             return tok.decode(ids, skip_special_tokens=True)
 
@@ -180,6 +188,32 @@ def test_n_choices_greedy_and_seeded(client, reference):
         for c in chunk.choices:
             texts[c.index] += c.delta.content or ""
     assert texts[0] == texts[1] == reference.text(reference.greedy(reference.chat_ids(QUESTION), 12))
+
+
+def test_logprobs_completions_and_chat(client, reference):
+    prompt = "The three primary colors are"
+    want = reference.logprobs(reference.encode(prompt), 8, 3)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert "".join(lp.tokens) == r.choices[0].text == reference.text([t for t, _ in want])
+    assert lp.token_logprobs == pytest.approx([w.logprob for _, w in want], abs=1e-3)
+    assert all(len(top) == 3 and max(top.values()) == pytest.approx(chosen, abs=1e-6)  # greedy: the best one
+               for top, chosen in zip(lp.top_logprobs, lp.token_logprobs))
+    assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
+
+    c = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=10, temperature=0, logprobs=True,
+                                       top_logprobs=2)
+    content = c.choices[0].logprobs.content
+    assert len(content) == c.usage.completion_tokens and "".join(e.token for e in content) == \
+        c.choices[0].message.content
+    want = reference.logprobs(reference.chat_ids(QUESTION), 10, 2)
+    assert [e.logprob for e in content] == pytest.approx([w.logprob for _, w in want], abs=1e-3)
+    assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0].token == e.token and bytes(e.bytes) == e.token.encode()
+               for e in content)
+    stream = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=10, temperature=0,
+                                            logprobs=True, stream=True)
+    streamed = [e for chunk in stream for ch in chunk.choices if ch.logprobs for e in ch.logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in content]
 
 
 def test_seeded_sampling_is_reproducible(client):

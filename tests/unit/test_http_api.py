@@ -15,6 +15,7 @@ import aiohttp
 import pytest
 
 from pdd.convert.gateway import ModelInfo
+from pdd.engine.sampling_params import Logprob
 from pdd.errors import UnavailableError
 from pdd.http.config import HttpConfig
 from pdd.http.openai_api import OpenAIServer
@@ -48,7 +49,9 @@ class ScriptedGateway:
                 if i == self.fail_after:
                     raise UnavailableError("relay went away")
                 await asyncio.sleep(self.delay_s)
-                yield TokenEvent(i, (ord(ch),), 2)
+                k = job.sampling.logprobs
+                lps = () if k is None else (Logprob(-i / 8, ((ord(ch), -i / 8), (ord("?"), -5.0))[:k]),)
+                yield TokenEvent(i, (ord(ch),), 2, lps)
             n = min(len(text), job.sampling.max_tokens)
             end = "finished"
             yield FinalEvent("length" if n == job.sampling.max_tokens else "stop",
@@ -159,6 +162,21 @@ async def test_a_failing_choice_fails_the_request_and_cancels_the_others(serve):
             break
         await asyncio.sleep(0.02)
     assert sorted(gw.ends) == ["cancelled"] * 3  # the failed one and the two it took down
+
+
+async def test_logprobs_whole_and_streamed(serve):
+    url = await serve(ScriptedGateway(text="Hey"))
+    _, _, text = await post(f"{url}/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 3, "logprobs": 1})
+    lp = json.loads(text)["choices"][0]["logprobs"]
+    assert lp == {"tokens": ["H", "e", "y"], "token_logprobs": [0.0, -0.125, -0.25],
+                  "top_logprobs": [{"H": 0.0}, {"e": -0.125}, {"y": -0.25}], "text_offset": [0, 1, 2]}
+    _, _, text = await post(f"{url}/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 3, "logprobs": 2,
+                                                      "stream": True})
+    chunks = [e["choices"][0]["logprobs"] for e in events(text)[:-1] if e["choices"][0]["text"]]
+    assert [c["text_offset"] for c in chunks] == [[0], [1], [2]]  # offsets run on over the chunks
+    assert chunks[1]["top_logprobs"] == [{"e": -0.125, "?": -5.0}]
+    _, _, text = await post(f"{url}/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 3})
+    assert json.loads(text)["choices"][0]["logprobs"] is None
 
 
 async def test_stop_string_cuts_the_text_and_ends_the_request_early(serve):

@@ -7,6 +7,7 @@ import math
 import pytest
 
 from pdd.convert.gateway import ModelInfo
+from pdd.engine.sampling_params import Logprob
 from pdd.errors import InvalidArgumentError
 from pdd.http import openai_convert as conv
 from pdd.http.chat_template import render_chat
@@ -90,7 +91,8 @@ def test_a_batch_of_one_prompt_is_unwrapped():
         (dict(prompt="x", stop=[""]), "stop"),
         (dict(prompt="x", stop=7), "stop"),
         (dict(prompt="x", echo=True), "echo"),
-        (dict(prompt="x", logprobs=2), "logprobs"),
+        (dict(prompt="x", logprobs=21), "logprobs"),
+        (dict(prompt="x", logprobs=True), "logprobs"),
         (dict(prompt="x", presence_penalty=2.5), "presence_penalty"),
         (dict(prompt="x", frequency_penalty="much"), "frequency_penalty"),
         (dict(prompt="x", frequency_penalty=-2.5), "frequency_penalty"),
@@ -207,3 +209,32 @@ def test_n_choices_are_requests_of_their_own():
 def test_finish_reasons_are_openai_ones():
     assert conv.finish_reason("length") == "length"
     assert conv.finish_reason("stop") == conv.finish_reason(None) == "stop"
+
+
+def test_logprobs_requests_and_shapes():
+    assert not completion(prompt="x").logprobs
+    assert completion(prompt="x", logprobs=0).job.sampling.logprobs == 0
+    r = completion(prompt="x", logprobs=2)
+    assert r.logprobs and r.job.sampling.logprobs == 2
+    items = [(104, Logprob(-0.25, ((104, -0.25), (105, -2.0)))), (105, Logprob(-3.0, ((104, -0.5), (106, -1.0))))]
+    body = conv.logprobs_body(r, items, chr, text_offset=10)
+    # completions: the sampled token is always among top_logprobs (up to k + 1 entries)
+    assert body == {"tokens": ["h", "i"], "token_logprobs": [-0.25, -3.0],
+                    "top_logprobs": [{"h": -0.25, "i": -2.0}, {"h": -0.5, "j": -1.0, "i": -3.0}],
+                    "text_offset": [10, 11]}
+    chat = conv.chat_request({"model": "m", "messages": [{"role": "user", "content": "q"}], "max_tokens": 2,
+                              "logprobs": True, "top_logprobs": 1}, INFO, "c")
+    assert chat.job.sampling.logprobs == 1
+    assert conv.logprobs_body(chat, items[:1], chr) == {"content": [
+        {"token": "h", "logprob": -0.25, "bytes": [104], "top_logprobs": [
+            {"token": "h", "logprob": -0.25, "bytes": [104]}, {"token": "i", "logprob": -2.0, "bytes": [105]}]}]}
+    plain = conv.chat_request({"model": "m", "messages": [{"role": "user", "content": "q"}], "max_tokens": 2,
+                               "logprobs": False}, INFO, "c")
+    assert not plain.logprobs
+    with pytest.raises(InvalidArgumentError) as err:
+        conv.chat_request({"model": "m", "messages": [{"role": "user", "content": "q"}], "max_tokens": 2,
+                           "top_logprobs": 3}, INFO, "c")
+    assert err.value.field == "top_logprobs"
+    whole = conv.response_body(r, [conv.Choice("hi", "length", [104, 105], body)], 1, 2)
+    assert whole["choices"][0]["logprobs"] == body
+    assert conv.chunk_body(r, "h", logprobs=body)["choices"][0]["logprobs"] == body
