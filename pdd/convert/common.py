@@ -59,6 +59,8 @@ def sampling_to_pb(sp: SamplingParams) -> common_pb2.SamplingParams:
         msg.seed = sp.seed
     if sp.logprobs is not None:
         msg.logprobs = sp.logprobs
+    if sp.grammar is not None:
+        msg.grammar = sp.grammar
     return msg
 
 
@@ -103,6 +105,8 @@ def logit_adjustments_from(msg, field: str = "", vocab_size: int | None = None) 
         if msg.logprobs > MAX_LOGPROBS:
             raise InvalidArgumentError(f"{prefix}logprobs", f"must be in [0, {MAX_LOGPROBS}], got {msg.logprobs}")
         out["logprobs"] = msg.logprobs
+    if msg.grammar:
+        out["grammar"] = msg.grammar
     return out
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from pdd.convert.common import (finish_to_pb, handoff_from_pb, handoff_to_pb, logit_adjustments_from,
                                 logprob_to_pb, pipeline_from_pb, pipeline_to_pb)
+from pdd.engine import grammar
 from pdd.engine.sampling_params import SamplingParams
 from pdd.errors import InvalidArgumentError
 from pdd.gen.gateway.v1 import gateway_service_pb2 as pb
@@ -82,6 +83,11 @@ def generate_from_pb(msg: pb.GenerateRequest, info: ModelInfo) -> GenerateJob:
     if msg.top_k > info.vocab_size:
         raise InvalidArgumentError("top_k", f"must be <= the vocabulary size {info.vocab_size}")
     _check_tokens(msg.stop_token_ids, info.vocab_size, "stop_token_ids")
+    if msg.grammar:
+        if info.encode is None:
+            raise InvalidArgumentError("grammar", f"model {info.name} has no tokenizer, so it cannot follow a grammar")
+        if error := grammar.validate(msg.grammar):
+            raise InvalidArgumentError("grammar", f"does not compile: {error[:500]}")
     sampling = SamplingParams(
         max_tokens=msg.max_tokens, temperature=msg.temperature, top_p=top_p, top_k=msg.top_k,
         seed=msg.seed if msg.HasField("seed") else None,

@@ -32,6 +32,7 @@ from pdd.engine.block_manager import BlockManager
 from pdd.engine.checkpoint import Checkpoint, build_model, load_checkpoint
 from pdd.engine.config import EngineConfig
 from pdd.engine.errors import EngineStalledError, KvCapacityError
+from pdd.engine.grammar import Grammars
 from pdd.engine.kv_cache import KvCache
 from pdd.engine.kv_wire import KvPayload
 from pdd.engine.model_config import parse_dtype
@@ -80,6 +81,7 @@ class Engine:
                                   RotaryTable(mc, self.max_model_len, self.dtype, self.device), self.device,
                                   config.paged_decode_kernel)
         self._seqs: dict[str, Sequence] = {}
+        self._grammars = Grammars(self.tokenizer, mc.vocab_size)
         self._generate_ids = 0
         self.last_batch: list[tuple[str, int]] = []  # (request_id, tokens computed) of the last step
 
@@ -105,6 +107,8 @@ class Engine:
         seed = sampling.seed if sampling.seed is not None else random.getrandbits(63)
         seq = Sequence(request_id, prompt, len(prompt), sampling, seed, salt, paused=paused,
                        keep_after_finish=keep_after_finish)
+        if sampling.grammar is not None:
+            seq.matcher = self._grammars.matcher(sampling.grammar)
         self.blocks.match(seq)
         self.scheduler.add(seq)
         self._seqs[request_id] = seq
@@ -122,6 +126,10 @@ class Engine:
         if any(s.sampling.adjusts_logits for s in sampled):
             logits = adjust_logits(logits, [(s.sampling, s.token_ids[:s.prompt_len], s.output_ids)
                                             if s.sampling.adjusts_logits else None for s in sampled])
+        constrained = [(i, s.matcher) for i, s in enumerate(sampled) if s.matcher is not None]
+        if constrained:
+            logits = logits.clone() if logits is raw else logits  # NOTE: logprobs stay the model's own
+            self._grammars.mask_rows(logits, constrained)
         tokens = sample(logits, [s.sampling for s in sampled], [s.seed for s in sampled],
                         [s.num_tokens for s in sampled])
         wants = [s.sampling.logprobs for s in sampled]
@@ -130,6 +138,12 @@ class Engine:
         for seq, token, logprob in zip(sampled, tokens, logprobs):
             seq.token_ids.append(token)
             reason = self._finish_reason(seq, token)
+            if seq.matcher is not None:
+                if not seq.matcher.consume_token(token):
+                    raise RuntimeError(f"{seq.request_id}: sampled token {token} outside its grammar "
+                                       f"({seq.matcher.get_error()})")
+                if reason is None and seq.matcher.is_stopped():
+                    reason = "stop"  # the grammar is complete: nothing more may follow
             outputs.append(StepOutput(seq.request_id, token, seq.num_outputs - 1, reason is not None, reason,
                                       logprob))
             if reason is not None:
@@ -203,15 +217,35 @@ class Engine:
             agree += 1
         if agree == len(new):
             return False  # the engine is already there (or ahead)
+        grammar_done = False
+        if seq.matcher is not None:
+            grammar_done = self._follow_grammar(seq, old[agree:], new[agree:])
         cut = base + agree
         released = self.blocks.rollback(seq, cut)
         del seq.token_ids[cut:]
         seq.token_ids.extend(new[agree:])
         if released:
             self.blocks.match(seq)
-        if stops or start + len(new) == sp.max_tokens:
-            seq.finish_when_computed = "stop" if stops else "length"
+        if stops or grammar_done or start + len(new) == sp.max_tokens:
+            seq.finish_when_computed = "stop" if stops or grammar_done else "length"
         return agree < len(old)
+
+    @staticmethod
+    def _follow_grammar(seq: Sequence, dropped: list[int], added: list[int]) -> bool:
+        """Roll the matcher back over ``dropped`` outputs and through ``added``; returns whether the grammar
+        is then complete. ValueError (matcher unchanged) if ``added`` leaves the grammar."""
+        matcher = seq.matcher
+        if dropped and not matcher.rollback(len(dropped)):
+            raise RuntimeError(f"{seq.request_id}: the grammar could not roll back {len(dropped)} tokens")
+        accepted = matcher.validate_tokens(added)
+        if accepted < len(added):
+            if dropped:
+                matcher.consume_tokens(dropped)
+            raise ValueError(f"token_ids[{accepted}] (token {added[accepted]}) is not allowed by the request's "
+                             "grammar")
+        if added and not matcher.consume_tokens(added):
+            raise RuntimeError(f"{seq.request_id}: the grammar refused tokens it had validated")
+        return matcher.is_stopped()
 
     def pause(self, request_id: str) -> None:
         self._get(request_id).paused = True

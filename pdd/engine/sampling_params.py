@@ -42,6 +42,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     # None: no log-probabilities; k: each output token's, plus the k most likely tokens' (0..MAX_LOGPROBS)
     logprobs: int | None = None
+    # Structured output: an llguidance grammar (JSON text, see ``grammar``) the output must follow
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -77,6 +79,8 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", bias)
         if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.grammar is not None and not (isinstance(self.grammar, str) and self.grammar):
+            raise ValueError(f"grammar must be None or a non-empty string, got {self.grammar!r}")
 
     @property
     def greedy(self) -> bool:

@@ -45,6 +45,8 @@ class Sequence:
     finish_reason: str | None = None
     # set when append_tokens completes the request: finish once those tokens are computed
     finish_when_computed: str | None = None
+    # the grammar's matcher (llguidance), which has consumed exactly the outputs; None without a grammar
+    matcher: object | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -9,7 +9,8 @@ field (HTTP 400). Supported: ``max_tokens`` (chat: also
 (up to ``MAX_N``), ``logprobs`` (chat: ``logprobs`` + ``top_logprobs``), ``stream``
 + ``stream_options.include_usage``; vLLM-style
 extras ``top_k``, ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``,
-``cache_salt``, ``session_id``, ``return_token_ids``. Features PDD does not have (echo,
+``cache_salt``, ``session_id``, ``return_token_ids``; ``response_format`` (text,
+json_object, json_schema: structured output). Features PDD does not have (echo,
 tools, ...) are refused rather than silently ignored.
 """
 
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pdd.convert.gateway import ModelInfo, generate_from_pb
+from pdd.engine import grammar
 from pdd.engine.sampling_params import MAX_LOGPROBS, Logprob
 from pdd.errors import InvalidArgumentError
 from pdd.gen.gateway.v1 import gateway_service_pb2 as pb
@@ -140,9 +142,29 @@ def _refuse_unsupported(body: dict) -> None:
     for name in ("suffix", "tools", "functions"):
         if body.get(name):
             raise InvalidArgumentError(name, "is not supported")
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise InvalidArgumentError("response_format", "only {\"type\": \"text\"} is supported")
+
+
+def _response_format(fmt: Any) -> str:
+    """OpenAI's ``response_format`` as a grammar ('' for plain text): ``json_object`` is any JSON
+    object, ``json_schema`` JSON that follows ``json_schema.schema``."""
+    if fmt is None:
+        return ""
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return ""
+    if kind == "json_object":
+        return grammar.from_json_schema({"type": "object"})
+    if kind != "json_schema":
+        raise InvalidArgumentError("response_format", "must be {\"type\": \"text\" | \"json_object\" | "
+                                   "\"json_schema\"}")
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+        raise InvalidArgumentError("response_format.json_schema", "must be an object with a \"schema\" object")
+    try:
+        return grammar.from_json_schema(spec.get("schema", {}))
+    except ValueError as exc:
+        raise InvalidArgumentError("response_format.json_schema.schema",
+                                   f"is not a usable JSON schema: {exc}") from None
 
 
 # ---- requests ---------------------------------------------------------------------
@@ -160,6 +182,8 @@ def _generate_request(body: dict, request_id: str, max_tokens: int) -> pb.Genera
     if not repetition > 0:
         raise InvalidArgumentError("repetition_penalty", f"must be a finite number > 0, got {repetition}")
     req.repetition_penalty = repetition
+    if fmt := _response_format(body.get("response_format")):
+        req.grammar = fmt
     bias = body.get("logit_bias")
     if bias is not None:
         if not isinstance(bias, dict):

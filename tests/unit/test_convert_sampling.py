@@ -6,6 +6,7 @@ import pytest
 
 from pdd.convert.common import logprob_from_pb, logprob_to_pb, sampling_from_pb, sampling_to_pb
 from pdd.convert.gateway import ModelInfo, generate_from_pb
+from pdd.engine import grammar
 from pdd.engine.sampling_params import Logprob, SamplingParams
 from pdd.errors import InvalidArgumentError
 from pdd.gen.common.v1 import common_pb2
@@ -94,3 +95,16 @@ def test_merged_stream_keeps_each_tokens_logprob_whichever_stage_sent_it():
     out = merge.add(1, [11, 12, 99], 2, [lp[1], lp[2], Logprob(-9.0)])  # 99 at 3: MainDecode's 13 came first
     assert out == [TokenEvent(1, (11, 12), 2, (lp[1], lp[2])), TokenEvent(3, (13, 14), 3, (lp[3], lp[4]))]
     assert merge.add(5, [15], 3) == [TokenEvent(5, (15,), 3)]  # not asked for: none
+
+
+def test_grammar_is_checked_by_the_gateway_and_crosses_every_hop():
+    with_tokenizer = ModelInfo("m", vocab_size=100, max_context_tokens=64, encode=lambda s: [1])
+    g = grammar.from_json_schema({"type": "object"})
+    sp = generate_from_pb(request(grammar=g), with_tokenizer).sampling
+    assert sp.grammar == g and sampling_from_pb(sampling_to_pb(sp)) == sp
+    assert generate_from_pb(request(), with_tokenizer).sampling.grammar is None
+    for info, bad, says in ((with_tokenizer, '{"grammars": [{"json_schema": {"type": 7}}]}', "does not compile"),
+                            (INFO, g, "no tokenizer")):
+        with pytest.raises(InvalidArgumentError) as err:
+            generate_from_pb(request(grammar=bad), info)
+        assert err.value.field == "grammar" and says in err.value.description

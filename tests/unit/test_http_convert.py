@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -98,6 +99,11 @@ def test_a_batch_of_one_prompt_is_unwrapped():
         (dict(prompt="x", frequency_penalty=-2.5), "frequency_penalty"),
         (dict(prompt="x", repetition_penalty=0), "repetition_penalty"),
         (dict(prompt="x", repetition_penalty=-1.0), "repetition_penalty"),
+        (dict(prompt="x", response_format={"type": "xml"}), "response_format"),
+        (dict(prompt="x", response_format="json"), "response_format"),
+        (dict(prompt="x", response_format={"type": "json_schema"}), "response_format.json_schema"),
+        (dict(prompt="x", response_format={"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}),
+         "response_format.json_schema.schema"),
         (dict(prompt="x", logit_bias=[1, 2]), "logit_bias"),
         (dict(prompt="x", logit_bias={"a": 1}), "logit_bias"),
         (dict(prompt="x", logit_bias={"-1": 1}), "logit_bias"),
@@ -238,3 +244,16 @@ def test_logprobs_requests_and_shapes():
     whole = conv.response_body(r, [conv.Choice("hi", "length", [104, 105], body)], 1, 2)
     assert whole["choices"][0]["logprobs"] == body
     assert conv.chunk_body(r, "h", logprobs=body)["choices"][0]["logprobs"] == body
+
+
+def test_response_format_becomes_a_grammar():
+    assert completion(prompt="x").job.sampling.grammar is None
+    assert completion(prompt="x", response_format={"type": "text"}).job.sampling.grammar is None
+    obj = completion(prompt="x", response_format={"type": "json_object"}).job.sampling.grammar
+    assert json.loads(obj)["grammars"][0]["json_schema"]["type"] == "object"
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    r = conv.chat_request({"model": "m", "messages": [{"role": "user", "content": "q"}], "max_tokens": 5,
+                           "response_format": {"type": "json_schema",
+                                               "json_schema": {"name": "A", "schema": schema, "strict": True}}},
+                          INFO, "c")
+    assert json.loads(r.job.sampling.grammar)["grammars"][0]["json_schema"]["required"] == ["a"]

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdd.gen.common.v1 import common_pb2 as pdd_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$pdd/gateway/v1/gateway_service.proto\x12\x0epdd.gateway.v1\x1a\x1apdd/common/v1/common.proto\"\x81\x05\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12:\n\x10prompt_token_ids\x18\x02 \x01(\x0b\x32\x1e.pdd.gateway.v1.PromptTokenIdsH\x00\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\r\n\x05top_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x01\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nsession_id\x18\x08 \x01(\t\x12\x12\n\ncache_salt\x18\t \x01(\t\x12/\n\x0e\x66orce_pipeline\x18\n \x01(\x0e\x32\x17.pdd.common.v1.Pipeline\x12\x30\n\x0chandoff_mode\x18\x0b \x01(\x0e\x32\x1a.pdd.common.v1.HandoffMode\x12\r\n\x05top_k\x18\x0c \x01(\r\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x12\n\nrequest_id\x18\x0e \x01(\t\x12\x18\n\x10presence_penalty\x18\x0f \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x10 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x11 \x01(\x02\x12\x42\n\nlogit_bias\x18\x12 \x03(\x0b\x32..pdd.gateway.v1.GenerateRequest.LogitBiasEntry\x12\x15\n\x08logprobs\x18\x13 \x01(\rH\x02\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05inputB\x07\n\x05_seedB\x0b\n\t_logprobs\"#\n\x0ePromptTokenIds\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\x95\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12#\n\x05stage\x18\x03 \x01(\x0e\x32\x14.pdd.common.v1.Stage\x12\x16\n\x0estart_position\x18\x04 \x01(\r\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.pdd.common.v1.FinishReason\x12,\n\x05stats\x18\x06 \x01(\x0b\x32\x1d.pdd.gateway.v1.GenerateStats\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12-\n\x08logprobs\x18\x08 \x03(\x0b\x32\x1b.pdd.common.v1.TokenLogprob\"\xd4\x03\n\rGenerateStats\x12)\n\x08pipeline\x18\x01 \x01(\x0e\x32\x17.pdd.common.v1.Pipeline\x12\x30\n\x0chandoff_mode\x18\x02 \x01(\x0e\x32\x1a.pdd.common.v1.HandoffMode\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x04 \x01(\r\x12\x12\n\nrld_tokens\x18\x05 \x01(\r\x12\x11\n\tmd_tokens\x18\x06 \x01(\r\x12\x1a\n\x12predicted_hit_rate\x18\x07 \x01(\x01\x12\x18\n\x10md_cached_tokens\x18\x08 \x01(\r\x12\x14\n\x0cwan_kv_bytes\x18\t \x01(\x04\x12\x0f\n\x07ttft_ms\x18\n \x01(\x01\x12\x18\n\x10handoff_at_token\x18\x0b \x01(\r\x12\x18\n\x10prefill_instance\x18\x0c \x01(\t\x12\x16\n\x0erelay_instance\x18\r \x01(\t\x12\x1c\n\x14main_decode_instance\x18\x0e \x01(\t\x12\x1d\n\x15prefill_cached_tokens\x18\x0f \x01(\r\x12\x0e\n\x06\x65\x32\x65_ms\x18\x10 \x01(\x01\x12\x17\n\x0fwan_transfer_ms\x18\x11 \x01(\x01\"\x15\n\x13GetModelInfoRequest\"\x9a\x01\n\x14GetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x1a\n\x12max_context_tokens\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x15\n\rhas_tokenizer\x18\x05 \x01(\x08\x12\x15\n\rchat_template\x18\x06 \x01(\t2\xbc\x01\n\x0eGatewayService\x12O\n\x08Generate\x12\x1f.pdd.gateway.v1.GenerateRequest\x1a .pdd.gateway.v1.GenerateResponse0\x01\x12Y\n\x0cGetModelInfo\x12#.pdd.gateway.v1.GetModelInfoRequest\x1a$.pdd.gateway.v1.GetModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$pdd/gateway/v1/gateway_service.proto\x12\x0epdd.gateway.v1\x1a\x1apdd/common/v1/common.proto\"\x92\x05\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12:\n\x10prompt_token_ids\x18\x02 \x01(\x0b\x32\x1e.pdd.gateway.v1.PromptTokenIdsH\x00\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\r\n\x05top_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x01\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nsession_id\x18\x08 \x01(\t\x12\x12\n\ncache_salt\x18\t \x01(\t\x12/\n\x0e\x66orce_pipeline\x18\n \x01(\x0e\x32\x17.pdd.common.v1.Pipeline\x12\x30\n\x0chandoff_mode\x18\x0b \x01(\x0e\x32\x1a.pdd.common.v1.HandoffMode\x12\r\n\x05top_k\x18\x0c \x01(\r\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x12\n\nrequest_id\x18\x0e \x01(\t\x12\x18\n\x10presence_penalty\x18\x0f \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x10 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x11 \x01(\x02\x12\x42\n\nlogit_bias\x18\x12 \x03(\x0b\x32..pdd.gateway.v1.GenerateRequest.LogitBiasEntry\x12\x15\n\x08logprobs\x18\x13 \x01(\rH\x02\x88\x01\x01\x12\x0f\n\x07grammar\x18\x14 \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05inputB\x07\n\x05_seedB\x0b\n\t_logprobs\"#\n\x0ePromptTokenIds\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\x95\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12#\n\x05stage\x18\x03 \x01(\x0e\x32\x14.pdd.common.v1.Stage\x12\x16\n\x0estart_position\x18\x04 \x01(\r\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.pdd.common.v1.FinishReason\x12,\n\x05stats\x18\x06 \x01(\x0b\x32\x1d.pdd.gateway.v1.GenerateStats\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12-\n\x08logprobs\x18\x08 \x03(\x0b\x32\x1b.pdd.common.v1.TokenLogprob\"\xd4\x03\n\rGenerateStats\x12)\n\x08pipeline\x18\x01 \x01(\x0e\x32\x17.pdd.common.v1.Pipeline\x12\x30\n\x0chandoff_mode\x18\x02 \x01(\x0e\x32\x1a.pdd.common.v1.HandoffMode\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x04 \x01(\r\x12\x12\n\nrld_tokens\x18\x05 \x01(\r\x12\x11\n\tmd_tokens\x18\x06 \x01(\r\x12\x1a\n\x12predicted_hit_rate\x18\x07 \x01(\x01\x12\x18\n\x10md_cached_tokens\x18\x08 \x01(\r\x12\x14\n\x0cwan_kv_bytes\x18\t \x01(\x04\x12\x0f\n\x07ttft_ms\x18\n \x01(\x01\x12\x18\n\x10handoff_at_token\x18\x0b \x01(\r\x12\x18\n\x10prefill_instance\x18\x0c \x01(\t\x12\x16\n\x0erelay_instance\x18\r \x01(\t\x12\x1c\n\x14main_decode_instance\x18\x0e \x01(\t\x12\x1d\n\x15prefill_cached_tokens\x18\x0f \x01(\r\x12\x0e\n\x06\x65\x32\x65_ms\x18\x10 \x01(\x01\x12\x17\n\x0fwan_transfer_ms\x18\x11 \x01(\x01\"\x15\n\x13GetModelInfoRequest\"\x9a\x01\n\x14GetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x1a\n\x12max_context_tokens\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x15\n\rhas_tokenizer\x18\x05 \x01(\x08\x12\x15\n\rchat_template\x18\x06 \x01(\t2\xbc\x01\n\x0eGatewayService\x12O\n\x08Generate\x12\x1f.pdd.gateway.v1.GenerateRequest\x1a .pdd.gateway.v1.GenerateResponse0\x01\x12Y\n\x0cGetModelInfo\x12#.pdd.gateway.v1.GetModelInfoRequest\x1a$.pdd.gateway.v1.GetModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,19 +35,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST_LOGITBIASENTRY']._loaded_options = None
   _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_GENERATEREQUEST']._serialized_start=85
-  _globals['_GENERATEREQUEST']._serialized_end=726
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=647
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=695
-  _globals['_PROMPTTOKENIDS']._serialized_start=728
-  _globals['_PROMPTTOKENIDS']._serialized_end=763
-  _globals['_GENERATERESPONSE']._serialized_start=766
-  _globals['_GENERATERESPONSE']._serialized_end=1043
-  _globals['_GENERATESTATS']._serialized_start=1046
-  _globals['_GENERATESTATS']._serialized_end=1514
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1516
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1537
-  _globals['_GETMODELINFORESPONSE']._serialized_start=1540
-  _globals['_GETMODELINFORESPONSE']._serialized_end=1694
-  _globals['_GATEWAYSERVICE']._serialized_start=1697
-  _globals['_GATEWAYSERVICE']._serialized_end=1885
+  _globals['_GENERATEREQUEST']._serialized_end=743
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=664
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=712
+  _globals['_PROMPTTOKENIDS']._serialized_start=745
+  _globals['_PROMPTTOKENIDS']._serialized_end=780
+  _globals['_GENERATERESPONSE']._serialized_start=783
+  _globals['_GENERATERESPONSE']._serialized_end=1060
+  _globals['_GENERATESTATS']._serialized_start=1063
+  _globals['_GENERATESTATS']._serialized_end=1531
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1533
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1554
+  _globals['_GETMODELINFORESPONSE']._serialized_start=1557
+  _globals['_GETMODELINFORESPONSE']._serialized_end=1711
+  _globals['_GATEWAYSERVICE']._serialized_start=1714
+  _globals['_GATEWAYSERVICE']._serialized_end=1902
 # @@protoc_insertion_point(module_scope)

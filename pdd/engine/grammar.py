@@ -1,0 +1,80 @@
+"""Structured output: a request's grammar masks the tokens it may sample (llguidance).
+
+A grammar is llguidance's JSON text (``grammar_from_json_schema`` makes one from
+a JSON schema; Lark and regex grammars work too). Each request with one gets a
+matcher that has consumed exactly its outputs so far: sampled tokens, and tokens
+another stage produced (``append_tokens`` of a handoff) — so every engine masks
+the same way at the same position and a handed-over request stays in its
+grammar. A rollback (MainDecode's speculative tokens replaced) rolls the matcher
+back too.
+
+NOTE: llguidance needs no torch for the grammar itself, so the gateway validates
+grammars with ``validate`` without loading torch; ``mask_rows`` is the engine's.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+JSON_DEFAULTS = {"whitespace_flexible": False}  # compact JSON: small models wander in free whitespace
+
+
+def validate(grammar: str) -> str:
+    """'' when ``grammar`` compiles, else llguidance's message."""
+    from llguidance import LLMatcher
+
+    return LLMatcher.validate_grammar(grammar)
+
+
+def from_json_schema(schema: Any) -> str:
+    """The grammar of JSON text that follows ``schema`` (a dict, or a JSON string); ValueError if invalid."""
+    from llguidance import LLMatcher
+
+    if isinstance(schema, str):
+        schema = json.loads(schema)
+    grammar = LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
+    error = validate(grammar)
+    if error:
+        raise ValueError(error)
+    return grammar
+
+
+class Grammars:
+    """One engine's grammar support: its tokenizer as llguidance sees it (built on first use)."""
+
+    def __init__(self, hf_tokenizer: Any | None, vocab_size: int) -> None:
+        self._hf, self.vocab_size = hf_tokenizer, vocab_size
+        self._tokenizer = None
+
+    def matcher(self, grammar: str):
+        """A fresh matcher for ``grammar``; ValueError if the model has no tokenizer or the grammar is bad."""
+        if self._hf is None:
+            raise ValueError("grammar: the model has no tokenizer, so it cannot follow a grammar")
+        from llguidance import LLMatcher
+
+        if self._tokenizer is None:
+            import llguidance.hf
+
+            self._tokenizer = llguidance.hf.from_tokenizer(self._hf)
+        error = LLMatcher.validate_grammar(grammar, self._tokenizer)
+        if error:
+            raise ValueError(f"grammar: {error}")
+        return LLMatcher(self._tokenizer, grammar)
+
+    def mask_rows(self, logits, rows: list[tuple[int, Any]]) -> None:
+        """Set to -inf, in place, every logit of row ``i`` its matcher does not allow next."""
+        import torch
+        from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
+
+        vocab = self._tokenizer.vocab_size
+        bitmask = allocate_token_bitmask(len(rows), vocab)  # [R, ceil(V / 32)] int32, bit t = token t allowed
+        for j, (_, matcher) in enumerate(rows):
+            fill_next_token_bitmask(matcher, bitmask, j)
+        # NOTE: unpacked here rather than with llguidance's apply, whose first call compiles for seconds.
+        bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1  # [R, W, 32]
+        allowed = bits.reshape(len(rows), -1)[:, :vocab].bool().to(logits.device)
+        n = min(vocab, logits.shape[-1])
+        for j, (i, _) in enumerate(rows):
+            logits[i, :n].masked_fill_(~allowed[j, :n], -torch.inf)
+            logits[i, n:] = -torch.inf  # ids beyond the tokenizer's vocabulary (padding) never come out
