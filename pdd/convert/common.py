@@ -73,15 +73,16 @@ def sampling_from_pb(msg: common_pb2.SamplingParams, field: str = "sampling") ->
     top_p = msg.top_p or 1.0
     if not 0.0 < top_p <= 1.0:
         raise InvalidArgumentError(f"{field}.top_p", f"must be in (0, 1], got {msg.top_p}")
-    penalties = logit_adjustments_from(msg, field)
+    extra = extra_sampling_from(msg, field)
     return SamplingParams(max_tokens=msg.max_tokens, temperature=msg.temperature, top_p=top_p, top_k=msg.top_k,
                           seed=msg.seed if msg.HasField("seed") else None,
-                          stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos, **penalties)
+                          stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos, **extra)
 
 
-def logit_adjustments_from(msg, field: str = "", vocab_size: int | None = None) -> dict[str, object]:
-    """The three penalties and the logit bias of a message with those fields, validated; 0 repetition
-    means 1 (off); bias token ids checked against ``vocab_size`` when given."""
+def extra_sampling_from(msg, field: str = "", vocab_size: int | None = None) -> dict[str, object]:
+    """The sampling fields the gateway's request and the stages' ``SamplingParams`` share beyond the
+    basics — penalties, logit bias, logprobs, grammar — validated (0 repetition means 1: off; bias
+    token ids checked against ``vocab_size`` when given)."""
     prefix = f"{field}." if field else ""
     out = {}
     for name in ("presence_penalty", "frequency_penalty"):

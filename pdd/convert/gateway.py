@@ -11,7 +11,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from pdd.convert.common import (finish_to_pb, handoff_from_pb, handoff_to_pb, logit_adjustments_from,
+from pdd.convert.common import (finish_to_pb, handoff_from_pb, handoff_to_pb, extra_sampling_from,
                                 logprob_to_pb, pipeline_from_pb, pipeline_to_pb)
 from pdd.engine import grammar
 from pdd.engine.sampling_params import SamplingParams
@@ -92,7 +92,7 @@ def generate_from_pb(msg: pb.GenerateRequest, info: ModelInfo) -> GenerateJob:
         max_tokens=msg.max_tokens, temperature=msg.temperature, top_p=top_p, top_k=msg.top_k,
         seed=msg.seed if msg.HasField("seed") else None,
         stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
-        **logit_adjustments_from(msg, vocab_size=info.vocab_size))
+        **extra_sampling_from(msg, vocab_size=info.vocab_size))
     return GenerateJob(
         request_id=_check_id(msg.request_id, "request_id") or new_request_id(),
         prompt_token_ids=tuple(ids), sampling=sampling,

@@ -81,7 +81,7 @@ class Engine:
                                   RotaryTable(mc, self.max_model_len, self.dtype, self.device), self.device,
                                   config.paged_decode_kernel)
         self._seqs: dict[str, Sequence] = {}
-        self._grammars = Grammars(self.tokenizer, mc.vocab_size)
+        self._grammars = Grammars(self.tokenizer)
         self._generate_ids = 0
         self.last_batch: list[tuple[str, int]] = []  # (request_id, tokens computed) of the last step
 

@@ -43,8 +43,8 @@ def from_json_schema(schema: Any) -> str:
 class Grammars:
     """One engine's grammar support: its tokenizer as llguidance sees it (built on first use)."""
 
-    def __init__(self, hf_tokenizer: Any | None, vocab_size: int) -> None:
-        self._hf, self.vocab_size = hf_tokenizer, vocab_size
+    def __init__(self, hf_tokenizer: Any | None) -> None:
+        self._hf = hf_tokenizer
         self._tokenizer = None
 
     def matcher(self, grammar: str):

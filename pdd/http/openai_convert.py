@@ -6,12 +6,12 @@ gRPC face receives, and validated by ``pdd.convert.gateway.generate_from_pb``
 field (HTTP 400). Supported: ``max_tokens`` (chat: also
 ``max_completion_tokens``), ``temperature``, ``top_p``, ``seed``, ``stop``
 (strings), ``presence_penalty``, ``frequency_penalty``, ``logit_bias``, ``n``
-(up to ``MAX_N``), ``logprobs`` (chat: ``logprobs`` + ``top_logprobs``), ``stream``
-+ ``stream_options.include_usage``; vLLM-style
-extras ``top_k``, ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``,
-``cache_salt``, ``session_id``, ``return_token_ids``; ``response_format`` (text,
-json_object, json_schema: structured output). Features PDD does not have (echo,
-tools, ...) are refused rather than silently ignored.
+(up to ``MAX_N``), ``logprobs`` (chat: ``logprobs`` + ``top_logprobs``),
+``response_format`` (text, json_object, json_schema: structured output),
+``stream`` + ``stream_options.include_usage``; vLLM-style extras ``top_k``,
+``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``cache_salt``,
+``session_id``, ``return_token_ids``. Features PDD does not have (echo, tools,
+...) are refused rather than silently ignored.
 """
 
 from __future__ import annotations
