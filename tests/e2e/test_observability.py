@@ -20,16 +20,22 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdd.client import generate_stream
+from pdd.gen.common.v1 import common_pb2
 from pdd.launcher import free_port
-from pdd.stack import Stack, StackConfig
+from pdd.stack import LinkSettings, Stack, StackConfig
 from tests.e2e.conftest import BLOCK, TINY
 
 SERVICES = ("gateway", "kvstore", "prefill-0", "relay-0", "main_decode-0")
+WAN_DELAY_MS = 150.0
 
 
 @pytest.fixture(scope="module")
 def stack(redis_url, tmp_path_factory):
+    # NOTE: a WAN delay, so that a P-RLD-MD request's first tokens are the relay's whatever the
+    # machine's load: MainDecode holds the KV only after the KV's hop and the reply's (>= 2 x 150 ms).
+    # Without it either stage could produce all 40 tokens (seen in CI: the relay none, then MainDecode none).
     config = StackConfig(model=TINY, redis_url=redis_url, gateway_port=0, http_port=free_port(),
+                         wan=LinkSettings(delay_ms=WAN_DELAY_MS),
                          engine_flags=("--block-size", str(BLOCK), "--kv-cache-mb", "32", "--threads", "1",
                                        "--lease-ttl-ms", "3000"),
                          gateway_flags=("--seed", "0"), log_dir=tmp_path_factory.mktemp("obs") / "logs",
@@ -55,9 +61,9 @@ async def http_completion(stack, tokens: list[int], request_id: str, max_tokens:
             return await r.json()
 
 
-async def grpc_completion(stack, tokens: list[int], request_id: str, max_tokens: int = 40) -> None:
+async def grpc_completion(stack, tokens: list[int], request_id: str, max_tokens: int = 40, **fields) -> None:
     async for _ in generate_stream(stack.gateway.address, tokens, max_tokens=max_tokens, ignore_eos=True,
-                                   request_id=request_id, timeout=120):
+                                   request_id=request_id, timeout=120, **fields):
         pass
 
 
@@ -131,7 +137,8 @@ async def test_metrics_endpoints_expose_the_named_series_after_traffic(stack):
     # stream ends; they do not wait on cache events reaching kvstore.
     await http_completion(stack, turn1, f"m1-{uuid.uuid4().hex[:8]}")
     await http_completion(stack, turn1 + [9, 9, 9, 9], f"m2-{uuid.uuid4().hex[:8]}")
-    await grpc_completion(stack, prompt(8), f"m3-{uuid.uuid4().hex[:8]}")
+    # NOTE: P-MD, so MainDecode's tokens are there whatever the timing (the relay's come from the others).
+    await grpc_completion(stack, prompt(8), f"m3-{uuid.uuid4().hex[:8]}", force_pipeline=common_pb2.PIPELINE_P_MD)
 
     gw = scrape(stack.metrics["gateway"])
     assert total(gw, "pdd_requests_total", outcome="length") >= 3
