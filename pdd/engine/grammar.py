@@ -65,13 +65,12 @@ class Grammars:
     def mask_rows(self, logits, rows: list[tuple[int, Any]]) -> None:
         """Set to -inf, in place, every logit of row ``i`` its matcher does not allow next."""
         import torch
-        from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
 
+        # NOTE: not llguidance.torch: importing it runs torch.compile's machinery (seconds, and its
+        # apply compiles on first call); the mask is one bit per token, unpacked here.
         vocab = self._tokenizer.vocab_size
-        bitmask = allocate_token_bitmask(len(rows), vocab)  # [R, ceil(V / 32)] int32, bit t = token t allowed
-        for j, (_, matcher) in enumerate(rows):
-            fill_next_token_bitmask(matcher, bitmask, j)
-        # NOTE: unpacked here rather than with llguidance's apply, whose first call compiles for seconds.
+        bitmask = torch.stack([torch.frombuffer(bytearray(matcher.compute_bitmask()), dtype=torch.int32)
+                               for _, matcher in rows])  # [R, ceil(V / 32)], bit t of word t // 32 = allowed
         bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1  # [R, W, 32]
         allowed = bits.reshape(len(rows), -1)[:, :vocab].bool().to(logits.device)
         n = min(vocab, logits.shape[-1])
