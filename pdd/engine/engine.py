@@ -39,7 +39,7 @@ from pdd.engine.model_config import parse_dtype
 from pdd.engine.model_runner import ModelRunner
 from pdd.engine.radix_cache import CacheEvent
 from pdd.engine.rope import RotaryTable
-from pdd.engine.sampling import Logprob, SamplingParams, adjust_logits, sample, token_logprobs
+from pdd.engine.sampling import Logprob, SamplingParams, adjust_logits, prompt_mask, sample, token_logprobs
 from pdd.engine.scheduler import Scheduler
 from pdd.engine.sequence import SeqStatus, Sequence
 
@@ -124,7 +124,7 @@ class Engine:
             seq.num_computed += n
         raw = logits
         if any(s.sampling.adjusts_logits for s in sampled):
-            logits = adjust_logits(logits, [(s.sampling, s.token_ids[:s.prompt_len], s.output_ids)
+            logits = adjust_logits(logits, [(s.sampling, self._prompt_seen(s, logits.shape[-1]), s.output_ids)
                                             if s.sampling.adjusts_logits else None for s in sampled])
         constrained = [(i, s.matcher) for i, s in enumerate(sampled) if s.matcher is not None]
         if constrained:
@@ -229,6 +229,16 @@ class Engine:
         if stops or grammar_done or start + len(new) == sp.max_tokens:
             seq.finish_when_computed = "stop" if stops or grammar_done else "length"
         return agree < len(old)
+
+    @staticmethod
+    def _prompt_seen(seq: Sequence, vocab: int):
+        """The prompt's token set for the repetition penalty, built once per request (not per step:
+        a long prompt would cost milliseconds every step)."""
+        if seq.sampling.repetition_penalty == 1.0:
+            return ()
+        if seq.prompt_seen is None:
+            seq.prompt_seen = prompt_mask(seq.token_ids[:seq.prompt_len], vocab)
+        return seq.prompt_seen
 
     @staticmethod
     def _follow_grammar(seq: Sequence, dropped: list[int], added: list[int]) -> bool:

@@ -20,7 +20,8 @@ import torch
 
 from pdd.engine.sampling_params import Logprob, SamplingParams
 
-__all__ = ["Logprob", "SamplingParams", "adjust_logits", "position_uniform", "sample", "token_logprobs"]
+__all__ = ["Logprob", "SamplingParams", "adjust_logits", "position_uniform", "prompt_mask", "sample",
+           "token_logprobs"]
 
 
 def position_uniform(seed: int, position: int) -> float:
@@ -29,10 +30,19 @@ def position_uniform(seed: int, position: int) -> float:
     return (int.from_bytes(digest, "little") >> 11) / float(1 << 53)
 
 
+def prompt_mask(prompt: Sequence[int], vocab: int) -> torch.Tensor:
+    """``[V]`` bool: which tokens occur in ``prompt`` (what the repetition penalty reads of it)."""
+    mask = torch.zeros(vocab, dtype=torch.bool)
+    mask[torch.as_tensor(list(prompt), dtype=torch.long)] = True
+    return mask
+
+
 def adjust_logits(logits: torch.Tensor,
-                  rows: Sequence[tuple[SamplingParams, Sequence[int], Sequence[int]] | None]) -> torch.Tensor:
-    """``logits [S, V]`` with each row's bias and penalties applied; ``rows[i]`` = (params, prompt ids,
-    output ids) of row ``i``, or None for a row without any (left as it is). Returns a new tensor.
+                  rows: Sequence[tuple[SamplingParams, Sequence[int] | torch.Tensor, Sequence[int]] | None]
+                  ) -> torch.Tensor:
+    """``logits [S, V]`` with each row's bias and penalties applied; ``rows[i]`` = (params, prompt ids
+    or their ``prompt_mask``, output ids) of row ``i``, or None for a row without any (left as it is).
+    Returns a new tensor.
 
     Order and meaning as in vLLM: the logit bias is added first; then repetition (over prompt and
     output tokens: a positive logit is divided by it, a negative one multiplied); then frequency
@@ -51,8 +61,9 @@ def adjust_logits(logits: torch.Tensor,
             x[torch.as_tensor(ids, dtype=torch.long, device=x.device)] += torch.as_tensor(bias, dtype=x.dtype,
                                                                                          device=x.device)
         if sp.repetition_penalty != 1.0:
-            seen = torch.zeros(vocab, dtype=torch.bool, device=x.device)
-            seen[torch.as_tensor(list(prompt) + list(outputs), dtype=torch.long, device=x.device)] = True
+            seen = (prompt if isinstance(prompt, torch.Tensor) else prompt_mask(prompt, vocab)).to(x.device, copy=True)
+            if outputs:
+                seen[torch.as_tensor(list(outputs), dtype=torch.long, device=x.device)] = True
             x[seen] = torch.where(x[seen] > 0, x[seen] / sp.repetition_penalty, x[seen] * sp.repetition_penalty)
         if outputs and (sp.frequency_penalty or sp.presence_penalty):
             counts = torch.bincount(torch.as_tensor(list(outputs), dtype=torch.long, device=x.device),

@@ -47,6 +47,8 @@ class Sequence:
     finish_when_computed: str | None = None
     # the grammar's matcher (llguidance), which has consumed exactly the outputs; None without a grammar
     matcher: object | None = None
+    # which tokens the prompt holds ([V] bool), for a repetition penalty; built once, on first use
+    prompt_seen: object | None = None
 
     @property
     def num_tokens(self) -> int:
