@@ -33,9 +33,10 @@ class ScriptedGateway:
     def __init__(self, text: str = "Hello world", *, fail_before: BaseException | None = None,
                  fail_after: int | None = None, delay_s: float = 0.0,
                  roles: tuple[Role, ...] = (Role.PREFILL, Role.RELAY, Role.MAIN_DECODE),
-                 texts: dict[str, str] | None = None) -> None:
+                 texts: dict[str, str] | None = None, fail_ids: tuple[str, ...] | None = None) -> None:
         self.text, self.fail_before, self.fail_after, self.delay_s, self.roles = text, fail_before, fail_after, delay_s, roles
         self.texts = texts or {}  # request_id → its text, instead of ``text``
+        self.fail_ids = fail_ids  # which requests ``fail_before`` hits (None: every one)
         self.jobs, self.ends = [], []
 
     async def generate(self, job, ending=None):
@@ -43,7 +44,7 @@ class ScriptedGateway:
         end = "cancelled"
         text = self.texts.get(job.request_id, self.text)
         try:
-            if self.fail_before is not None and job.request_id in self.texts.get("fail", job.request_id):
+            if self.fail_before is not None and (self.fail_ids is None or job.request_id in self.fail_ids):
                 raise self.fail_before
             for i, ch in enumerate(text[:job.sampling.max_tokens]):
                 if i == self.fail_after:
@@ -152,7 +153,7 @@ async def test_n_choices_streamed_chat(serve):
 
 
 async def test_a_failing_choice_fails_the_request_and_cancels_the_others(serve):
-    gw = ScriptedGateway(texts={"fail": "f-1"}, fail_before=UnavailableError("no prefill"), delay_s=0.01)
+    gw = ScriptedGateway(fail_ids=("f-1",), fail_before=UnavailableError("no prefill"), delay_s=0.01)
     url = await serve(gw)
     status, _, text = await post(f"{url}/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 50, "n": 3},
                                  {"X-Request-Id": "f"})
