@@ -57,10 +57,10 @@ class Grammars:
             import llguidance.hf
 
             self._tokenizer = llguidance.hf.from_tokenizer(self._hf)
-        error = LLMatcher.validate_grammar(grammar, self._tokenizer)
-        if error:
-            raise ValueError(f"grammar: {error}")
-        return LLMatcher(self._tokenizer, grammar)
+        matcher = LLMatcher(self._tokenizer, grammar)  # NOTE: compiles once; a bad grammar is an error state
+        if matcher.is_error():
+            raise ValueError(f"grammar: {matcher.get_error()}")
+        return matcher
 
     def mask_rows(self, logits, rows: list[tuple[int, Any]]) -> None:
         """Set to -inf, in place, every logit of row ``i`` its matcher does not allow next."""

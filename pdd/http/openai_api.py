@@ -250,7 +250,8 @@ class OpenAIServer:
                     if api.logprobs and ev.token_ids:
                         logprobs = conv.logprobs_body(api, list(zip(ev.token_ids, ev.logprobs)), self._token_text,
                                                       offsets[i])
-                        offsets[i] += sum(len(t) for t in logprobs.get("tokens", ()))
+                        if api.kind == conv.COMPLETION:
+                            offsets[i] += sum(len(t) for t in logprobs["tokens"])
                     if ev.text or api.return_token_ids or logprobs:
                         await send(conv.chunk_body(api, ev.text, None, ev.token_ids, index=i, logprobs=logprobs))
                     continue
