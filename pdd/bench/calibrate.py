@@ -28,8 +28,15 @@ def kv_bytes_per_token(model: str) -> int:
     return 2 * c.num_layers * c.num_kv_heads * c.head_dim * FP32_BYTES
 
 
-def idle_step_ms(model: str, *, threads: int = 1, block_size: int = 16, prompt_tokens: int = 1024,
-                 new_tokens: int = 32, repeats: int = 3) -> float:
+def idle_step_ms(
+    model: str,
+    *,
+    threads: int = 1,
+    block_size: int = 16,
+    prompt_tokens: int = 1024,
+    new_tokens: int = 32,
+    repeats: int = 3,
+) -> float:
     """One batch-1 decode step of ``model`` on an idle machine (best of ``repeats``), prefill excluded."""
     import torch
 
@@ -65,8 +72,12 @@ def link_ms(wan_bytes: float, mbps: float) -> float:
     return wan_bytes * 8 / (mbps * 1e3)
 
 
-def transfer_steps(records: Sequence[RequestResult], step_ms: float, threshold: float = 0.95,
-                   mbps: float | None = None) -> dict:
+def transfer_steps(
+    records: Sequence[RequestResult],
+    step_ms: float,
+    threshold: float = 0.95,
+    mbps: float | None = None,
+) -> dict:
     """WAN transfers in decode steps, P50 and max, for requests below and at/above ``threshold`` MD hit.
 
     With ``mbps``: the link time of each request's delta (bytes ÷ bandwidth); without:
@@ -76,10 +87,21 @@ def transfer_steps(records: Sequence[RequestResult], step_ms: float, threshold: 
     if step_ms <= 0:
         raise ValueError(f"step_ms: must be > 0, got {step_ms}")
     out: dict = {}
-    for name, keep in (("low_hit", lambda h: h < threshold), ("high_hit", lambda h: h >= threshold)):
-        chosen = [r for r in records if r.ok and r.actual_hit is not None and keep(r.actual_hit) and r.wan_bytes]
-        steps = [(link_ms(r.wan_bytes, mbps) if mbps else r.wan_transfer_ms) / step_ms for r in chosen]
-        out[name] = {"requests": len(steps),
-                     "p50": float(np.median(steps)) if steps else None,
-                     "max": float(max(steps)) if steps else None}
+    for name, keep in (
+        ("low_hit", lambda h: h < threshold),
+        ("high_hit", lambda h: h >= threshold),
+    ):
+        chosen = [
+            r
+            for r in records
+            if r.ok and r.actual_hit is not None and keep(r.actual_hit) and r.wan_bytes
+        ]
+        steps = [
+            (link_ms(r.wan_bytes, mbps) if mbps else r.wan_transfer_ms) / step_ms for r in chosen
+        ]
+        out[name] = {
+            "requests": len(steps),
+            "p50": float(np.median(steps)) if steps else None,
+            "max": float(max(steps)) if steps else None,
+        }
     return out

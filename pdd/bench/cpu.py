@@ -27,7 +27,7 @@ def process_cpu_s(pid: int) -> float | None:
     except OSError:
         return None
     # NOTE: the command name (field 2) may hold spaces; fields after its ')' are fixed.
-    fields = text[text.rindex(")") + 2:].split()
+    fields = text[text.rindex(")") + 2 :].split()
     return (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime (fields 14, 15)
 
 
@@ -81,5 +81,12 @@ class CpuMeter:
         for name, cluster in self.clusters.items():
             if services.get(name) is not None:
                 clusters[cluster] = round(clusters.get(cluster, 0.0) + services[name], 3)
-        return {"cores": cores, "wall_s": round(wall, 2), "machine_busy": busy, "total_cores_used": total,
-                "others_cores": others, "services": services, "clusters": clusters}
+        return {
+            "cores": cores,
+            "wall_s": round(wall, 2),
+            "machine_busy": busy,
+            "total_cores_used": total,
+            "others_cores": others,
+            "services": services,
+            "clusters": clusters,
+        }

@@ -39,11 +39,31 @@ REPORT_STEP_MS = 30.0
 PRESETS = {
     # `make demo`: 40 requests of 10 agent sessions arriving over ~19 s (at most 2 sessions live in trace
     # time; the real run, slower than the trace, keeps ~3-4 requests in flight); ~3 minutes on 2 cores.
-    "quick": TraceConfig(sessions=10, turns=4, rps=2.0, dist="skewed", seed=0, prompt_tokens=1024,
-                         max_context_tokens=4096, output_scale=2.0, vocab_high=4096, concurrent_sessions=2),
+    "quick": TraceConfig(
+        sessions=10,
+        turns=4,
+        rps=2.0,
+        dist="skewed",
+        seed=0,
+        prompt_tokens=1024,
+        max_context_tokens=4096,
+        output_scale=2.0,
+        vocab_high=4096,
+        concurrent_sessions=2,
+    ),
     # `make bench`: 80 requests, longer sessions, another seed, arrivals over ~80 s (~6 minutes).
-    "full": TraceConfig(sessions=16, turns=5, rps=1.0, dist="skewed", seed=1, prompt_tokens=1024,
-                        max_context_tokens=4096, output_scale=2.0, vocab_high=4096, concurrent_sessions=3),
+    "full": TraceConfig(
+        sessions=16,
+        turns=5,
+        rps=1.0,
+        dist="skewed",
+        seed=1,
+        prompt_tokens=1024,
+        max_context_tokens=4096,
+        output_scale=2.0,
+        vocab_high=4096,
+        concurrent_sessions=3,
+    ),
 }
 
 
@@ -63,40 +83,63 @@ class DemoConfig:
             modes.check_mode(m)
 
 
-def scale_section(cfg: DemoConfig, step_ms: float, kv_bytes: int, prompt_mean: float,
-                  outcomes: Mapping[str, ModeOutcome]) -> str:
+def scale_section(
+    cfg: DemoConfig,
+    step_ms: float,
+    kv_bytes: int,
+    prompt_mean: float,
+    outcomes: Mapping[str, ModeOutcome],
+) -> str:
     tb = cfg.testbed
     ours_full = calibrate.link_ms(prompt_mean * kv_bytes, tb.wan_mbps)
-    theirs_full = calibrate.link_ms(REPORT_CONTEXT_TOKENS * REPORT_KV_BYTES_PER_TOKEN, REPORT_WAN_GBPS * 1000)
-    lines = ["## Scale", "",
-             "| | report | this testbed |", "|---|---:|---:|",
-             f"| context (mean prompt) | {REPORT_CONTEXT_TOKENS} tokens | {prompt_mean:.0f} tokens |",
-             f"| KV per token | {REPORT_KV_BYTES_PER_TOKEN / 1000:.0f} KB | {kv_bytes / 1000:.1f} KB |",
-             f"| WAN | {REPORT_WAN_GBPS:g} Gbps | {tb.wan_mbps:g} Mbps, {tb.wan_delay_ms:g} ms one way |",
-             f"| decode step | {REPORT_STEP_MS:g} ms | {step_ms:.2f} ms idle (batch 1, {tb.threads} thread) |",
-             f"| whole-context KV over the WAN | {theirs_full:.0f} ms = {theirs_full / REPORT_STEP_MS:.0f} steps "
-             f"| {ours_full:.0f} ms = {ours_full / step_ms:.0f} idle steps |", ""]
+    theirs_full = calibrate.link_ms(
+        REPORT_CONTEXT_TOKENS * REPORT_KV_BYTES_PER_TOKEN, REPORT_WAN_GBPS * 1000
+    )
+    lines = [
+        "## Scale",
+        "",
+        "| | report | this testbed |",
+        "|---|---:|---:|",
+        f"| context (mean prompt) | {REPORT_CONTEXT_TOKENS} tokens | {prompt_mean:.0f} tokens |",
+        f"| KV per token | {REPORT_KV_BYTES_PER_TOKEN / 1000:.0f} KB | {kv_bytes / 1000:.1f} KB |",
+        f"| WAN | {REPORT_WAN_GBPS:g} Gbps | {tb.wan_mbps:g} Mbps, {tb.wan_delay_ms:g} ms one way |",
+        f"| decode step | {REPORT_STEP_MS:g} ms | {step_ms:.2f} ms idle (batch 1, {tb.threads} thread) |",
+        f"| whole-context KV over the WAN | {theirs_full:.0f} ms = {theirs_full / REPORT_STEP_MS:.0f} steps "
+        f"| {ours_full:.0f} ms = {ours_full / step_ms:.0f} idle steps |",
+        "",
+    ]
     o = outcomes.get("cdc-pd") or outcomes.get("pdd")
     if o is not None:
         loaded = o.result["itl_ms"]["p50"] or step_ms
-        lines += [f"Measured in the {o.result['mode']} run, split at the router's threshold (MainDecode hit "
-                  f"< or ≥ {tb.hit_threshold:g}); P50 / max over requests, in decode steps:", "",
-                  "| WAN transfer of the delta | low-hit | high-hit |", "|---|---:|---:|"]
-        for label, mbps, step in (("link time (bytes ÷ bandwidth), idle steps", tb.wan_mbps, step_ms),
-                                  (f"link time, loaded steps (ITL P50 {loaded:.1f} ms)", tb.wan_mbps, loaded),
-                                  ("push time measured by prefill (overlaps its compute), loaded steps",
-                                   None, loaded)):
+        lines += [
+            f"Measured in the {o.result['mode']} run, split at the router's threshold (MainDecode hit "
+            f"< or ≥ {tb.hit_threshold:g}); P50 / max over requests, in decode steps:",
+            "",
+            "| WAN transfer of the delta | low-hit | high-hit |",
+            "|---|---:|---:|",
+        ]
+        for label, mbps, step in (
+            ("link time (bytes ÷ bandwidth), idle steps", tb.wan_mbps, step_ms),
+            (f"link time, loaded steps (ITL P50 {loaded:.1f} ms)", tb.wan_mbps, loaded),
+            ("push time measured by prefill (overlaps its compute), loaded steps", None, loaded),
+        ):
             t = calibrate.transfer_steps(o.records, step, tb.hit_threshold, mbps)
-            cells = ["-" if not v["requests"] else f"{v['p50']:.0f} / {v['max']:.0f} ({v['requests']} req)"
-                     for v in (t["low_hit"], t["high_hit"])]
+            cells = [
+                "-"
+                if not v["requests"]
+                else f"{v['p50']:.0f} / {v['max']:.0f} ({v['requests']} req)"
+                for v in (t["low_hit"], t["high_hit"])
+            ]
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def in_flight(records: Sequence[RequestResult]) -> tuple[float, int]:
     """(time-averaged, peak) number of requests in flight: the load the arrivals built up."""
-    edges = sorted([(r.start_ms, 1) for r in records if r.e2el_ms is not None]
-                   + [(r.start_ms + r.e2el_ms, -1) for r in records if r.e2el_ms is not None])
+    edges = sorted(
+        [(r.start_ms, 1) for r in records if r.e2el_ms is not None]
+        + [(r.start_ms + r.e2el_ms, -1) for r in records if r.e2el_ms is not None]
+    )
     if not edges:
         return 0.0, 0
     now = peak = 0
@@ -113,29 +156,54 @@ def cpu_section(step_ms: float, outcomes: Mapping[str, ModeOutcome]) -> str:
     names: list[str] = []
     for o in outcomes.values():
         names += [n for n in (o.result["cpu"].get("services") or {}) if n not in names]
-    lines = ["## CPU contention", "",
-             "Cores each process used on average during the run (user + system time ÷ wall time), per "
-             "cluster, what other processes on the host took meanwhile (machine busy time − ours), and how "
-             "much slower a decode step is under load than idle.", "",
-             "| | " + " | ".join(outcomes) + " |", "|---|" + "---:|" * len(outcomes)]
+    lines = [
+        "## CPU contention",
+        "",
+        "Cores each process used on average during the run (user + system time ÷ wall time), per "
+        "cluster, what other processes on the host took meanwhile (machine busy time − ours), and how "
+        "much slower a decode step is under load than idle.",
+        "",
+        "| | " + " | ".join(outcomes) + " |",
+        "|---|" + "---:|" * len(outcomes),
+    ]
     cpu = {m: o.result["cpu"] for m, o in outcomes.items()}
-    lines.append("| machine busy | " + " | ".join(
-        "-" if c.get("machine_busy") is None else f"{100 * c['machine_busy']:.0f}% of {c['cores']} cores"
-        for c in cpu.values()) + " |")
+    lines.append(
+        "| machine busy | "
+        + " | ".join(
+            "-"
+            if c.get("machine_busy") is None
+            else f"{100 * c['machine_busy']:.0f}% of {c['cores']} cores"
+            for c in cpu.values()
+        )
+        + " |"
+    )
     for n in names:
         cells = [(c.get("services") or {}).get(n) for c in cpu.values()]
-        lines.append(f"| {n} | " + " | ".join("-" if v is None else f"{v:.2f}" for v in cells) + " |")
-    rows = [("**ours, all processes**", lambda c: c.get("total_cores_used")),
-            ("main cluster (pinned)", lambda c: (c.get("clusters") or {}).get("main")),
-            ("remote cluster (pinned)", lambda c: (c.get("clusters") or {}).get("remote")),
-            ("**other processes on the host**", lambda c: c.get("others_cores"))]
+        lines.append(
+            f"| {n} | " + " | ".join("-" if v is None else f"{v:.2f}" for v in cells) + " |"
+        )
+    rows = [
+        ("**ours, all processes**", lambda c: c.get("total_cores_used")),
+        ("main cluster (pinned)", lambda c: (c.get("clusters") or {}).get("main")),
+        ("remote cluster (pinned)", lambda c: (c.get("clusters") or {}).get("remote")),
+        ("**other processes on the host**", lambda c: c.get("others_cores")),
+    ]
     for label, get in rows:
         lines.append(f"| {label} | " + " | ".join(_f(get(c)) for c in cpu.values()) + " |")
     loads = [in_flight(o.records) for o in outcomes.values()]
-    lines.append("| requests in flight, mean / max | " + " | ".join(f"{a:.1f} / {b}" for a, b in loads) + " |")
-    lines.append("| ITL P50 ÷ idle step | " + " | ".join(
-        "-" if not o.result["itl_ms"]["p50"] else f"{o.result['itl_ms']['p50'] / step_ms:.1f}×"
-        for o in outcomes.values()) + " |")
+    lines.append(
+        "| requests in flight, mean / max | "
+        + " | ".join(f"{a:.1f} / {b}" for a, b in loads)
+        + " |"
+    )
+    lines.append(
+        "| ITL P50 ÷ idle step | "
+        + " | ".join(
+            "-" if not o.result["itl_ms"]["p50"] else f"{o.result['itl_ms']['p50'] / step_ms:.1f}×"
+            for o in outcomes.values()
+        )
+        + " |"
+    )
     return "\n".join(lines)
 
 
@@ -167,26 +235,47 @@ def run_demo(cfg: DemoConfig) -> int:
     trace = generate(cfg.trace)
     write_trace(trace, cfg.out / "trace.jsonl")
     print(f"[pdd demo] trace: {describe(trace)}", flush=True)
-    step_ms = calibrate.idle_step_ms(cfg.testbed.model, threads=cfg.testbed.threads,
-                                     block_size=cfg.testbed.block_size)
+    step_ms = calibrate.idle_step_ms(
+        cfg.testbed.model, threads=cfg.testbed.threads, block_size=cfg.testbed.block_size
+    )
     kv_bytes = calibrate.kv_bytes_per_token(cfg.testbed.model)
-    print(f"[pdd demo] testbed: idle decode step {step_ms:.2f} ms, {kv_bytes} B of KV per token, "
-          f"WAN {cfg.testbed.wan_mbps:g} Mbps / {cfg.testbed.wan_delay_ms:g} ms", flush=True)
+    print(
+        f"[pdd demo] testbed: idle decode step {step_ms:.2f} ms, {kv_bytes} B of KV per token, "
+        f"WAN {cfg.testbed.wan_mbps:g} Mbps / {cfg.testbed.wan_delay_ms:g} ms",
+        flush=True,
+    )
     outcomes: dict[str, ModeOutcome] = {}
     for mode in cfg.modes:
-        print(f"[pdd demo] {mode}: starting its stack ({modes.relays(mode)} relay, "
-              f"link {'unshaped' if mode == 'idc-pd' else 'shaped'})", flush=True)
-        outcomes[mode] = run_mode(trace, mode, cfg.out / f"{mode}.json", testbed=cfg.testbed,
-                                  log_dir=cfg.out / "logs" / mode, redis_url=cfg.redis_url, slo=cfg.slo,
-                                  load={"progress": True})
+        print(
+            f"[pdd demo] {mode}: starting its stack ({modes.relays(mode)} relay, "
+            f"link {'unshaped' if mode == 'idc-pd' else 'shaped'})",
+            flush=True,
+        )
+        outcomes[mode] = run_mode(
+            trace,
+            mode,
+            cfg.out / f"{mode}.json",
+            testbed=cfg.testbed,
+            log_dir=cfg.out / "logs" / mode,
+            redis_url=cfg.redis_url,
+            slo=cfg.slo,
+            load={"progress": True},
+        )
     results = [o.result for o in outcomes.values()]
-    diverged = agreement.divergences(trace, {m: r["outputs"] for m, r in zip(outcomes, results)}, cfg.testbed.model)
+    diverged = agreement.divergences(
+        trace, {m: r["outputs"] for m, r in zip(outcomes, results)}, cfg.testbed.model
+    )
     ts = targets.evaluate(results, divergences=diverged)
     prompt_mean = float(np.mean([len(r.prompt_token_ids) for r in trace]))
-    sections = [READING.format(slo=cfg.slo), targets_section(ts),
-                scale_section(cfg, step_ms, kv_bytes, prompt_mean, outcomes), cpu_section(step_ms, outcomes)]
-    path = report.write_report(results, cfg.out, records={m: o.records for m, o in outcomes.items()},
-                               sections=sections)
+    sections = [
+        READING.format(slo=cfg.slo),
+        targets_section(ts),
+        scale_section(cfg, step_ms, kv_bytes, prompt_mean, outcomes),
+        cpu_section(step_ms, outcomes),
+    ]
+    path = report.write_report(
+        results, cfg.out, records={m: o.records for m, o in outcomes.items()}, sections=sections
+    )
     print()
     print(report.compare(results))
     print()
@@ -194,13 +283,17 @@ def run_demo(cfg: DemoConfig) -> int:
     for mode, o in outcomes.items():
         c = o.result["cpu"]
         clusters = ", ".join(f"{k} {v:.2f}" for k, v in (c.get("clusters") or {}).items())
-        print(f"cpu {mode}: ours {_f(c.get('total_cores_used'))} cores ({clusters or 'unpinned'}), "
-              f"other processes {_f(c.get('others_cores'))} of {c.get('cores')} cores")
+        print(
+            f"cpu {mode}: ours {_f(c.get('total_cores_used'))} cores ({clusters or 'unpinned'}), "
+            f"other processes {_f(c.get('others_cores'))} of {c.get('cores')} cores"
+        )
     unclean = {m: o.unclean for m, o in outcomes.items() if o.unclean}
     if unclean:
         print(f"services exited uncleanly: {unclean}", file=sys.stderr)
-    print(f"\nreport: {path} (plots, RESULT json and records per mode in {cfg.out}/), "
-          f"{time.monotonic() - t0:.0f} s")
+    print(
+        f"\nreport: {path} (plots, RESULT json and records per mode in {cfg.out}/), "
+        f"{time.monotonic() - t0:.0f} s"
+    )
     failed = any(r["errors"] for r in results) or bool(unclean)
     return 1 if failed else 0
 
@@ -212,12 +305,23 @@ def _f(v: float | None) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """``pdd demo [--preset quick|full] [--out DIR] [--modes idc-pd,cdc-pd,pdd] [testbed flags]``."""
     p = argparse.ArgumentParser(prog="pdd demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", choices=tuple(PRESETS), default="quick",
-                   help="quick: `make demo` (40 requests); full: `make bench` (80 requests)")
-    p.add_argument("--out", type=Path, default=None, help="report folder (default pdd-report, or pdd-report-full for --preset full)")
+    p.add_argument(
+        "--preset",
+        choices=tuple(PRESETS),
+        default="quick",
+        help="quick: `make demo` (40 requests); full: `make bench` (80 requests)",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="report folder (default pdd-report, or pdd-report-full for --preset full)",
+    )
     p.add_argument("--modes", default=",".join(modes.MODES))
     p.add_argument("--sessions", type=int, default=None, help="override the preset's session count")
-    p.add_argument("--dist", choices=("skewed", "uniform"), default=None, help="override the preset's hit skew")
+    p.add_argument(
+        "--dist", choices=("skewed", "uniform"), default=None, help="override the preset's hit skew"
+    )
     p.add_argument("--slo", default=DEFAULT_SLO)
     p.add_argument("--redis-url", default="")
     add_testbed_flags(p)
@@ -229,8 +333,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if a.dist is not None:
             trace = replace(trace, dist=a.dist)
         out = a.out or Path("pdd-report" if a.preset == "quick" else "pdd-report-full")
-        cfg = DemoConfig(out=out, trace=trace, testbed=testbed_from(a), slo=a.slo, redis_url=a.redis_url,
-                         modes=tuple(m.strip() for m in a.modes.split(",") if m.strip()))
+        cfg = DemoConfig(
+            out=out,
+            trace=trace,
+            testbed=testbed_from(a),
+            slo=a.slo,
+            redis_url=a.redis_url,
+            modes=tuple(m.strip() for m in a.modes.split(",") if m.strip()),
+        )
     except ValueError as e:
         p.error(str(e))
     return run_demo(cfg)

@@ -29,8 +29,11 @@ import torch
 from pdd.engine import Engine, EngineConfig, SamplingParams, tiny_model
 
 
-def _best_pair(ours: Callable[[], float], hf: Callable[[], float] | None, repeats: int,
-               ) -> tuple[float, float | None]:
+def _best_pair(
+    ours: Callable[[], float],
+    hf: Callable[[], float] | None,
+    repeats: int,
+) -> tuple[float, float | None]:
     """Best (highest) rate of each, running them alternately."""
     a, b = [], []
     for _ in range(repeats):
@@ -49,12 +52,24 @@ def _timed(fn: Callable[[], object]) -> float:
 class Bench:
     def __init__(self, args: argparse.Namespace):
         self.args = args
-        self.ckpt = tiny_model(0, vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.inter,
-                               num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads,
-                               max_position_embeddings=4096, std=0.05)
+        self.ckpt = tiny_model(
+            0,
+            vocab_size=args.vocab,
+            hidden_size=args.hidden,
+            intermediate_size=args.inter,
+            num_layers=args.layers,
+            num_heads=args.heads,
+            num_kv_heads=args.kv_heads,
+            max_position_embeddings=4096,
+            std=0.05,
+        )
         self.rng = random.Random(0)
-        self.engine_config = EngineConfig(block_size=16, kv_cache_bytes=args.kv_mib * 2**20,
-                                          max_num_batched_tokens=2048, max_num_seqs=64)
+        self.engine_config = EngineConfig(
+            block_size=16,
+            kv_cache_bytes=args.kv_mib * 2**20,
+            max_num_batched_tokens=2048,
+            max_num_seqs=64,
+        )
         self.hf = None
         if not args.no_hf:
             from transformers import AutoModelForCausalLM
@@ -83,11 +98,15 @@ class Bench:
     def ours_prefill(self, length: int) -> float:
         engine = Engine(self.ckpt, self.engine_config)
         # NOTE: a fresh prompt every time, or the run is a prefix-cache hit
-        return length / _timed(lambda: engine.generate(self.prompts(1, length), SamplingParams(max_tokens=1)))
+        return length / _timed(
+            lambda: engine.generate(self.prompts(1, length), SamplingParams(max_tokens=1))
+        )
 
     def ragged(self, n: int) -> tuple[list[list[int]], list[int]]:
         rng = random.Random(1)
-        prompts = [[rng.randrange(self.args.vocab) for _ in range(rng.randint(32, 256))] for _ in range(n)]
+        prompts = [
+            [rng.randrange(self.args.vocab) for _ in range(rng.randint(32, 256))] for _ in range(n)
+        ]
         return prompts, [rng.randint(8, 128) for _ in range(n)]
 
     def ours_serving(self, n: int) -> float:
@@ -115,8 +134,16 @@ class Bench:
     @torch.inference_mode()
     def hf_generate_time(self, batch: int, prompt_len: int, new: int) -> float:
         ids = torch.tensor(self.prompts(batch, prompt_len))
-        return _timed(lambda: self.hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                                               min_new_tokens=new, do_sample=False, pad_token_id=0))
+        return _timed(
+            lambda: self.hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        )
 
     def hf_decode(self, batch: int, prompt_len: int, new: int) -> float:
         first = self.hf_generate_time(batch, prompt_len, 1)
@@ -133,12 +160,22 @@ class Bench:
         ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])  # left padding
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
         new = max(max_tokens)
-        return sum(max_tokens) / _timed(lambda: self.hf.generate(
-            ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0))
+        return sum(max_tokens) / _timed(
+            lambda: self.hf.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        )
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--inter", type=int, default=1536)
@@ -164,9 +201,21 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(0)
     bench = Bench(args)
     params = bench.ckpt.config.num_params
-    results: dict = {"model": {"params_m": round(params / 1e6, 1), "hidden": args.hidden, "layers": args.layers,
-                               "heads": args.heads, "kv_heads": args.kv_heads, "vocab": args.vocab},
-                     "threads": args.threads, "decode": {}, "prefill": {}, "serving": {}, "extend": {}}
+    results: dict = {
+        "model": {
+            "params_m": round(params / 1e6, 1),
+            "hidden": args.hidden,
+            "layers": args.layers,
+            "heads": args.heads,
+            "kv_heads": args.kv_heads,
+            "vocab": args.vocab,
+        },
+        "threads": args.threads,
+        "decode": {},
+        "prefill": {},
+        "serving": {},
+        "extend": {},
+    }
     print(f"random Llama {params / 1e6:.1f}M params, fp32, {args.threads} threads")
     print(f"{'metric':<34}{'ours':>12}{'transformers':>14}{'ratio':>8}")
 
@@ -178,19 +227,31 @@ def main(argv: list[str] | None = None) -> dict:
 
     r, hf_on = args.repeats, bench.hf is not None
     for b in [int(x) for x in args.batches.split(",")]:
-        ours, hf = _best_pair(lambda: bench.ours_decode(b, args.prompt_len, args.new_tokens),
-                              (lambda: bench.hf_decode(b, args.prompt_len, args.new_tokens)) if hf_on else None, r)
+        ours, hf = _best_pair(
+            lambda b=b: bench.ours_decode(b, args.prompt_len, args.new_tokens),
+            (lambda b=b: bench.hf_decode(b, args.prompt_len, args.new_tokens)) if hf_on else None,
+            r,
+        )
         results["decode"][f"batch_{b}"] = row(f"decode tok/s, batch {b}", ours, hf)
-    ours, hf = _best_pair(lambda: bench.ours_prefill(args.prefill_len),
-                          (lambda: bench.hf_prefill(args.prefill_len)) if hf_on else None, r)
-    results["prefill"][f"len_{args.prefill_len}"] = row(f"prefill tok/s, {args.prefill_len} tokens", ours, hf)
+    ours, hf = _best_pair(
+        lambda: bench.ours_prefill(args.prefill_len),
+        (lambda: bench.hf_prefill(args.prefill_len)) if hf_on else None,
+        r,
+    )
+    results["prefill"][f"len_{args.prefill_len}"] = row(
+        f"prefill tok/s, {args.prefill_len} tokens", ours, hf
+    )
     n = args.serving_requests
-    ours, hf = _best_pair(lambda: bench.ours_serving(n), (lambda: bench.hf_serving(n)) if hf_on else None, r)
+    ours, hf = _best_pair(
+        lambda: bench.ours_serving(n), (lambda: bench.hf_serving(n)) if hf_on else None, r
+    )
     results["serving"][f"ragged_{n}"] = row(f"serving tok/s, {n} ragged requests", ours, hf)
     ext = bench.ours_extend([1, 10, 100], args.prompt_len)
     results["extend"] = ext
-    print(f"decode step (batch 1): {ext['decode_step_ms']:.1f} ms; extend(k) in decode steps: "
-          + ", ".join(f"k={k}: {ext[f'extend_{k}_in_decode_steps']:.2f}" for k in (1, 10, 100)))
+    print(
+        f"decode step (batch 1): {ext['decode_step_ms']:.1f} ms; extend(k) in decode steps: "
+        + ", ".join(f"k={k}: {ext[f'extend_{k}_in_decode_steps']:.2f}" for k in (1, 10, 100))
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -41,9 +41,15 @@ from pdd.gen.gateway.v1 import gateway_service_pb2_grpc as pb_grpc
 from pdd.server.flags import add_client_tls_flags, client_tls_config
 from pdd.server.tls import TlsConfig, open_channel
 
-PIPELINES = {"p-md": common_pb2.PIPELINE_P_MD, "p-rld-md": common_pb2.PIPELINE_P_RLD_MD,
-             "md": common_pb2.PIPELINE_MD}
-HANDOFFS = {"one-shot": common_pb2.HANDOFF_MODE_ONE_SHOT, "catch-up": common_pb2.HANDOFF_MODE_CATCH_UP}
+PIPELINES = {
+    "p-md": common_pb2.PIPELINE_P_MD,
+    "p-rld-md": common_pb2.PIPELINE_P_RLD_MD,
+    "md": common_pb2.PIPELINE_MD,
+}
+HANDOFFS = {
+    "one-shot": common_pb2.HANDOFF_MODE_ONE_SHOT,
+    "catch-up": common_pb2.HANDOFF_MODE_CATCH_UP,
+}
 
 
 def _enum_name(enum, value: int, prefix: str, sep: str = "-") -> str:
@@ -89,9 +95,13 @@ class LoadConfig:
         if self.temperature < 0:
             raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
         if self.force_pipeline and self.force_pipeline not in PIPELINES:
-            raise ValueError(f"force_pipeline: must be one of {tuple(PIPELINES)}, got {self.force_pipeline!r}")
+            raise ValueError(
+                f"force_pipeline: must be one of {tuple(PIPELINES)}, got {self.force_pipeline!r}"
+            )
         if self.handoff_mode and self.handoff_mode not in HANDOFFS:
-            raise ValueError(f"handoff_mode: must be one of {tuple(HANDOFFS)}, got {self.handoff_mode!r}")
+            raise ValueError(
+                f"handoff_mode: must be one of {tuple(HANDOFFS)}, got {self.handoff_mode!r}"
+            )
 
 
 @dataclass
@@ -110,18 +120,25 @@ def select(trace: Sequence[TraceRequest], cfg: LoadConfig) -> list[TraceRequest]
 
 
 def build_request(req: TraceRequest, prompt: Sequence[int], cfg: LoadConfig) -> pb.GenerateRequest:
-    msg = pb.GenerateRequest(max_tokens=req.max_tokens, temperature=cfg.temperature, session_id=req.session_id,
-                             request_id=req.request_id, ignore_eos=cfg.ignore_eos, cache_salt=cfg.cache_salt,
-                             force_pipeline=PIPELINES.get(cfg.force_pipeline, 0),
-                             handoff_mode=HANDOFFS.get(cfg.handoff_mode, 0))
+    msg = pb.GenerateRequest(
+        max_tokens=req.max_tokens,
+        temperature=cfg.temperature,
+        session_id=req.session_id,
+        request_id=req.request_id,
+        ignore_eos=cfg.ignore_eos,
+        cache_salt=cfg.cache_salt,
+        force_pipeline=PIPELINES.get(cfg.force_pipeline, 0),
+        handoff_mode=HANDOFFS.get(cfg.handoff_mode, 0),
+    )
     msg.prompt_token_ids.token_ids.extend(prompt)
     if cfg.temperature > 0:
         msg.seed = cfg.seed
     return msg
 
 
-async def measure(stub: pb_grpc.GatewayServiceStub, msg: pb.GenerateRequest, timeout_s: float,
-                  rec: RequestResult) -> RequestResult:
+async def measure(
+    stub: pb_grpc.GatewayServiceStub, msg: pb.GenerateRequest, timeout_s: float, rec: RequestResult
+) -> RequestResult:
     """Stream one ``Generate`` call into ``rec``, timing every message."""
     t0 = time.perf_counter()
     last: float | None = None
@@ -130,7 +147,9 @@ async def measure(stub: pb_grpc.GatewayServiceStub, msg: pb.GenerateRequest, tim
     try:
         async for resp in stub.Generate(msg, timeout=timeout_s):
             now = (time.perf_counter() - t0) * 1000.0
-            ids = list(resp.token_ids)[max(0, len(out) - resp.start_position):]  # drop re-sent positions
+            ids = list(resp.token_ids)[
+                max(0, len(out) - resp.start_position) :
+            ]  # drop re-sent positions
             if ids:
                 if last is None:
                     rec.ttft_ms = now
@@ -159,9 +178,14 @@ async def measure(stub: pb_grpc.GatewayServiceStub, msg: pb.GenerateRequest, tim
 
 def _copy_stats(rec: RequestResult, final: pb.GenerateResponse) -> None:
     s = final.stats
-    rec.finish_reason = _enum_name(common_pb2.FinishReason, final.finish_reason, "FINISH_REASON_", "_")
+    rec.finish_reason = _enum_name(
+        common_pb2.FinishReason, final.finish_reason, "FINISH_REASON_", "_"
+    )
     if rec.ok and final.finish_reason == common_pb2.FINISH_REASON_ERROR:
-        rec.error_code, rec.error_message = "UNKNOWN", "the gateway finished the stream with an error"
+        rec.error_code, rec.error_message = (
+            "UNKNOWN",
+            "the gateway finished the stream with an error",
+        )
     rec.pipeline = _enum_name(common_pb2.Pipeline, s.pipeline, "PIPELINE_")
     rec.handoff_mode = _enum_name(common_pb2.HandoffMode, s.handoff_mode, "HANDOFF_MODE_")
     rec.handoff_at_token = s.handoff_at_token
@@ -184,10 +208,16 @@ class _Progress:
         if not self.enabled or (not force and now - self.shown < (0.5 if self.tty else 5.0)):
             return
         self.shown = now
-        line = (f"[pdd bench] {self.done}/{self.total} done, {self.sent - self.done} in flight, "
-                f"{self.errors} errors, {now - self.t0:.1f} s")
-        print(("\r" + line) if self.tty else line, end="\n" if force or not self.tty else "", file=sys.stderr,
-              flush=True)
+        line = (
+            f"[pdd bench] {self.done}/{self.total} done, {self.sent - self.done} in flight, "
+            f"{self.errors} errors, {now - self.t0:.1f} s"
+        )
+        print(
+            ("\r" + line) if self.tty else line,
+            end="\n" if force or not self.tty else "",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 async def run_load(trace: Sequence[TraceRequest], cfg: LoadConfig) -> LoadRun:
@@ -210,9 +240,14 @@ async def run_load(trace: Sequence[TraceRequest], cfg: LoadConfig) -> LoadRun:
                 return
             await asyncio.sleep(max(0.0, due - loop.time()))
             prompt = req.prompt_with_outputs(outputs) if cfg.fill_outputs else req.prompt_token_ids
-            rec = RequestResult(request_id=req.request_id, session_id=req.session_id, turn=req.turn,
-                                start_ms=(loop.time() - start) * 1000.0, prompt_tokens=len(prompt),
-                                expected_hit=req.expected_hit)
+            rec = RequestResult(
+                request_id=req.request_id,
+                session_id=req.session_id,
+                turn=req.turn,
+                start_ms=(loop.time() - start) * 1000.0,
+                prompt_tokens=len(prompt),
+                expected_hit=req.expected_hit,
+            )
             records.append(rec)
             progress.sent += 1
             await measure(stub, build_request(req, prompt, cfg), cfg.request_timeout_s, rec)
@@ -229,18 +264,27 @@ async def run_load(trace: Sequence[TraceRequest], cfg: LoadConfig) -> LoadRun:
     return LoadRun(records=records, duration_s=loop.time() - start)
 
 
-async def check_vocab(target: str, trace: Sequence[TraceRequest], tls: TlsConfig = TlsConfig()) -> None:
+async def check_vocab(
+    target: str, trace: Sequence[TraceRequest], tls: TlsConfig = TlsConfig()
+) -> None:
     """Refuse a trace whose token ids the served model cannot take (when the gateway says its vocab)."""
     try:
         async with open_channel(target, tls) as channel:
-            info = await pb_grpc.GatewayServiceStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+            info = await pb_grpc.GatewayServiceStub(channel).GetModelInfo(
+                pb.GetModelInfoRequest(), timeout=10
+            )
     except grpc.aio.AioRpcError as e:
-        print(f"[pdd bench] GetModelInfo failed ({e.code().name}); vocabulary not checked", file=sys.stderr)
+        print(
+            f"[pdd bench] GetModelInfo failed ({e.code().name}); vocabulary not checked",
+            file=sys.stderr,
+        )
         return
     top = max((max(r.prompt_token_ids, default=0) for r in trace), default=0)
     if info.vocab_size and top >= info.vocab_size:
-        raise ValueError(f"trace: token id {top} >= the model's vocab size {info.vocab_size}; "
-                         f"regenerate it with --vocab-high {info.vocab_size}")
+        raise ValueError(
+            f"trace: token id {top} >= the model's vocab size {info.vocab_size}; "
+            f"regenerate it with --vocab-high {info.vocab_size}"
+        )
 
 
 def parse_link(spec: str) -> dict:
@@ -262,40 +306,71 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["run"]:
         argv = argv[1:]
-    p = argparse.ArgumentParser(prog="pdd bench run", description="Replay a trace against a gateway.")
+    p = argparse.ArgumentParser(
+        prog="pdd bench run", description="Replay a trace against a gateway."
+    )
     p.add_argument("--target", required=True, help="gateway host:port")
-    p.add_argument("--trace", type=Path, required=True, help="trace JSONL (ours, or Mooncake with --mooncake)")
+    p.add_argument(
+        "--trace", type=Path, required=True, help="trace JSONL (ours, or Mooncake with --mooncake)"
+    )
     p.add_argument("--mooncake", action="store_true", help="the trace is Mooncake format")
     p.add_argument("--block-tokens", type=int, default=16, help="Mooncake: tokens per hash block")
     p.add_argument("--mode", required=True, help="label of this run: idc-pd | cdc-pd | pdd | ...")
     p.add_argument("--out", type=Path, required=True, help="RESULT.json (records go beside it)")
     p.add_argument("--slo", default="ttft_ms:10000,tpot_ms:200")
-    p.add_argument("--link", default="", help="the link settings of this run, e.g. mbps=100,delay_ms=20")
+    p.add_argument(
+        "--link", default="", help="the link settings of this run, e.g. mbps=100,delay_ms=20"
+    )
     p.add_argument("--max-requests", type=int, default=None)
-    p.add_argument("--duration", type=float, default=None, help="issue no request after this many seconds")
-    p.add_argument("--rps", type=float, default=None, help="re-time arrivals as Poisson at this rate")
+    p.add_argument(
+        "--duration", type=float, default=None, help="issue no request after this many seconds"
+    )
+    p.add_argument(
+        "--rps", type=float, default=None, help="re-time arrivals as Poisson at this rate"
+    )
     p.add_argument("--time-scale", type=float, default=1.0)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false")
-    p.add_argument("--no-fill-outputs", dest="fill_outputs", action="store_false",
-                   help="send the trace's placeholder tokens instead of the previous turn's real output")
+    p.add_argument(
+        "--no-fill-outputs",
+        dest="fill_outputs",
+        action="store_false",
+        help="send the trace's placeholder tokens instead of the previous turn's real output",
+    )
     p.add_argument("--force-pipeline", choices=tuple(PIPELINES), default="")
     p.add_argument("--handoff-mode", choices=tuple(HANDOFFS), default="")
-    p.add_argument("--cache-salt", default=None, help="default: a fresh salt per run, so runs never share KV")
+    p.add_argument(
+        "--cache-salt", default=None, help="default: a fresh salt per run, so runs never share KV"
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
     p.add_argument("--quiet", action="store_true")
     add_client_tls_flags(p)
     a = p.parse_args(argv)
     try:
-        cfg = LoadConfig(target=a.target, max_requests=a.max_requests, max_duration_s=a.duration, rps=a.rps,
-                         tls=client_tls_config(a), time_scale=a.time_scale, seed=a.seed, temperature=a.temperature, ignore_eos=a.ignore_eos,
-                         force_pipeline=a.force_pipeline, handoff_mode=a.handoff_mode, fill_outputs=a.fill_outputs,
-                         cache_salt=a.cache_salt if a.cache_salt is not None else f"{a.mode}-{time.time_ns():x}",
-                         request_timeout_s=a.timeout, progress=not a.quiet)
+        cfg = LoadConfig(
+            target=a.target,
+            max_requests=a.max_requests,
+            max_duration_s=a.duration,
+            rps=a.rps,
+            tls=client_tls_config(a),
+            time_scale=a.time_scale,
+            seed=a.seed,
+            temperature=a.temperature,
+            ignore_eos=a.ignore_eos,
+            force_pipeline=a.force_pipeline,
+            handoff_mode=a.handoff_mode,
+            fill_outputs=a.fill_outputs,
+            cache_salt=a.cache_salt if a.cache_salt is not None else f"{a.mode}-{time.time_ns():x}",
+            request_timeout_s=a.timeout,
+            progress=not a.quiet,
+        )
         slo, link = metrics.parse_slo(a.slo), parse_link(a.link)
-        trace = (load_mooncake(a.trace, MooncakeConfig(block_tokens=a.block_tokens)) if a.mooncake
-                 else read_trace(a.trace))
+        trace = (
+            load_mooncake(a.trace, MooncakeConfig(block_tokens=a.block_tokens))
+            if a.mooncake
+            else read_trace(a.trace)
+        )
         asyncio.run(check_vocab(a.target, trace, cfg.tls))
     except ValueError as e:
         p.error(str(e))
@@ -304,8 +379,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     metrics.write_result(result, a.out)
     write_records(run.records, records_path(a.out))
     t = result["ttft_ms"]
-    print(f"{a.out}: {result['requests']} requests, {result['errors']} errors, TTFT p50/p90/p99 "
-          + "/".join("-" if t[k] is None else f"{t[k]:.0f}" for k in ("p50", "p90", "p99")) + " ms")
+    print(
+        f"{a.out}: {result['requests']} requests, {result['errors']} errors, TTFT p50/p90/p99 "
+        + "/".join("-" if t[k] is None else f"{t[k]:.0f}" for k in ("p50", "p90", "p99"))
+        + " ms"
+    )
     return 0
 
 

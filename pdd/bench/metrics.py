@@ -31,9 +31,27 @@ import numpy as np
 from pdd.bench.record import RequestResult
 
 SLO_METRICS = ("ttft_ms", "ttfdt_ms", "tpot_ms", "e2el_ms")
-RESULT_KEYS = ("mode", "requests", "errors", "duration_s", "ttft_ms", "ttfdt_ms", "tpot_ms", "itl_ms", "e2el_ms",
-               "goodput_rps", "slo", "rld_token_share", "pipelines", "wan_bytes", "handoff_gap_ms",
-               "handoff_window_ms", "link", "outputs", "cpu")
+RESULT_KEYS = (
+    "mode",
+    "requests",
+    "errors",
+    "duration_s",
+    "ttft_ms",
+    "ttfdt_ms",
+    "tpot_ms",
+    "itl_ms",
+    "e2el_ms",
+    "goodput_rps",
+    "slo",
+    "rld_token_share",
+    "pipelines",
+    "wan_bytes",
+    "handoff_gap_ms",
+    "handoff_window_ms",
+    "link",
+    "outputs",
+    "cpu",
+)
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -48,15 +66,27 @@ def percentile(values: Sequence[float], q: float) -> float | None:
 def summarize(values: Iterable[float | None]) -> dict[str, float | None]:
     vals = [float(v) for v in values if v is not None]
     mean = float(np.mean(vals)) if vals else None
-    return {"mean": mean, "p50": percentile(vals, 50), "p90": percentile(vals, 90), "p99": percentile(vals, 99)}
+    return {
+        "mean": mean,
+        "p50": percentile(vals, 50),
+        "p90": percentile(vals, 90),
+        "p99": percentile(vals, 99),
+    }
 
 
 def parse_slo(spec: str | Mapping[str, float] | None) -> dict[str, float]:
     """``"ttft_ms:10000,tpot_ms:200"`` → ``{"ttft_ms": 10000.0, "tpot_ms": 200.0}``."""
     if spec is None or spec == "":
         return {}
-    items = spec.items() if isinstance(spec, Mapping) else (
-        part.split(":", 1) if ":" in part else (part, "") for part in spec.split(",") if part.strip())
+    items = (
+        spec.items()
+        if isinstance(spec, Mapping)
+        else (
+            part.split(":", 1) if ":" in part else (part, "")
+            for part in spec.split(",")
+            if part.strip()
+        )
+    )
     out: dict[str, float] = {}
     for key, value in items:
         key = str(key).strip()
@@ -85,7 +115,9 @@ def meets_slo(r: RequestResult, slo: Mapping[str, float]) -> bool:
     return True
 
 
-def goodput_rps(records: Sequence[RequestResult], slo: Mapping[str, float], duration_s: float) -> float | None:
+def goodput_rps(
+    records: Sequence[RequestResult], slo: Mapping[str, float], duration_s: float
+) -> float | None:
     if duration_s < 0:
         raise ValueError(f"duration_s: must be >= 0, got {duration_s}")
     if duration_s == 0:
@@ -117,9 +149,14 @@ def handoff_window_ms(records: Sequence[RequestResult]) -> dict[str, float | Non
     return {"p50": percentile(worst, 50), "p99": percentile(worst, 99)}
 
 
-def build_result(mode: str, records: Sequence[RequestResult], duration_s: float,
-                 slo: str | Mapping[str, float] | None = None, link: Mapping | None = None,
-                 cpu: Mapping | None = None) -> dict:
+def build_result(
+    mode: str,
+    records: Sequence[RequestResult],
+    duration_s: float,
+    slo: str | Mapping[str, float] | None = None,
+    link: Mapping | None = None,
+    cpu: Mapping | None = None,
+) -> dict:
     """Everything one run measured, as one JSON-ready dict (keys: ``RESULT_KEYS``)."""
     slo_map = parse_slo(slo)
     ok = [r for r in records if r.ok]

@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdd.stack import LinkSettings, StackConfig
+from pdd.testbed.stack import LinkSettings, StackConfig
 
 MODES = ("idc-pd", "cdc-pd", "pdd")
 
@@ -81,7 +81,13 @@ class Testbed:
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("model: required")
-        for name in ("block_size", "kv_cache_mb", "threads", "relay_busy_requests", "md_max_batched_tokens"):
+        for name in (
+            "block_size",
+            "kv_cache_mb",
+            "threads",
+            "relay_busy_requests",
+            "md_max_batched_tokens",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.local_prefill_tokens < 0:
@@ -91,9 +97,13 @@ class Testbed:
         if self.pace_max_hold_ms < 0:
             raise ValueError(f"pace_max_hold_ms: must be >= 0, got {self.pace_max_hold_ms}")
         if self.stream_lead_ms is not None and self.stream_lead_ms < 0:
-            raise ValueError(f"stream_lead_ms: must be >= 0 or None (auto), got {self.stream_lead_ms}")
+            raise ValueError(
+                f"stream_lead_ms: must be >= 0 or None (auto), got {self.stream_lead_ms}"
+            )
         if self.wan_mbps <= 0:
-            raise ValueError(f"wan_mbps: the cross-datacenter modes need a finite WAN, got {self.wan_mbps}")
+            raise ValueError(
+                f"wan_mbps: the cross-datacenter modes need a finite WAN, got {self.wan_mbps}"
+            )
         if self.wan_delay_ms < 0 or self.wan_jitter_ms < 0:
             raise ValueError("wan_delay_ms: delay and jitter must be >= 0")
         if not 0.0 <= self.hit_threshold <= 1.0:
@@ -120,30 +130,68 @@ def link(mode: str, testbed: Testbed) -> LinkSettings:
 def link_record(mode: str, testbed: Testbed) -> dict:
     """What a RESULT says about the run's deployment (its ``link`` field)."""
     wan = link(mode, testbed)
-    return {"mbps": wan.mbps, "delay_ms": wan.delay_ms, "jitter_ms": wan.jitter_ms, "relays": relays(mode),
-            "model": testbed.model}
+    return {
+        "mbps": wan.mbps,
+        "delay_ms": wan.delay_ms,
+        "jitter_ms": wan.jitter_ms,
+        "relays": relays(mode),
+        "model": testbed.model,
+    }
 
 
-def stack_config(mode: str, testbed: Testbed, *, log_dir: Path, redis_url: str = "", gateway_port: int = 0,
-                 key_prefix: str = "pdd") -> StackConfig:
+def stack_config(
+    mode: str,
+    testbed: Testbed,
+    *,
+    log_dir: Path,
+    redis_url: str = "",
+    gateway_port: int = 0,
+    key_prefix: str = "pdd",
+) -> StackConfig:
     """The stack ``mode`` runs on: one prefill, one MainDecode, a relay for pdd only."""
-    engine = ("--block-size", str(testbed.block_size), "--kv-cache-mb", str(testbed.kv_cache_mb),
-              "--threads", str(testbed.threads))
-    gateway = ("--hit-threshold", str(testbed.hit_threshold),
-               "--local-prefill-tokens", str(testbed.local_prefill_tokens),
-               "--relay-busy-requests", str(testbed.relay_busy_requests), "--seed", str(testbed.router_seed))
-    return StackConfig(model=testbed.model, redis_url=redis_url, gateway_port=gateway_port, prefill=1,
-                       relay=relays(mode), main_decode=1, wan=link(mode, testbed), engine_flags=engine,
-                       main_decode_flags=("--max-num-batched-tokens", str(testbed.md_max_batched_tokens)),
-                       env=stack_env(testbed),
-                       gateway_flags=gateway, log_dir=log_dir, key_prefix=key_prefix)
+    engine = (
+        "--block-size",
+        str(testbed.block_size),
+        "--kv-cache-mb",
+        str(testbed.kv_cache_mb),
+        "--threads",
+        str(testbed.threads),
+    )
+    gateway = (
+        "--hit-threshold",
+        str(testbed.hit_threshold),
+        "--local-prefill-tokens",
+        str(testbed.local_prefill_tokens),
+        "--relay-busy-requests",
+        str(testbed.relay_busy_requests),
+        "--seed",
+        str(testbed.router_seed),
+    )
+    return StackConfig(
+        model=testbed.model,
+        redis_url=redis_url,
+        gateway_port=gateway_port,
+        prefill=1,
+        relay=relays(mode),
+        main_decode=1,
+        wan=link(mode, testbed),
+        engine_flags=engine,
+        main_decode_flags=("--max-num-batched-tokens", str(testbed.md_max_batched_tokens)),
+        env=stack_env(testbed),
+        gateway_flags=gateway,
+        log_dir=log_dir,
+        key_prefix=key_prefix,
+    )
 
 
 def stack_env(testbed: Testbed) -> dict[str, str]:
     """Environment the stack's services start with (each reads only its own variables)."""
     lead = "auto" if testbed.stream_lead_ms is None else str(testbed.stream_lead_ms)
-    return {"PDD_CATCH_UP_GAP": str(testbed.catch_up_gap), "PDD_PACE_MAX_HOLD_MS": str(testbed.pace_max_hold_ms),
-            "PDD_STREAM_LEAD_MS": lead}
+    return {
+        "PDD_CATCH_UP_GAP": str(testbed.catch_up_gap),
+        "PDD_PACE_MAX_HOLD_MS": str(testbed.pace_max_hold_ms),
+        "PDD_STREAM_LEAD_MS": lead,
+    }
 
 
 def load_overrides(mode: str) -> dict:

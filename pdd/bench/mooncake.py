@@ -49,7 +49,9 @@ class MooncakeConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
         if not 0 <= self.vocab_low < self.vocab_high:
-            raise ValueError(f"vocab_high: need 0 <= vocab_low < vocab_high, got [{self.vocab_low}, {self.vocab_high})")
+            raise ValueError(
+                f"vocab_high: need 0 <= vocab_low < vocab_high, got [{self.vocab_low}, {self.vocab_high})"
+            )
 
     def prompt_length(self, input_length: int) -> int:
         return max(1, int(round(input_length * self.block_tokens / self.source_block_tokens)))
@@ -82,7 +84,9 @@ def read_mooncake(path: str | Path) -> list[dict]:
 def to_requests(rows: Iterable[Mapping], cfg: MooncakeConfig) -> list[TraceRequest]:
     """Rows → requests in timestamp order (stable), with token prompts and exact expected hits."""
     indexed = sorted(enumerate(rows), key=lambda ir: float(ir[1]["timestamp"]))
-    seen: dict[tuple, int] = {}  # chained block key → most tokens of that block any earlier prompt held
+    seen: dict[
+        tuple, int
+    ] = {}  # chained block key → most tokens of that block any earlier prompt held
     out: list[TraceRequest] = []
     bt = cfg.block_tokens
     for index, row in indexed:
@@ -93,7 +97,9 @@ def to_requests(rows: Iterable[Mapping], cfg: MooncakeConfig) -> list[TraceReque
             prompt.extend(block_tokens(h, cfg))
         if len(prompt) < length:  # too few ids: unique filler, never shared
             rng = np.random.default_rng([cfg.seed, 1 << 32, index])
-            prompt.extend(rng.integers(cfg.vocab_low, cfg.vocab_high, size=length - len(prompt)).tolist())
+            prompt.extend(
+                rng.integers(cfg.vocab_low, cfg.vocab_high, size=length - len(prompt)).tolist()
+            )
         del prompt[length:]
         matched, key, live = 0, (), True
         for j, h in enumerate(ids):
@@ -105,10 +111,16 @@ def to_requests(rows: Iterable[Mapping], cfg: MooncakeConfig) -> list[TraceReque
                 live = common == bt
             seen[key] = max(seen.get(key, 0), covered)
         rid = f"mc-{index:06d}"
-        out.append(TraceRequest(request_id=rid, session_id=rid,
-                                timestamp_ms=round(float(row["timestamp"]) / cfg.time_scale, 3),
-                                prompt_token_ids=prompt, max_tokens=cfg.max_tokens(int(row["output_length"])),
-                                expected_hit=round(matched / length, 6)))
+        out.append(
+            TraceRequest(
+                request_id=rid,
+                session_id=rid,
+                timestamp_ms=round(float(row["timestamp"]) / cfg.time_scale, 3),
+                prompt_token_ids=prompt,
+                max_tokens=cfg.max_tokens(int(row["output_length"])),
+                expected_hit=round(matched / length, 6),
+            )
+        )
     return out
 
 
@@ -122,21 +134,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["mooncake"]:
         argv = argv[1:]
     d = MooncakeConfig()
-    p = argparse.ArgumentParser(prog="pdd trace mooncake", description="Map a Mooncake trace onto tokens.")
+    p = argparse.ArgumentParser(
+        prog="pdd trace mooncake", description="Map a Mooncake trace onto tokens."
+    )
     p.add_argument("trace", type=Path)
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--block-tokens", type=int, default=d.block_tokens, help="tokens per hash block here")
+    p.add_argument(
+        "--block-tokens", type=int, default=d.block_tokens, help="tokens per hash block here"
+    )
     p.add_argument("--source-block-tokens", type=int, default=d.source_block_tokens)
     p.add_argument("--output-scale", type=float, default=d.output_scale)
-    p.add_argument("--time-scale", type=float, default=d.time_scale, help="2 = replay twice as fast")
+    p.add_argument(
+        "--time-scale", type=float, default=d.time_scale, help="2 = replay twice as fast"
+    )
     p.add_argument("--vocab-low", type=int, default=d.vocab_low)
     p.add_argument("--vocab-high", type=int, default=d.vocab_high)
     p.add_argument("--seed", type=int, default=d.seed)
     a = p.parse_args(argv)
     try:
-        cfg = MooncakeConfig(block_tokens=a.block_tokens, source_block_tokens=a.source_block_tokens,
-                             output_scale=a.output_scale, time_scale=a.time_scale, vocab_low=a.vocab_low,
-                             vocab_high=a.vocab_high, seed=a.seed)
+        cfg = MooncakeConfig(
+            block_tokens=a.block_tokens,
+            source_block_tokens=a.source_block_tokens,
+            output_scale=a.output_scale,
+            time_scale=a.time_scale,
+            vocab_low=a.vocab_low,
+            vocab_high=a.vocab_high,
+            seed=a.seed,
+        )
     except ValueError as e:
         p.error(str(e))
     reqs = load_mooncake(a.trace, cfg)

@@ -48,8 +48,15 @@ PEER_SCRIPT = Path(__file__).with_name("vllm_peer.py")
 class VllmPeer:
     """The ``vllm_peer`` process: started once, then one ``LLM.generate`` per ``run``."""
 
-    def __init__(self, python: str, model_dir: Path, threads: int, max_model_len: int, log_path: Path,
-                 startup_timeout: float = 900.0):
+    def __init__(
+        self,
+        python: str,
+        model_dir: Path,
+        threads: int,
+        max_model_len: int,
+        log_path: Path,
+        startup_timeout: float = 900.0,
+    ):
         env = dict(os.environ)
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")
         env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
@@ -59,9 +66,21 @@ class VllmPeer:
         env["PYTHONSAFEPATH"] = "1"
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(
-            [python, str(PEER_SCRIPT), "--model", str(model_dir), "--max-model-len", str(max_model_len)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env,
-            start_new_session=True)
+            [
+                python,
+                str(PEER_SCRIPT),
+                "--model",
+                str(model_dir),
+                "--max-model-len",
+                str(max_model_len),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
         self._expect("PEER_READY", startup_timeout)
@@ -80,10 +99,12 @@ class VllmPeer:
         try:
             line = self._lines.get(timeout=timeout)
         except queue.Empty:
-            raise RuntimeError(f"vLLM peer sent no {prefix} within {timeout:.0f} s; see {self._log.name}")
+            raise RuntimeError(
+                f"vLLM peer sent no {prefix} within {timeout:.0f} s; see {self._log.name}"
+            )
         if line is None or not line.startswith(prefix):
             raise RuntimeError(f"vLLM peer exited (code {self.proc.poll()}); see {self._log.name}")
-        return line[len(prefix):].strip()
+        return line[len(prefix) :].strip()
 
     def pause(self) -> None:
         """Stop every vLLM process while the others run.
@@ -150,7 +171,9 @@ class Ours:
 
     def run(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
         t = time.perf_counter()
-        outputs = self.engine.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        outputs = self.engine.generate(
+            prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        )
         return time.perf_counter() - t, outputs
 
 
@@ -158,20 +181,32 @@ class Transformers:
     def __init__(self, model_dir: Path):
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(
+            str(model_dir), dtype=torch.float32
+        ).eval()
 
     @torch.inference_mode()
     def run(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
         ids = torch.tensor(prompts)  # [n, prompt_len]: equal lengths, no padding
         t = time.perf_counter()
-        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                                  min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
-        return time.perf_counter() - t, out[:, ids.shape[1]:].tolist()
+        out = self.model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_tokens,
+            min_new_tokens=max_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        return time.perf_counter() - t, out[:, ids.shape[1] :].tolist()
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--vllm-python", default=".venv-vllm/bin/python", help="python of the vLLM venv")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--vllm-python", default=".venv-vllm/bin/python", help="python of the vLLM venv"
+    )
     ap.add_argument("--no-vllm", action="store_true", help="skip vLLM (ours and transformers only)")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers")
     ap.add_argument("--concurrency", default="1,16,32")
@@ -185,17 +220,29 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--kv-gib", type=float, default=2.0, help="our KV pool (vLLM's VLLM_CPU_KVCACHE_SPACE=2)")
-    ap.add_argument("--quiet-threshold", type=float, default=0.15,
-                    help="start a run once the CPUs are at most this busy with other work (0..1)")
-    ap.add_argument("--quiet-max-wait", type=float, default=120.0, help="seconds to wait for that at most")
+    ap.add_argument(
+        "--kv-gib", type=float, default=2.0, help="our KV pool (vLLM's VLLM_CPU_KVCACHE_SPACE=2)"
+    )
+    ap.add_argument(
+        "--quiet-threshold",
+        type=float,
+        default=0.15,
+        help="start a run once the CPUs are at most this busy with other work (0..1)",
+    )
+    ap.add_argument(
+        "--quiet-max-wait", type=float, default=120.0, help="seconds to wait for that at most"
+    )
     ap.add_argument("--json", help="also write every run and the summary to this file")
     return ap.parse_args(argv)
 
 
 def _summary(runs: dict[str, list[float]], tokens: int) -> dict[str, float]:
     rates = [tokens / s for s in runs]
-    return {"median_tok_s": statistics.median(rates), "best_tok_s": max(rates), "worst_tok_s": min(rates)}
+    return {
+        "median_tok_s": statistics.median(rates),
+        "best_tok_s": max(rates),
+        "worst_tok_s": min(rates),
+    }
 
 
 def _print_table(results: dict, names: list[str]) -> None:
@@ -203,13 +250,23 @@ def _print_table(results: dict, names: list[str]) -> None:
     others = [n for n in names if n != "ours"]
     cols = [f"{n} {k}" for n in names for k in ("med", "best")] + [f"ours/{n}" for n in others]
     widths = [max(10, len(c) + 2) for c in cols]
-    print(f"{'conc':>5}" + "".join(f"{c:>{w}}" for c, w in zip(cols, widths)) + "  same outputs as ours")
+    print(
+        f"{'conc':>5}"
+        + "".join(f"{c:>{w}}" for c, w in zip(cols, widths))
+        + "  same outputs as ours"
+    )
     for conc, r in results.items():
         values = [r[n][f"{k}_tok_s"] for n in names for k in ("median", "best")]
         values += [r["ours"]["median_tok_s"] / r[n]["median_tok_s"] for n in others]
         same = ", ".join(f"{n} {r['same_outputs'][n]}" for n in others)
-        print(f"{conc:>5}" + "".join(f"{v:>{w}.{2 if i >= 2 * len(names) else 1}f}"
-                                    for i, (v, w) in enumerate(zip(values, widths))) + f"  {same}")
+        print(
+            f"{conc:>5}"
+            + "".join(
+                f"{v:>{w}.{2 if i >= 2 * len(names) else 1}f}"
+                for i, (v, w) in enumerate(zip(values, widths))
+            )
+            + f"  {same}"
+        )
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -217,20 +274,32 @@ def main(argv: list[str] | None = None) -> dict:
     # NOTE: SIGTERM must unwind through ``finally``: a paused vLLM left behind stays stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     torch.set_num_threads(args.threads)
-    ckpt = tiny_model(0, vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.inter,
-                      num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads,
-                      max_position_embeddings=4096, std=0.05)
+    ckpt = tiny_model(
+        0,
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.inter,
+        num_layers=args.layers,
+        num_heads=args.heads,
+        num_kv_heads=args.kv_heads,
+        max_position_embeddings=4096,
+        std=0.05,
+    )
     workdir = Path(tempfile.mkdtemp(prefix="pdd_peer_"))
     model_dir = ckpt.save_hf(workdir / "model")
     params = ckpt.config.num_params / 1e6
-    print(f"random Llama {params:.1f}M params, fp32, {args.threads} threads, prompt {args.prompt_len} + "
-          f"output {args.output_len} tokens, {args.repeats} alternating repeats", flush=True)
+    print(
+        f"random Llama {params:.1f}M params, fp32, {args.threads} threads, prompt {args.prompt_len} + "
+        f"output {args.output_len} tokens, {args.repeats} alternating repeats",
+        flush=True,
+    )
     engines: dict = {"ours": Ours(ckpt, int(args.kv_gib * 2**30))}
     if not args.no_vllm:
         log = workdir / "vllm.log"
         print(f"starting vLLM ({args.vllm_python}); log: {log}", flush=True)
-        engines["vllm"] = VllmPeer(args.vllm_python, model_dir, args.threads,
-                                   args.prompt_len + args.output_len + 16, log)
+        engines["vllm"] = VllmPeer(
+            args.vllm_python, model_dir, args.threads, args.prompt_len + args.output_len + 16, log
+        )
     if not args.no_hf:
         engines["transformers"] = Transformers(model_dir)
     rng = random.Random(0)
@@ -244,30 +313,51 @@ def main(argv: list[str] | None = None) -> dict:
             background: dict[str, list[float]] = {name: [] for name in engines}
             same = {name: 0 for name in engines if name != "ours"}
             for rep in range(args.repeats):
-                prompts = [[rng.randrange(args.vocab) for _ in range(args.prompt_len)] for _ in range(conc)]
+                prompts = [
+                    [rng.randrange(args.vocab) for _ in range(args.prompt_len)] for _ in range(conc)
+                ]
                 outputs = {}
                 for name, engine in engines.items():
                     busy = wait_for_quiet(args.quiet_threshold, args.quiet_max_wait)
                     seconds, outputs[name] = engine.run(prompts, args.output_len)
                     times[name].append(seconds)
                     background[name].append(round(busy, 3))
-                    print(f"  n={conc:<3} rep {rep} {name:<13}{conc * args.output_len / seconds:9.1f} tok/s"
-                          f"   (CPUs {busy:.0%} busy before)", flush=True)
+                    print(
+                        f"  n={conc:<3} rep {rep} {name:<13}{conc * args.output_len / seconds:9.1f} tok/s"
+                        f"   (CPUs {busy:.0%} busy before)",
+                        flush=True,
+                    )
                 for name in same:
                     same[name] += sum(a == b for a, b in zip(outputs["ours"], outputs[name]))
             tokens = conc * args.output_len
-            results[conc] = {name: _summary(t, tokens) | {"seconds": t, "busy_before": background[name]}
-                             for name, t in times.items()}
-            results[conc]["same_outputs"] = {n: f"{k}/{conc * args.repeats}" for n, k in same.items()}
+            results[conc] = {
+                name: _summary(t, tokens) | {"seconds": t, "busy_before": background[name]}
+                for name, t in times.items()
+            }
+            results[conc]["same_outputs"] = {
+                n: f"{k}/{conc * args.repeats}" for n, k in same.items()
+            }
     finally:
         if "vllm" in engines:
             engines["vllm"].close()
     print()
     _print_table(results, list(engines))
-    report = {"model": {"params_m": round(params, 1), "hidden": args.hidden, "layers": args.layers,
-                        "heads": args.heads, "kv_heads": args.kv_heads, "vocab": args.vocab},
-              "threads": args.threads, "prompt_len": args.prompt_len, "output_len": args.output_len,
-              "repeats": args.repeats, "argv": sys.argv[1:], "results": results}
+    report = {
+        "model": {
+            "params_m": round(params, 1),
+            "hidden": args.hidden,
+            "layers": args.layers,
+            "heads": args.heads,
+            "kv_heads": args.kv_heads,
+            "vocab": args.vocab,
+        },
+        "threads": args.threads,
+        "prompt_len": args.prompt_len,
+        "output_len": args.output_len,
+        "repeats": args.repeats,
+        "argv": sys.argv[1:],
+        "results": results,
+    }
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     return report

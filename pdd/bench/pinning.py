@@ -19,7 +19,7 @@ import os
 from collections.abc import Iterable, Mapping
 
 MAIN, REMOTE = "main", "remote"
-# Process-name prefixes (``pdd.stack`` names: main_decode-0, wan-0) of the remote cluster.
+# Process-name prefixes (``pdd.testbed.stack`` names: main_decode-0, wan-0) of the remote cluster.
 REMOTE_PREFIXES = ("main_decode", "wan-")
 
 

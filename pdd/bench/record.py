@@ -17,7 +17,6 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-
 DECODE_STAGES = ("relay", "main_decode")
 # How many tokens either side of the relay → MainDecode switch count as "around the handoff".
 HANDOFF_WINDOW_TOKENS = 8
@@ -73,8 +72,14 @@ class RequestResult:
     def handoff_index(self) -> int | None:
         """Output index of MainDecode's first token after the relay's last (None: no switch)."""
         stages = self.token_stages
-        return next((i for i in range(1, len(stages))
-                     if stages[i - 1] == "relay" and stages[i] == "main_decode"), None)
+        return next(
+            (
+                i
+                for i in range(1, len(stages))
+                if stages[i - 1] == "relay" and stages[i] == "main_decode"
+            ),
+            None,
+        )
 
     @property
     def handoff_window_ms(self) -> float | None:

@@ -25,8 +25,10 @@ from pdd.bench.metrics import read_result
 from pdd.bench.record import RequestResult, read_records, records_path
 
 STAGE_COLORS = {"prefill": "tab:green", "relay": "tab:orange", "main_decode": "tab:blue"}
-CDF_METRICS = (("ttft_ms", "TTFT: first token (prefill's)"),
-               ("ttfdt_ms", "TTFDT: first decode-stage token"))
+CDF_METRICS = (
+    ("ttft_ms", "TTFT: first token (prefill's)"),
+    ("ttfdt_ms", "TTFDT: first decode-stage token"),
+)
 
 
 def _num(v: float | None, unit: str = "") -> str:
@@ -47,6 +49,7 @@ def _bytes(n: float | None) -> str:
 
 def rows(results: Sequence[Mapping]) -> list[tuple[str, list[str]]]:
     """The table: (label, one cell per result)."""
+
     def pct(v: float | None) -> str:
         return "-" if v is None else f"{100 * v:.1f}%"
 
@@ -55,7 +58,11 @@ def rows(results: Sequence[Mapping]) -> list[tuple[str, list[str]]]:
 
     def cpu(r: Mapping) -> str:
         c = r.get("cpu") or {}
-        return "-" if c.get("machine_busy") is None else f"{100 * c['machine_busy']:.0f}% of {c['cores']}"
+        return (
+            "-"
+            if c.get("machine_busy") is None
+            else f"{100 * c['machine_busy']:.0f}% of {c['cores']}"
+        )
 
     spec = [
         ("requests", lambda r: str(r["requests"])),
@@ -67,16 +74,22 @@ def rows(results: Sequence[Mapping]) -> list[tuple[str, list[str]]]:
         ("TTFDT P99 (ms)", q("ttfdt_ms", "p99")),
         ("TPOT P50 (ms)", q("tpot_ms", "p50")),
         ("ITL P50 (ms)", q("itl_ms", "p50")),
-        ("goodput (req/s)", lambda r: "-" if r["goodput_rps"] is None else f"{r['goodput_rps']:.3f}"),
+        (
+            "goodput (req/s)",
+            lambda r: "-" if r["goodput_rps"] is None else f"{r['goodput_rps']:.3f}",
+        ),
         ("RLD token share", lambda r: pct(r["rld_token_share"])),
         ("P-RLD-MD requests", lambda r: str(r["pipelines"].get("p-rld-md", 0))),
         ("MD-only requests (local prefill)", lambda r: str(r["pipelines"].get("md", 0))),
         ("WAN bytes", lambda r: _bytes(r["wan_bytes"])),
         ("handoff gap P50 (ms)", q("handoff_gap_ms", "p50")),
         ("handoff gap P99 (ms)", q("handoff_gap_ms", "p99")),
-        ("handoff window P50 / P99 (ms)",
-         lambda r: f"{q('handoff_window_ms', 'p50')(r)} / {q('handoff_window_ms', 'p99')(r)}"
-         if (r.get("handoff_window_ms") or {}).get("p50") is not None else "-"),
+        (
+            "handoff window P50 / P99 (ms)",
+            lambda r: f"{q('handoff_window_ms', 'p50')(r)} / {q('handoff_window_ms', 'p99')(r)}"
+            if (r.get("handoff_window_ms") or {}).get("p50") is not None
+            else "-",
+        ),
         ("ITL P99 (ms)", q("itl_ms", "p99")),
         ("CPU busy", cpu),
         ("errors", lambda r: str(r["errors"])),
@@ -84,8 +97,9 @@ def rows(results: Sequence[Mapping]) -> list[tuple[str, list[str]]]:
     return [(label, [f(r) for r in results]) for label, f in spec]
 
 
-def ttft_ratios(results: Sequence[Mapping], subject: str = "pdd",
-                key: str = "ttft_ms") -> list[tuple[str, str, float | None]]:
+def ttft_ratios(
+    results: Sequence[Mapping], subject: str = "pdd", key: str = "ttft_ms"
+) -> list[tuple[str, str, float | None]]:
     """(subject, other, subject's P90 of ``key`` ÷ other's) for every other mode."""
     subj = next((r for r in results if r["mode"].lower() == subject.lower()), None)
     if subj is None:
@@ -112,7 +126,10 @@ def compare(results: Sequence[Mapping], subject: str = "pdd") -> str:
     table = [("", [r["mode"] for r in results])] + rows(results)
     w0 = max(len(label) for label, _ in table)
     widths = [max(len(cells[i]) for _, cells in table) for i in range(len(results))]
-    lines = ["  ".join([label.ljust(w0)] + [c.rjust(w) for c, w in zip(cells, widths)]) for label, cells in table]
+    lines = [
+        "  ".join([label.ljust(w0)] + [c.rjust(w) for c, w in zip(cells, widths)])
+        for label, cells in table
+    ]
     lines.insert(1, "-" * len(lines[0]))
     for key, name in (("ttft_ms", "TTFT"), ("ttfdt_ms", "TTFDT")):
         for a, b, ratio in ttft_ratios(results, subject, key):
@@ -126,19 +143,28 @@ def compare(results: Sequence[Mapping], subject: str = "pdd") -> str:
 def _markdown_table(results: Sequence[Mapping]) -> str:
     head = "| metric | " + " | ".join(r["mode"] for r in results) + " |"
     sep = "|---|" + "---:|" * len(results)
-    return "\n".join([head, sep] + [f"| {label} | " + " | ".join(cells) + " |" for label, cells in rows(results)])
+    return "\n".join(
+        [head, sep] + [f"| {label} | " + " | ".join(cells) + " |" for label, cells in rows(results)]
+    )
 
 
 def pick_timeline(records: Sequence[RequestResult]) -> RequestResult | None:
     """The P-RLD-MD request with the median handoff gap (None if no request handed off)."""
-    handed = sorted((r for r in records if r.ok and r.handoff_gap_ms is not None), key=lambda r: r.handoff_gap_ms)
+    handed = sorted(
+        (r for r in records if r.ok and r.handoff_gap_ms is not None),
+        key=lambda r: r.handoff_gap_ms,
+    )
     return handed[len(handed) // 2] if handed else None
 
 
-def plot_ttft_cdf(results: Sequence[Mapping], path: Path,
-                  records: Mapping[str, Sequence[RequestResult]] | None = None) -> None:
+def plot_ttft_cdf(
+    results: Sequence[Mapping],
+    path: Path,
+    records: Mapping[str, Sequence[RequestResult]] | None = None,
+) -> None:
     """Two panels: the TTFT CDF and the TTFDT CDF, one line per mode."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -146,14 +172,19 @@ def plot_ttft_cdf(results: Sequence[Mapping], path: Path,
     for ax, (key, title) in zip(axes, CDF_METRICS):
         for r in results:
             recs = (records or {}).get(r["mode"])
-            values = np.sort([v for v in (getattr(x, key) for x in recs or () if x.ok) if v is not None])
+            values = np.sort(
+                [v for v in (getattr(x, key) for x in recs or () if x.ok) if v is not None]
+            )
             if len(values):
                 frac = np.arange(0, len(values) + 1) / len(values)
                 ax.step(np.r_[values[0], values], frac, where="post", label=r["mode"])
                 continue
             summary = r.get(key) or {}
-            pts = [(summary[k], p) for k, p in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))
-                   if summary.get(k) is not None]
+            pts = [
+                (summary[k], p)
+                for k, p in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))
+                if summary.get(k) is not None
+            ]
             if pts:
                 ax.plot(*zip(*pts), "o--", label=f"{r['mode']} (P50/P90/P99 only)")
         ax.set_xlabel("ms since the request was sent")
@@ -168,6 +199,7 @@ def plot_ttft_cdf(results: Sequence[Mapping], path: Path,
 
 def plot_timeline(rec: RequestResult, path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -175,12 +207,23 @@ def plot_timeline(rec: RequestResult, path: Path) -> None:
     times, stages = np.asarray(rec.token_times_ms), np.asarray(rec.token_stages)
     for stage in dict.fromkeys(rec.token_stages):
         idx = np.flatnonzero(stages == stage)
-        ax.scatter(times[idx], idx, s=10, color=STAGE_COLORS.get(stage, "tab:gray"), label=f"{stage} tokens")
+        ax.scatter(
+            times[idx],
+            idx,
+            s=10,
+            color=STAGE_COLORS.get(stage, "tab:gray"),
+            label=f"{stage} tokens",
+        )
     if rec.handoff_gap_ms is not None:
         first_md = rec.token_stages.index("main_decode")
         t1 = rec.token_times_ms[first_md]
-        ax.axvspan(t1 - rec.handoff_gap_ms, t1, color="tab:red", alpha=0.15,
-                   label=f"handoff gap {rec.handoff_gap_ms:.0f} ms (at token {rec.handoff_at_token})")
+        ax.axvspan(
+            t1 - rec.handoff_gap_ms,
+            t1,
+            color="tab:red",
+            alpha=0.15,
+            label=f"handoff gap {rec.handoff_gap_ms:.0f} ms (at token {rec.handoff_at_token})",
+        )
     if rec.ttft_ms is not None:
         ax.axvline(rec.ttft_ms, color="k", lw=0.8, ls=":", label=f"TTFT {rec.ttft_ms:.0f} ms")
     ax.set_xlabel("time since request sent (ms)")
@@ -193,9 +236,14 @@ def plot_timeline(rec: RequestResult, path: Path) -> None:
     plt.close(fig)
 
 
-def write_report(results: Sequence[Mapping], folder: str | Path, timeline: RequestResult | None = None,
-                 records: Mapping[str, Sequence[RequestResult]] | None = None, subject: str = "pdd",
-                 sections: Sequence[str] = ()) -> Path:
+def write_report(
+    results: Sequence[Mapping],
+    folder: str | Path,
+    timeline: RequestResult | None = None,
+    records: Mapping[str, Sequence[RequestResult]] | None = None,
+    subject: str = "pdd",
+    sections: Sequence[str] = (),
+) -> Path:
     """``report.md`` + ``ttft_cdf.png`` (+ ``timeline.png`` for a request that handed off); returns report.md.
 
     ``records`` maps a mode to its per-request records (for the real CDF); without
@@ -211,14 +259,18 @@ def write_report(results: Sequence[Mapping], folder: str | Path, timeline: Reque
     lines = ["# PDD benchmark report", "", _markdown_table(results), ""]
     for key, name in (("ttft_ms", "TTFT"), ("ttfdt_ms", "TTFDT")):
         for a, b, ratio in ttft_ratios(results, subject, key):
-            lines.append(f"- {a} P90 {name} ÷ {b}: " + ("-" if ratio is None else f"**{ratio:.2f}**"))
+            lines.append(
+                f"- {a} P90 {name} ÷ {b}: " + ("-" if ratio is None else f"**{ratio:.2f}**")
+            )
     same, total = output_agreement(results)
     if total:
         lines.append(f"- identical outputs across modes: {same}/{total} requests")
     for r in results:
         slo = ", ".join(f"{k} ≤ {v:g}" for k, v in r["slo"].items()) or "none"
         link = ", ".join(f"{k}={v}" for k, v in r["link"].items()) or "not recorded"
-        lines.append(f"- {r['mode']}: {r['duration_s']:.1f} s, SLO {slo}; link {link}; pipelines {r['pipelines']}")
+        lines.append(
+            f"- {r['mode']}: {r['duration_s']:.1f} s, SLO {slo}; link {link}; pipelines {r['pipelines']}"
+        )
     for block in sections:
         lines += ["", block.rstrip()]
     lines += ["", "## TTFT and TTFDT CDF", "", "![TTFT CDF](ttft_cdf.png)", ""]
@@ -234,10 +286,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["compare"]:
         argv = argv[1:]
-    p = argparse.ArgumentParser(prog="pdd bench compare", description="Compare benchmark RESULT files.")
+    p = argparse.ArgumentParser(
+        prog="pdd bench compare", description="Compare benchmark RESULT files."
+    )
     p.add_argument("results", nargs="+", type=Path)
-    p.add_argument("--report", type=Path, default=None, help="also write report.md + plots into this folder")
-    p.add_argument("--subject", default="pdd", help="the mode whose P90 TTFT is divided by the others'")
+    p.add_argument(
+        "--report", type=Path, default=None, help="also write report.md + plots into this folder"
+    )
+    p.add_argument(
+        "--subject", default="pdd", help="the mode whose P90 TTFT is divided by the others'"
+    )
     a = p.parse_args(argv)
     try:
         results = [read_result(path) for path in a.results]
@@ -245,8 +303,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(str(e))
     print(compare(results, a.subject))
     if a.report is not None:
-        recs = {r["mode"]: read_records(records_path(path))
-                for r, path in zip(results, a.results) if records_path(path).exists()}
+        recs = {
+            r["mode"]: read_records(records_path(path))
+            for r, path in zip(results, a.results)
+            if records_path(path).exists()
+        }
         print(f"wrote {write_report(results, a.report, records=recs, subject=a.subject)}")
     return 0
 

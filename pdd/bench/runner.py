@@ -38,7 +38,7 @@ from pdd.bench.record import RequestResult, records_path, write_records
 from pdd.bench.trace import TraceRequest, read_trace
 from pdd.server.flags import add_client_tls_flags, auto_or_ms, client_tls_config
 from pdd.server.tls import TlsConfig
-from pdd.stack import Stack
+from pdd.testbed.stack import Stack
 
 # Per-request SLO at testbed scale, on the report's TTFT (our TTFDT) only, as its SLA:
 # 10 s there is ~2.8 whole-context prefills (64K tokens at ~18K tokens/s); a whole
@@ -63,20 +63,39 @@ class ModeOutcome:
 WARM_UP_TOKENS = 256
 
 
-async def warm_up(target: str, mode: str, trace: Sequence[TraceRequest], timeout_s: float,
-                  tls: TlsConfig = TlsConfig()) -> None:
+async def warm_up(
+    target: str,
+    mode: str,
+    trace: Sequence[TraceRequest],
+    timeout_s: float,
+    tls: TlsConfig = TlsConfig(),
+) -> None:
     """One short request down each pipeline of ``mode`` (P-RLD-MD first: it warms the relay and a handoff)."""
     if not trace:
         return
     prompt = list(reversed(trace[0].prompt_token_ids[:WARM_UP_TOKENS]))
-    for pipeline in (("p-rld-md", "p-md", "md") if mode == "pdd" else ("p-md",)):
-        req = TraceRequest(request_id=f"warm-up-{pipeline}-{time.time_ns():x}", session_id="warm-up",
-                           timestamp_ms=0.0, prompt_token_ids=prompt, max_tokens=16, expected_hit=0.0)
-        cfg = LoadConfig(target=target, force_pipeline=pipeline, cache_salt=f"warm-up-{time.time_ns():x}",
-                         request_timeout_s=timeout_s, progress=False, tls=tls)
+    for pipeline in ("p-rld-md", "p-md", "md") if mode == "pdd" else ("p-md",):
+        req = TraceRequest(
+            request_id=f"warm-up-{pipeline}-{time.time_ns():x}",
+            session_id="warm-up",
+            timestamp_ms=0.0,
+            prompt_token_ids=prompt,
+            max_tokens=16,
+            expected_hit=0.0,
+        )
+        cfg = LoadConfig(
+            target=target,
+            force_pipeline=pipeline,
+            cache_salt=f"warm-up-{time.time_ns():x}",
+            request_timeout_s=timeout_s,
+            progress=False,
+            tls=tls,
+        )
         rec = (await run_load([req], cfg)).records[0]
         if not rec.ok:
-            raise RuntimeError(f"warm-up request ({pipeline}) failed: {rec.error_code} {rec.error_message}")
+            raise RuntimeError(
+                f"warm-up request ({pipeline}) failed: {rec.error_code} {rec.error_message}"
+            )
 
 
 def _pids(stack: Stack | None) -> dict[str, int]:
@@ -88,9 +107,18 @@ def _pids(stack: Stack | None) -> dict[str, int]:
     return pids
 
 
-def run_mode(trace: Sequence[TraceRequest], mode: str, out: Path, *, testbed: modes.Testbed = modes.Testbed(),
-             gateway: str = "", log_dir: Path | None = None, redis_url: str = "", slo: str = DEFAULT_SLO,
-             load: Mapping | None = None) -> ModeOutcome:
+def run_mode(
+    trace: Sequence[TraceRequest],
+    mode: str,
+    out: Path,
+    *,
+    testbed: modes.Testbed = modes.Testbed(),
+    gateway: str = "",
+    log_dir: Path | None = None,
+    redis_url: str = "",
+    slo: str = DEFAULT_SLO,
+    load: Mapping | None = None,
+) -> ModeOutcome:
     """Replay ``trace`` in ``mode``; ``load`` holds further ``LoadConfig`` fields (rps, max_requests, ...)."""
     modes.check_mode(mode)
     out = Path(out)
@@ -99,13 +127,24 @@ def run_mode(trace: Sequence[TraceRequest], mode: str, out: Path, *, testbed: mo
     stack: Stack | None = None
     if not gateway:
         log_dir = log_dir or out.with_name(out.stem + "-logs")
-        stack = Stack(modes.stack_config(mode, testbed, log_dir=log_dir, redis_url=redis_url,
-                                         key_prefix=f"bench-{mode}-{time.time_ns():x}"))
+        stack = Stack(
+            modes.stack_config(
+                mode,
+                testbed,
+                log_dir=log_dir,
+                redis_url=redis_url,
+                key_prefix=f"bench-{mode}-{time.time_ns():x}",
+            )
+        )
         stack.start()
     codes: dict[str, int] = {}
     try:
         target = gateway or stack.gateway.address
-        fields = {"cache_salt": f"{mode}-{time.time_ns():x}", **(load or {}), **modes.load_overrides(mode)}
+        fields = {
+            "cache_salt": f"{mode}-{time.time_ns():x}",
+            **(load or {}),
+            **modes.load_overrides(mode),
+        }
         cfg = LoadConfig(target=target, **fields)
         asyncio.run(check_vocab(target, trace, cfg.tls))
         asyncio.run(warm_up(target, mode, trace, cfg.request_timeout_s, cfg.tls))
@@ -123,13 +162,17 @@ def run_mode(trace: Sequence[TraceRequest], mode: str, out: Path, *, testbed: mo
         if stack is not None:
             codes = stack.stop()
     link = modes.link_record(mode, testbed) if stack is not None else {"gateway": gateway}
-    result = metrics.build_result(mode, run.records, run.duration_s, slo=slo_map, link=link, cpu=cpu)
+    result = metrics.build_result(
+        mode, run.records, run.duration_s, slo=slo_map, link=link, cpu=cpu
+    )
     metrics.write_result(result, out)
     write_records(run.records, records_path(out))
     outcome = ModeOutcome(result, run.records, codes, log_dir if stack is not None else None)
     if outcome.unclean:
-        print(f"[pdd bench] {mode}: services exited uncleanly {outcome.unclean}; logs in {log_dir}",
-              file=sys.stderr)
+        print(
+            f"[pdd bench] {mode}: services exited uncleanly {outcome.unclean}; logs in {log_dir}",
+            file=sys.stderr,
+        )
     return outcome
 
 
@@ -138,9 +181,11 @@ def summary_line(result: Mapping) -> str:
         s = result[key]
         return "/".join("-" if s[k] is None else f"{s[k]:.0f}" for k in ("p50", "p90", "p99"))
 
-    return (f"{result['mode']}: {result['requests']} requests, {result['errors']} errors, "
-            f"TTFT p50/p90/p99 {trio('ttft_ms')} ms, TTFDT {trio('ttfdt_ms')} ms, "
-            f"pipelines {result['pipelines']}")
+    return (
+        f"{result['mode']}: {result['requests']} requests, {result['errors']} errors, "
+        f"TTFT p50/p90/p99 {trio('ttft_ms')} ms, TTFDT {trio('ttfdt_ms')} ms, "
+        f"pipelines {result['pipelines']}"
+    )
 
 
 def add_testbed_flags(p: argparse.ArgumentParser) -> None:
@@ -149,26 +194,58 @@ def add_testbed_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=d.model, help="tiny:SEED[,k=v] | smollm2 | PATH")
     g.add_argument("--block-size", type=int, default=d.block_size)
     g.add_argument("--kv-cache-mb", type=int, default=d.kv_cache_mb)
-    g.add_argument("--md-max-batched-tokens", type=int, default=d.md_max_batched_tokens,
-                   help="MainDecode's per-step token budget (prefill keeps the engine default)")
-    g.add_argument("--threads", type=int, default=d.threads, help="torch threads per engine service")
-    g.add_argument("--wan-mbps", type=float, default=d.wan_mbps, help="WAN bandwidth of cdc-pd and pdd")
+    g.add_argument(
+        "--md-max-batched-tokens",
+        type=int,
+        default=d.md_max_batched_tokens,
+        help="MainDecode's per-step token budget (prefill keeps the engine default)",
+    )
+    g.add_argument(
+        "--threads", type=int, default=d.threads, help="torch threads per engine service"
+    )
+    g.add_argument(
+        "--wan-mbps", type=float, default=d.wan_mbps, help="WAN bandwidth of cdc-pd and pdd"
+    )
     g.add_argument("--wan-delay-ms", type=float, default=d.wan_delay_ms)
     g.add_argument("--wan-jitter-ms", type=float, default=d.wan_jitter_ms)
     g.add_argument("--hit-threshold", type=float, default=d.hit_threshold)
-    g.add_argument("--local-prefill-tokens", type=int, default=d.local_prefill_tokens,
-                   help="pdd: MainDecode prefills a predicted uncached suffix this short itself (0 = off)")
-    g.add_argument("--relay-busy-requests", type=int, default=d.relay_busy_requests,
-                   help="relay load at which handoffs become one-shot")
-    g.add_argument("--catch-up-gap", type=int, default=d.catch_up_gap,
-                   help="catch-up handoff ends once MainDecode is this many tokens behind")
-    g.add_argument("--pace-max-hold-ms", type=float, default=d.pace_max_hold_ms,
-                   help="relay streams no faster than MainDecode during a catch-up, holding a token at most "
-                        "this long (0 = off)")
-    g.add_argument("--stream-lead-ms", type=auto_or_ms, default=d.stream_lead_ms,
-                   help="relay's playout lead so the switch shows no stall: auto (learned) | ms | 0 = none")
-    g.add_argument("--no-pin", dest="pin_clusters", action="store_false",
-                   help="do not pin the main and remote cluster to separate CPUs")
+    g.add_argument(
+        "--local-prefill-tokens",
+        type=int,
+        default=d.local_prefill_tokens,
+        help="pdd: MainDecode prefills a predicted uncached suffix this short itself (0 = off)",
+    )
+    g.add_argument(
+        "--relay-busy-requests",
+        type=int,
+        default=d.relay_busy_requests,
+        help="relay load at which handoffs become one-shot",
+    )
+    g.add_argument(
+        "--catch-up-gap",
+        type=int,
+        default=d.catch_up_gap,
+        help="catch-up handoff ends once MainDecode is this many tokens behind",
+    )
+    g.add_argument(
+        "--pace-max-hold-ms",
+        type=float,
+        default=d.pace_max_hold_ms,
+        help="relay streams no faster than MainDecode during a catch-up, holding a token at most "
+        "this long (0 = off)",
+    )
+    g.add_argument(
+        "--stream-lead-ms",
+        type=auto_or_ms,
+        default=d.stream_lead_ms,
+        help="relay's playout lead so the switch shows no stall: auto (learned) | ms | 0 = none",
+    )
+    g.add_argument(
+        "--no-pin",
+        dest="pin_clusters",
+        action="store_false",
+        help="do not pin the main and remote cluster to separate CPUs",
+    )
 
 
 def testbed_from(a: argparse.Namespace) -> modes.Testbed:
@@ -181,21 +258,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["run"]:
         argv = argv[1:]
-    p = argparse.ArgumentParser(prog="pdd bench run", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--trace", type=Path, required=True, help="trace JSONL (ours, or Mooncake with --mooncake)")
+    p = argparse.ArgumentParser(
+        prog="pdd bench run",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--trace", type=Path, required=True, help="trace JSONL (ours, or Mooncake with --mooncake)"
+    )
     p.add_argument("--mooncake", action="store_true", help="the trace is Mooncake format")
     p.add_argument("--block-tokens", type=int, default=16, help="Mooncake: tokens per hash block")
     p.add_argument("--mode", required=True, choices=modes.MODES)
     p.add_argument("--out", type=Path, required=True, help="RESULT.json (records go beside it)")
-    p.add_argument("--gateway", "--target", dest="gateway", default="",
-                   help="use this running gateway instead of starting the mode's stack")
-    p.add_argument("--log-dir", type=Path, default=None, help="service logs (default: beside --out)")
+    p.add_argument(
+        "--gateway",
+        "--target",
+        dest="gateway",
+        default="",
+        help="use this running gateway instead of starting the mode's stack",
+    )
+    p.add_argument(
+        "--log-dir", type=Path, default=None, help="service logs (default: beside --out)"
+    )
     p.add_argument("--redis-url", default="", help="use this Redis instead of an embedded one")
-    p.add_argument("--slo", default=DEFAULT_SLO, help=f"per-request SLO of goodput (default {DEFAULT_SLO})")
+    p.add_argument(
+        "--slo", default=DEFAULT_SLO, help=f"per-request SLO of goodput (default {DEFAULT_SLO})"
+    )
     p.add_argument("--max-requests", type=int, default=None)
-    p.add_argument("--duration", type=float, default=None, help="issue no request after this many seconds")
-    p.add_argument("--rps", type=float, default=None, help="re-time arrivals as Poisson at this rate")
+    p.add_argument(
+        "--duration", type=float, default=None, help="issue no request after this many seconds"
+    )
+    p.add_argument(
+        "--rps", type=float, default=None, help="re-time arrivals as Poisson at this rate"
+    )
     p.add_argument("--time-scale", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
@@ -206,15 +301,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         testbed = testbed_from(a)
         metrics.parse_slo(a.slo)
-        load = dict(max_requests=a.max_requests, max_duration_s=a.duration, rps=a.rps, time_scale=a.time_scale,
-                    seed=a.seed, request_timeout_s=a.timeout, progress=not a.quiet, tls=client_tls_config(a))
+        load = dict(
+            max_requests=a.max_requests,
+            max_duration_s=a.duration,
+            rps=a.rps,
+            time_scale=a.time_scale,
+            seed=a.seed,
+            request_timeout_s=a.timeout,
+            progress=not a.quiet,
+            tls=client_tls_config(a),
+        )
         LoadConfig(target="check", **load)
-        trace = (load_mooncake(a.trace, MooncakeConfig(block_tokens=a.block_tokens)) if a.mooncake
-                 else read_trace(a.trace))
+        trace = (
+            load_mooncake(a.trace, MooncakeConfig(block_tokens=a.block_tokens))
+            if a.mooncake
+            else read_trace(a.trace)
+        )
     except (OSError, ValueError) as e:
         p.error(str(e))
-    outcome = run_mode(trace, a.mode, a.out, testbed=testbed, gateway=a.gateway, log_dir=a.log_dir,
-                       redis_url=a.redis_url, slo=a.slo, load=load)
+    outcome = run_mode(
+        trace,
+        a.mode,
+        a.out,
+        testbed=testbed,
+        gateway=a.gateway,
+        log_dir=a.log_dir,
+        redis_url=a.redis_url,
+        slo=a.slo,
+        load=load,
+    )
     print(f"{a.out}: {summary_line(outcome.result)}")
     return 1 if outcome.result["errors"] or outcome.unclean else 0
 

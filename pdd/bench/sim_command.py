@@ -27,7 +27,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="pdd bench sim", description=__doc__.split("\n")[0])
     p.add_argument("--dist", choices=(*DISTS, "both"), default="both")
     p.add_argument("--modes", default=",".join(MODES))
-    p.add_argument("--goodput", action="store_true", help="also search goodput and the benefit-cost ratio")
+    p.add_argument(
+        "--goodput", action="store_true", help="also search goodput and the benefit-cost ratio"
+    )
     p.add_argument("--json", default=None, help="write every run as JSON here")
     for name, value in asdict(d).items():
         if name != "dist":
@@ -46,11 +48,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if want_goodput:
         report["economics"] = {c.dist: economics(c) for c in cfgs}
         for dist, e in report["economics"].items():
-            print(f"\n{dist}: goodput (RPS meeting P90<{d.sla_p90_s:g}s, P99<{d.sla_p99_s:g}s) "
-                  + ", ".join(f"{m} {g:.1f}" for m, g in e["goodput_rps"].items())
-                  + "; cost/h " + ", ".join(f"{m} {c:.1f}" for m, c in e["cost_per_hour"].items())
-                  + "; PDD benefit-cost " + ", ".join(f"{k} {fmt(v and 100 * v)}%"
-                                                      for k, v in e["benefit_cost_ratio"].items()))
+            print(
+                f"\n{dist}: goodput (RPS meeting P90<{d.sla_p90_s:g}s, P99<{d.sla_p99_s:g}s) "
+                + ", ".join(f"{m} {g:.1f}" for m, g in e["goodput_rps"].items())
+                + "; cost/h "
+                + ", ".join(f"{m} {c:.1f}" for m, c in e["cost_per_hour"].items())
+                + "; PDD benefit-cost "
+                + ", ".join(
+                    f"{k} {fmt(v and 100 * v)}%" for k, v in e["benefit_cost_ratio"].items()
+                )
+            )
     if out:
         with open(out, "w") as f:
             json.dump(report, f, indent=1)

@@ -46,8 +46,15 @@ class _Transfer:
 
 
 class SimLink:
-    def __init__(self, loop: EventLoop, bytes_per_s: float, streams: int, stream_cap_bps: float = 0.0,
-                 priority: bool = False, reserved: int = 0) -> None:
+    def __init__(
+        self,
+        loop: EventLoop,
+        bytes_per_s: float,
+        streams: int,
+        stream_cap_bps: float = 0.0,
+        priority: bool = False,
+        reserved: int = 0,
+    ) -> None:
         if bytes_per_s <= 0:
             raise ValueError(f"bytes_per_s: must be > 0, got {bytes_per_s}")
         if streams < 1:
@@ -80,7 +87,9 @@ class SimLink:
                 self.saturated_s += dt
         self._last = now
 
-    def submit(self, nbytes: float, done: Callable[[float, float], None], urgent: bool = True) -> None:
+    def submit(
+        self, nbytes: float, done: Callable[[float, float], None], urgent: bool = True
+    ) -> None:
         """Send ``nbytes``; ``done(queue_s, flight_s)`` is called when the last byte lands."""
         self._advance()
         urgent = urgent or not self.priority

@@ -60,21 +60,21 @@ class SimConfig:
     context_tokens: int = 65536
     output_scale: float = 1.0
     kv_bytes_per_token: int = 160_000
-    wan_gbps: float = 20.0            # per WAN link
-    wan_links: int = 40               # independent links; a transfer takes a random one
-    wan_delay_ms: float = 20.0        # one way
-    pool_streams: int = 4             # the connection pool, per link
+    wan_gbps: float = 20.0  # per WAN link
+    wan_links: int = 40  # independent links; a transfer takes a random one
+    wan_delay_ms: float = 20.0  # one way
+    pool_streams: int = 4  # the connection pool, per link
     # PDD keeps this many streams of each pool for P-MD KV (the relay hides P-RLD-MD's).
     urgent_streams: int = 1
-    stream_gbps: float = 0.0          # per-stream cap, 0 = none
-    fast_gbps: float = 400.0          # P→RLD and IDC P→D, per instance
+    stream_gbps: float = 0.0  # per-stream cap, 0 = none
+    fast_gbps: float = 400.0  # P→RLD and IDC P→D, per instance
     prefill_instances: int = 40
     idc_prefill_instances: int = 36
     prefill_tokens_per_s: float = 18_000.0
     prefill_overhead_ms: float = 50.0
-    md_step_ms: float = 30.0          # bandwidth-strong chip
+    md_step_ms: float = 30.0  # bandwidth-strong chip
     relay_step_ms: float = 30.0
-    flagship_step_ms: float = 63.0    # 30 ms × 2.1: the flagship decodes slower
+    flagship_step_ms: float = 63.0  # 30 ms × 2.1: the flagship decodes slower
     relay_slots: int = 128
     # A relay pool fuller than this hands off one-shot; otherwise catch-up.
     relay_busy_fraction: float = 0.8
@@ -101,9 +101,20 @@ class SimConfig:
         for name, value in asdict(self).items():
             if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
                 raise ValueError(f"{name}: must be >= 0, got {value}")
-        for name in ("rps", "requests", "context_tokens", "kv_bytes_per_token", "wan_gbps", "wan_links", "pool_streams",
-                     "fast_gbps", "prefill_instances", "idc_prefill_instances", "prefill_tokens_per_s",
-                     "md_prefill_tokens_per_s"):
+        for name in (
+            "rps",
+            "requests",
+            "context_tokens",
+            "kv_bytes_per_token",
+            "wan_gbps",
+            "wan_links",
+            "pool_streams",
+            "fast_gbps",
+            "prefill_instances",
+            "idc_prefill_instances",
+            "prefill_tokens_per_s",
+            "md_prefill_tokens_per_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
         for name in ("hit_threshold", "relay_busy_fraction"):
@@ -125,8 +136,8 @@ class _Req:
     output: int
     link: int
     ttft: float = 0.0
-    queue: float = 0.0      # WAN (or fast link) pool wait
-    transfer: float = 0.0   # in flight
+    queue: float = 0.0  # WAN (or fast link) pool wait
+    transfer: float = 0.0  # in flight
     prefill_wait: float = 0.0  # for a free prefill instance (MD: a free MainDecode instance)
     pipeline: str = "p-md"
     rld_tokens: int = 0
@@ -142,16 +153,28 @@ def _miss(r: _Req) -> float:
 def workload(cfg: SimConfig) -> list[_Req]:
     rng = np.random.default_rng(cfg.seed)
     t = np.cumsum(rng.exponential(1.0 / cfg.rps, size=cfg.requests))
-    return [_Req(arrival=float(a), tokens=int(cfg.context_tokens * rng.uniform(0.9, 1.1)),
-                 hit=sample_hit(cfg.dist, rng), output=sample_output_tokens(rng, cfg.output_scale),
-                 link=int(rng.integers(cfg.wan_links))) for a in t]
+    return [
+        _Req(
+            arrival=float(a),
+            tokens=int(cfg.context_tokens * rng.uniform(0.9, 1.1)),
+            hit=sample_hit(cfg.dist, rng),
+            output=sample_output_tokens(rng, cfg.output_scale),
+            link=int(rng.integers(cfg.wan_links)),
+        )
+        for a in t
+    ]
 
 
 class _Fifo:
     """``servers`` identical servers, first come first served: prefill's instances, or MainDecode's."""
 
-    def __init__(self, loop: EventLoop, servers: int, seconds: Callable[[_Req], float],
-                 done: Callable[[_Req], None]) -> None:
+    def __init__(
+        self,
+        loop: EventLoop,
+        servers: int,
+        seconds: Callable[[_Req], float],
+        done: Callable[[_Req], None],
+    ) -> None:
         self.loop, self.seconds, self.done = loop, seconds, done
         self.free = list(range(servers))
         self.waiting: deque[tuple[_Req, float]] = deque()
@@ -178,14 +201,28 @@ class _Run:
         self.loop = EventLoop()
         n = cfg.idc_prefill_instances if mode == "idc-pd" else cfg.prefill_instances
         overhead = cfg.prefill_overhead_ms / 1000
-        self.prefill = _Fifo(self.loop, n, lambda r: overhead + _miss(r) / cfg.prefill_tokens_per_s,
-                             self._prefilled)
-        self.md_prefill = _Fifo(self.loop, cfg.md_instances,
-                                lambda r: overhead + _miss(r) / cfg.md_prefill_tokens_per_s, self._md_prefilled)
+        self.prefill = _Fifo(
+            self.loop, n, lambda r: overhead + _miss(r) / cfg.prefill_tokens_per_s, self._prefilled
+        )
+        self.md_prefill = _Fifo(
+            self.loop,
+            cfg.md_instances,
+            lambda r: overhead + _miss(r) / cfg.md_prefill_tokens_per_s,
+            self._md_prefilled,
+        )
         wan = cfg.wan_gbps * 1e9 / 8
         pdd = mode == "pdd"
-        self.links = [SimLink(self.loop, wan, cfg.pool_streams, cfg.stream_gbps * 1e9, priority=pdd,
-                              reserved=cfg.urgent_streams if pdd else 0) for _ in range(cfg.wan_links)]
+        self.links = [
+            SimLink(
+                self.loop,
+                wan,
+                cfg.pool_streams,
+                cfg.stream_gbps * 1e9,
+                priority=pdd,
+                reserved=cfg.urgent_streams if pdd else 0,
+            )
+            for _ in range(cfg.wan_links)
+        ]
         self.fast = cfg.fast_gbps * 1e9 / 8
         self.relay_free = cfg.relay_slots
         self.fallbacks = 0
@@ -195,7 +232,9 @@ class _Run:
         lp = self.cfg.local_prefill_tokens
         if self.mode == "pdd" and lp and _miss(r) <= lp:
             r.pipeline = "md"  # the request itself crosses the WAN to MainDecode
-            self.loop.at(self.loop.now + self.cfg.wan_delay_ms / 1000, lambda: self.md_prefill.submit(r))
+            self.loop.at(
+                self.loop.now + self.cfg.wan_delay_ms / 1000, lambda: self.md_prefill.submit(r)
+            )
             return
         self.prefill.submit(r)
 
@@ -203,7 +242,9 @@ class _Run:
         cfg = self.cfg
         r.ttft = self.loop.now + (cfg.md_step_ms + cfg.wan_delay_ms) / 1000 - r.arrival
 
-    def _send(self, r: _Req, delta: float, landed: Callable[[float, float], None], urgent: bool) -> None:
+    def _send(
+        self, r: _Req, delta: float, landed: Callable[[float, float], None], urgent: bool
+    ) -> None:
         self.wan_bytes += delta
         self.wan_transfers += 1
         self.links[r.link].submit(delta, landed, urgent=urgent)
@@ -247,7 +288,9 @@ class _Run:
             r.queue, r.transfer = queue, flight
             busy = 1 - self.relay_free / cfg.relay_slots > cfg.relay_busy_fraction
             r.handoff = "one-shot" if busy else "catch-up"
-            k, t, gap = self._handoff(max(1, 1 + int((self.loop.now - first) / step)), r.output, busy)
+            k, t, gap = self._handoff(
+                max(1, 1 + int((self.loop.now - first) / step)), r.output, busy
+            )
             r.rld_tokens = k
             if k < r.output:
                 r.gap = gap * 1000
@@ -282,7 +325,10 @@ class _Run:
             a = np.asarray(xs, dtype=float) * scale
             if not len(a):
                 return {"mean": None, "p50": None, "p90": None, "p99": None}
-            return {"mean": float(a.mean()), **{f"p{q}": float(np.percentile(a, q)) for q in (50, 90, 99)}}
+            return {
+                "mean": float(a.mean()),
+                **{f"p{q}": float(np.percentile(a, q)) for q in (50, 90, 99)},
+            }
 
         ttft = pct([r.ttft for r in reqs])
         disagg = [r for r in reqs if r.pipeline != "md"]  # MD has no prefill stage and sends no KV
@@ -290,16 +336,22 @@ class _Run:
         total_out = sum(r.output for r in reqs)
         horizon = max(self.loop.now, 1e-9)
         return {
-            "mode": self.mode, "dist": self.cfg.dist, "rps": self.cfg.rps, "requests": len(reqs),
+            "mode": self.mode,
+            "dist": self.cfg.dist,
+            "rps": self.cfg.rps,
+            "requests": len(reqs),
             "ttft_s": ttft,
             "kv_transfer_ms": pct([r.transfer for r in sent], 1000),
             "kv_queue_ms": pct([r.queue for r in sent], 1000),
             "prefill_wait_ms": pct([r.prefill_wait for r in disagg], 1000),
             "md_prefill_wait_ms": pct([r.prefill_wait for r in reqs if r.pipeline == "md"], 1000),
-            "wan_gb": self.wan_bytes / 1e9, "wan_transfers": self.wan_transfers,
+            "wan_gb": self.wan_bytes / 1e9,
+            "wan_transfers": self.wan_transfers,
             "pool_saturated": float(np.mean([ln.saturated_s for ln in self.links]) / horizon),
             "rld_token_share": sum(r.rld_tokens for r in reqs) / total_out,
-            "pipelines": {p: sum(r.pipeline == p for r in reqs) for p in ("md", "p-md", "p-rld-md")},
+            "pipelines": {
+                p: sum(r.pipeline == p for r in reqs) for p in ("md", "p-md", "p-rld-md")
+            },
             "relay_fallbacks": self.fallbacks,
             "handoff_gap_ms": pct([r.gap for r in reqs if r.gap is not None]),
             "handoffs": {h: sum(r.handoff == h for r in reqs) for h in ("one-shot", "catch-up")},
@@ -319,15 +371,19 @@ def fmt(x: float | None, nd: int = 1) -> str:
 
 
 def table(runs: Sequence[dict]) -> str:
-    head = f"{'mode':<8} {'dist':<8} {'TTFT p50/p90/p99 s':>20} {'KV xfer p50/p99 ms':>20} " \
-           f"{'queue mean ms':>13} {'pool sat':>8} {'RLD share':>9} {'MD reqs':>7} {'gap p99':>8} SLA"
+    head = (
+        f"{'mode':<8} {'dist':<8} {'TTFT p50/p90/p99 s':>20} {'KV xfer p50/p99 ms':>20} "
+        f"{'queue mean ms':>13} {'pool sat':>8} {'RLD share':>9} {'MD reqs':>7} {'gap p99':>8} SLA"
+    )
     lines = [head, "-" * len(head)]
     for r in runs:
         t, x = r["ttft_s"], r["kv_transfer_ms"]
-        lines.append(f"{r['mode']:<8} {r['dist']:<8} "
-                     f"{fmt(t['p50']) + '/' + fmt(t['p90']) + '/' + fmt(t['p99']):>20} "
-                     f"{fmt(x['p50'], 0) + '/' + fmt(x['p99'], 0):>20} {fmt(r['kv_queue_ms']['mean'], 0):>13} "
-                     f"{r['pool_saturated']:>8.0%} {r['rld_token_share']:>9.1%} "
-                     f"{r['pipelines']['md'] / r['requests']:>7.0%} "
-                     f"{fmt(r['handoff_gap_ms']['p99'], 0):>8} {'yes' if r['sla_met'] else 'no'}")
+        lines.append(
+            f"{r['mode']:<8} {r['dist']:<8} "
+            f"{fmt(t['p50']) + '/' + fmt(t['p90']) + '/' + fmt(t['p99']):>20} "
+            f"{fmt(x['p50'], 0) + '/' + fmt(x['p99'], 0):>20} {fmt(r['kv_queue_ms']['mean'], 0):>13} "
+            f"{r['pool_saturated']:>8.0%} {r['rld_token_share']:>9.1%} "
+            f"{r['pipelines']['md'] / r['requests']:>7.0%} "
+            f"{fmt(r['handoff_gap_ms']['p99'], 0):>8} {'yes' if r['sla_met'] else 'no'}"
+        )
     return "\n".join(lines)

@@ -37,7 +37,9 @@ class Target:
         verdict = {True: "MET   ", False: "MISSED", None: "info  "}[self.met]
         value = "-" if self.value is None else f"{self.value:.3g}"
         limit = "" if self.limit is None else f" (target {self.op} {self.limit:g})"
-        return f"{verdict} {self.name}: {value}{limit}" + (f"; {self.detail}" if self.detail else "")
+        return f"{verdict} {self.name}: {value}{limit}" + (
+            f"; {self.detail}" if self.detail else ""
+        )
 
 
 def _p(result: Mapping | None, key: str, q: str) -> float | None:
@@ -48,13 +50,18 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-def _at_most(name: str, value: float | None, limit: float, detail: str = "", informational: bool = False) -> Target:
+def _at_most(
+    name: str, value: float | None, limit: float, detail: str = "", informational: bool = False
+) -> Target:
     met = None if informational else (value is not None and value <= limit)
     return Target(name, value, limit, met, detail)
 
 
-def evaluate(results: Sequence[Mapping], subject: str = "pdd",
-             divergences: Sequence[Divergence] | None = None) -> list[Target]:
+def evaluate(
+    results: Sequence[Mapping],
+    subject: str = "pdd",
+    divergences: Sequence[Divergence] | None = None,
+) -> list[Target]:
     """Every target that the given modes allow judging (a missing mode skips its ratios).
 
     ``divergences`` (``agreement.divergences``) explains the requests whose outputs differ;
@@ -64,33 +71,63 @@ def evaluate(results: Sequence[Mapping], subject: str = "pdd",
     pdd = by_mode.get(subject)
     out: list[Target] = []
     # NOTE: the report's TTFT targets are judged on TTFDT; TTFT (prefill's token) is information.
-    for key, label, info in (("ttfdt_ms", "TTFDT", False), ("ttft_ms", "TTFT (prefill's token)", True)):
+    for key, label, info in (
+        ("ttfdt_ms", "TTFDT", False),
+        ("ttft_ms", "TTFT (prefill's token)", True),
+    ):
         for other, limit in (("cdc-pd", 0.55), ("idc-pd", 1.1)):
             if pdd is None or other not in by_mode:
                 continue
             a, b = _p(pdd, key, "p90"), _p(by_mode[other], key, "p90")
-            out.append(_at_most(f"{subject} P90 {label} ÷ {other}", _ratio(a, b), limit,
-                                f"{_ms(a)} vs {_ms(b)}", informational=info))
+            out.append(
+                _at_most(
+                    f"{subject} P90 {label} ÷ {other}",
+                    _ratio(a, b),
+                    limit,
+                    f"{_ms(a)} vs {_ms(b)}",
+                    informational=info,
+                )
+            )
     if pdd is not None:
         share = pdd["rld_token_share"]
         out.append(_at_most("RLD token share", share, 0.10))
         gap, itl = _p(pdd, "handoff_gap_ms", "p99"), _p(pdd, "itl_ms", "p50")
-        handoffs = "no request handed off" if gap is None else f"gap P99 {_ms(gap)}, ITL P50 {_ms(itl)}"
+        handoffs = (
+            "no request handed off" if gap is None else f"gap P99 {_ms(gap)}, ITL P50 {_ms(itl)}"
+        )
         out.append(_at_most("handoff gap P99 ÷ median ITL", _ratio(gap, itl), 3.0, handoffs))
     errors = sum(r["errors"] for r in results)
-    out.append(Target("errors, all modes", float(errors), 0.0, errors == 0,
-                      ", ".join(f"{r['mode']} {r['errors']}/{r['requests']}" for r in results), op="="))
+    out.append(
+        Target(
+            "errors, all modes",
+            float(errors),
+            0.0,
+            errors == 0,
+            ", ".join(f"{r['mode']} {r['errors']}/{r['requests']}" for r in results),
+            op="=",
+        )
+    )
     if len(results) > 1:
         same, total = output_agreement(results)
         met, detail = total > 0 and same == total, f"{same}/{total} requests"
         if total and same < total and divergences is not None:
             kinds = [d.kind for d in divergences]
             met = "real" not in kinds and len(divergences) == total - same
-            detail += (f"; differing: {kinds.count('near-tie')} at a near-tie, {kinds.count('cascade')} only "
-                       f"through an earlier turn's output, {kinds.count('real')} real: "
-                       + "; ".join(d.describe() for d in divergences if d.kind != "cascade"))
-        out.append(Target("identical greedy outputs across modes (up to near-ties)",
-                          same / total if total else None, 1.0, met, detail, op="="))
+            detail += (
+                f"; differing: {kinds.count('near-tie')} at a near-tie, {kinds.count('cascade')} only "
+                f"through an earlier turn's output, {kinds.count('real')} real: "
+                + "; ".join(d.describe() for d in divergences if d.kind != "cascade")
+            )
+        out.append(
+            Target(
+                "identical greedy outputs across modes (up to near-ties)",
+                same / total if total else None,
+                1.0,
+                met,
+                detail,
+                op="=",
+            )
+        )
     return out
 
 

@@ -83,26 +83,39 @@ class TraceRequest:
         pos = 0
         for slot in sorted(self.output_slots, key=lambda s: s.start):
             real = outputs.get(slot.request_id)
-            out.extend(self.prompt_token_ids[pos:slot.start])
+            out.extend(self.prompt_token_ids[pos : slot.start])
             end = slot.start + slot.length
-            out.extend(self.prompt_token_ids[slot.start:end] if real is None else real)
+            out.extend(self.prompt_token_ids[slot.start : end] if real is None else real)
             pos = end
         out.extend(self.prompt_token_ids[pos:])
         return out
 
     def to_json(self) -> dict:
-        return {"request_id": self.request_id, "session_id": self.session_id, "turn": self.turn,
-                "timestamp_ms": self.timestamp_ms, "prompt_token_ids": list(self.prompt_token_ids),
-                "max_tokens": self.max_tokens, "expected_hit": self.expected_hit,
-                "output_slots": [[s.start, s.length, s.request_id] for s in self.output_slots]}
+        return {
+            "request_id": self.request_id,
+            "session_id": self.session_id,
+            "turn": self.turn,
+            "timestamp_ms": self.timestamp_ms,
+            "prompt_token_ids": list(self.prompt_token_ids),
+            "max_tokens": self.max_tokens,
+            "expected_hit": self.expected_hit,
+            "output_slots": [[s.start, s.length, s.request_id] for s in self.output_slots],
+        }
 
     @classmethod
     def from_json(cls, d: Mapping) -> TraceRequest:
-        return cls(request_id=str(d["request_id"]), session_id=str(d.get("session_id", d["request_id"])),
-                   timestamp_ms=float(d.get("timestamp_ms", 0.0)),
-                   prompt_token_ids=[int(t) for t in d["prompt_token_ids"]], max_tokens=int(d["max_tokens"]),
-                   expected_hit=float(d.get("expected_hit", 0.0)), turn=int(d.get("turn", 0)),
-                   output_slots=tuple(OutputSlot(int(a), int(b), str(c)) for a, b, c in d.get("output_slots", ())))
+        return cls(
+            request_id=str(d["request_id"]),
+            session_id=str(d.get("session_id", d["request_id"])),
+            timestamp_ms=float(d.get("timestamp_ms", 0.0)),
+            prompt_token_ids=[int(t) for t in d["prompt_token_ids"]],
+            max_tokens=int(d["max_tokens"]),
+            expected_hit=float(d.get("expected_hit", 0.0)),
+            turn=int(d.get("turn", 0)),
+            output_slots=tuple(
+                OutputSlot(int(a), int(b), str(c)) for a, b, c in d.get("output_slots", ())
+            ),
+        )
 
 
 @dataclass(frozen=True)
@@ -122,7 +135,13 @@ class TraceConfig:
     min_user_tokens: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("sessions", "turns", "prompt_tokens", "concurrent_sessions", "min_user_tokens"):
+        for name in (
+            "sessions",
+            "turns",
+            "prompt_tokens",
+            "concurrent_sessions",
+            "min_user_tokens",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.rps < 0:
@@ -132,10 +151,14 @@ class TraceConfig:
         if not 1.0 <= self.output_scale <= 100.0:
             raise ValueError(f"output_scale: must be in [1, 100], got {self.output_scale}")
         if self.max_context_tokens < 2 * self.prompt_tokens:
-            raise ValueError(f"max_context_tokens: must be >= 2 * prompt_tokens, got {self.max_context_tokens}")
+            raise ValueError(
+                f"max_context_tokens: must be >= 2 * prompt_tokens, got {self.max_context_tokens}"
+            )
         if not 0 <= self.vocab_low < self.vocab_high or self.vocab_high - self.vocab_low < 16:
-            raise ValueError(f"vocab_high: need 0 <= vocab_low < vocab_high with >= 16 ids, "
-                             f"got [{self.vocab_low}, {self.vocab_high})")
+            raise ValueError(
+                f"vocab_high: need 0 <= vocab_low < vocab_high with >= 16 ids, "
+                f"got [{self.vocab_low}, {self.vocab_high})"
+            )
 
 
 def sample_hit(dist: str, rng: np.random.Generator, low_share: float = SKEWED_LOW_SHARE) -> float:
@@ -210,7 +233,9 @@ class _Generator:
         shared = min(length - 1, int(round(self._hit(first=True) * length)))
         fresh = self._tokens(length - shared)
         if fresh[0] == self.system[shared]:  # the match must end exactly at `shared`
-            fresh[0] = cfg.vocab_low + (fresh[0] - cfg.vocab_low + 1) % (cfg.vocab_high - cfg.vocab_low)
+            fresh[0] = cfg.vocab_low + (fresh[0] - cfg.vocab_low + 1) % (
+                cfg.vocab_high - cfg.vocab_low
+            )
         hit = min(shared, self.max_system_seen) / length
         self.max_system_seen = max(self.max_system_seen, shared)
         s.system_len, s.slots = shared, []
@@ -228,9 +253,16 @@ class _Generator:
         else:  # a new session, or compaction of one that outgrew its context
             prompt, hit = self._first_turn(s, max_tokens)
         rid = f"s{s.index:04d}-t{s.turn:02d}"
-        req = TraceRequest(request_id=rid, session_id=f"s{s.index:04d}", timestamp_ms=timestamp_ms,
-                           prompt_token_ids=prompt, max_tokens=max_tokens, expected_hit=round(hit, 6),
-                           turn=s.turn, output_slots=tuple(s.slots))
+        req = TraceRequest(
+            request_id=rid,
+            session_id=f"s{s.index:04d}",
+            timestamp_ms=timestamp_ms,
+            prompt_token_ids=prompt,
+            max_tokens=max_tokens,
+            expected_hit=round(hit, 6),
+            turn=s.turn,
+            output_slots=tuple(s.slots),
+        )
         s.slots = s.slots + [OutputSlot(len(prompt), max_tokens, rid)]
         s.tokens = prompt + self._tokens(max_tokens)  # placeholder for this turn's output
         s.turn += 1
@@ -269,9 +301,11 @@ def describe(requests: Sequence[TraceRequest]) -> str:
     hits = np.array([r.expected_hit for r in requests])
     outs = np.array([r.max_tokens for r in requests])
     plen = np.array([len(r.prompt_token_ids) for r in requests])
-    return (f"{len(requests)} requests, {len({r.session_id for r in requests})} sessions; "
-            f"hit mean {hits.mean():.3f}, >0.95 {np.mean(hits > 0.95):.0%}; "
-            f"prompt mean {plen.mean():.0f} max {plen.max()}; output mean {outs.mean():.0f}")
+    return (
+        f"{len(requests)} requests, {len({r.session_id for r in requests})} sessions; "
+        f"hit mean {hits.mean():.3f}, >0.95 {np.mean(hits > 0.95):.0%}; "
+        f"prompt mean {plen.mean():.0f} max {plen.max()}; output mean {outs.mean():.0f}"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -279,27 +313,44 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["gen"]:
         argv = argv[1:]
-    p = argparse.ArgumentParser(prog="pdd trace gen", description="Generate an agentic trace (JSONL).")
+    p = argparse.ArgumentParser(
+        prog="pdd trace gen", description="Generate an agentic trace (JSONL)."
+    )
     d = TraceConfig()
     p.add_argument("--sessions", type=int, default=d.sessions)
     p.add_argument("--turns", type=int, default=d.turns)
     p.add_argument("--rps", type=float, default=d.rps, help="Poisson arrival rate; 0 = all at once")
     p.add_argument("--dist", choices=DISTS, default=d.dist)
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--prompt-tokens", type=int, default=d.prompt_tokens, help="mean first-turn prompt length")
+    p.add_argument(
+        "--prompt-tokens", type=int, default=d.prompt_tokens, help="mean first-turn prompt length"
+    )
     p.add_argument("--max-context", type=int, default=d.max_context_tokens)
-    p.add_argument("--output-scale", type=float, default=d.output_scale,
-                   help="divide the report's output lengths by this (e.g. 10 on CPU)")
+    p.add_argument(
+        "--output-scale",
+        type=float,
+        default=d.output_scale,
+        help="divide the report's output lengths by this (e.g. 10 on CPU)",
+    )
     p.add_argument("--vocab-low", type=int, default=d.vocab_low)
     p.add_argument("--vocab-high", type=int, default=d.vocab_high)
     p.add_argument("--concurrent-sessions", type=int, default=d.concurrent_sessions)
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args(argv)
     try:
-        cfg = TraceConfig(sessions=a.sessions, turns=a.turns, rps=a.rps, dist=a.dist, seed=a.seed,
-                          prompt_tokens=a.prompt_tokens, max_context_tokens=a.max_context,
-                          output_scale=a.output_scale, vocab_low=a.vocab_low, vocab_high=a.vocab_high,
-                          concurrent_sessions=a.concurrent_sessions)
+        cfg = TraceConfig(
+            sessions=a.sessions,
+            turns=a.turns,
+            rps=a.rps,
+            dist=a.dist,
+            seed=a.seed,
+            prompt_tokens=a.prompt_tokens,
+            max_context_tokens=a.max_context,
+            output_scale=a.output_scale,
+            vocab_low=a.vocab_low,
+            vocab_high=a.vocab_high,
+            concurrent_sessions=a.concurrent_sessions,
+        )
     except ValueError as e:
         p.error(str(e))
     reqs = generate(cfg)

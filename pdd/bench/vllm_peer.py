@@ -30,8 +30,14 @@ READY, RESULT = "PEER_READY", "PEER_RESULT "
 def _engine(args: argparse.Namespace):
     from vllm import LLM
 
-    return LLM(model=args.model, skip_tokenizer_init=True, dtype="float32", max_model_len=args.max_model_len,
-               max_num_seqs=args.max_num_seqs, seed=0)
+    return LLM(
+        model=args.model,
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        seed=0,
+    )
 
 
 def _run(llm, request: dict) -> dict:
@@ -39,7 +45,9 @@ def _run(llm, request: dict) -> dict:
     from vllm.inputs import TokensPrompt
 
     prompts = [TokensPrompt(prompt_token_ids=p) for p in request["prompts"]]
-    params = SamplingParams(max_tokens=request["max_tokens"], temperature=0.0, ignore_eos=True, detokenize=False)
+    params = SamplingParams(
+        max_tokens=request["max_tokens"], temperature=0.0, ignore_eos=True, detokenize=False
+    )
     t = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - t
@@ -47,7 +55,9 @@ def _run(llm, request: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", required=True, help="a Hugging Face model directory")
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--max-num-seqs", type=int, default=64)

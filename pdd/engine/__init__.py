@@ -13,15 +13,26 @@ from __future__ import annotations
 
 import importlib
 
-# NOTE: resolved on first use (PEP 562), so importing one light submodule — the radix cache's
-# CacheEvent, SamplingParams — does not load torch and the model code into kvstore or the gateway.
+# NOTE: resolved on first use (PEP 562), so importing one light submodule (model_source,
+# gguf_metadata) does not load torch and the model code.
 _EXPORTS = {
-    "Checkpoint": "checkpoint_record", "build_model": "checkpoint", "load_checkpoint": "checkpoint",
-    "EngineConfig": "config", "Engine": "engine", "StepOutput": "engine",
-    "EngineStalledError": "errors", "KvCapacityError": "errors",
-    "load_gguf": "gguf_checkpoint", "smollm2_gguf_path": "model_source",
-    "KvDescriptor": "kv_wire", "KvPayload": "kv_wire", "from_bytes": "kv_wire", "to_bytes": "kv_wire",
-    "ModelConfig": "model_config", "SamplingParams": "sampling_params", "tiny_model": "tiny",
+    "Checkpoint": "checkpoint_record",
+    "build_model": "checkpoint",
+    "load_checkpoint": "checkpoint",
+    "EngineConfig": "config",
+    "Engine": "engine",
+    "StepOutput": "engine",
+    "EngineStalledError": "errors",
+    "KvCapacityError": "errors",
+    "load_gguf": "gguf_checkpoint",
+    "smollm2_gguf_path": "model_source",
+    "KvDescriptor": "kv_wire",
+    "KvPayload": "kv_wire",
+    "from_bytes": "kv_wire",
+    "to_bytes": "kv_wire",
+    "ModelConfig": "model_config",
+    "SamplingParams": "pdd.core.sampling_params",
+    "tiny_model": "tiny",
 }
 __all__ = sorted(_EXPORTS)
 
@@ -30,4 +41,6 @@ def __getattr__(name: str):
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'pdd.engine' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"pdd.engine.{module}"), name)
+    return getattr(
+        importlib.import_module(module if "." in module else f"pdd.engine.{module}"), name
+    )

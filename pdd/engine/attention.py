@@ -36,7 +36,9 @@ class AttentionMetadata:
     num_decode: int
     decode_block_tables: torch.Tensor | None = None  # [Bd, MB] (padding → any real block)
     decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, MB * bs] True = attend (gather path only)
-    decode_context_lens: torch.Tensor | None = None  # [Bd] int64; set ⇒ decode uses the paged kernel
+    decode_context_lens: torch.Tensor | None = (
+        None  # [Bd] int64; set ⇒ decode uses the paged kernel
+    )
     prefill_block_tables: torch.Tensor | None = None  # [Bp, MBp]
     prefill_mask: torch.Tensor | None = None  # [Bp, 1, Tq * G, MBp * bs]: row t * G + g is query t
     prefill_pad_index: torch.Tensor | None = None  # [Bp * Tq] prefill row of each padded query
@@ -49,8 +51,9 @@ class AttentionMetadata:
     prefill_gather_buffer: torch.Tensor | None = None  # [Bp * MBp, bs, 2, KV, D]
 
 
-def paged_attention(q: torch.Tensor, kv: torch.Tensor, cache: KvCache, layer: int,
-                    meta: AttentionMetadata) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor, kv: torch.Tensor, cache: KvCache, layer: int, meta: AttentionMetadata
+) -> torch.Tensor:
     """``q [N, H, D]`` and the new ``kv [N, 2, KV, D]`` → attention output ``[N, H, D]``."""
     cache.write(layer, meta.slot_mapping, kv)
     nd, n = meta.num_decode, q.shape[0]
@@ -58,10 +61,14 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, cache: KvCache, layer: in
         return _decode(q, cache, layer, meta)
     if nd == 0:
         return _prefill(q, kv, cache, layer, meta)
-    return torch.cat([_decode(q[:nd], cache, layer, meta), _prefill(q[nd:], kv[nd:], cache, layer, meta)])
+    return torch.cat(
+        [_decode(q[:nd], cache, layer, meta), _prefill(q[nd:], kv[nd:], cache, layer, meta)]
+    )
 
 
-def _gather(blocks: torch.Tensor, table: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _gather(
+    blocks: torch.Tensor, table: torch.Tensor, out: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``blocks [NB+1, bs, 2, KV, D]`` by ``table [B, MB]`` into ``out`` → K, V views ``[B, KV, MB * bs, D]``."""
     b, mb = table.shape
     _, bs, _, kv, d = blocks.shape
@@ -72,23 +79,31 @@ def _gather(blocks: torch.Tensor, table: torch.Tensor, out: torch.Tensor) -> tup
 
 def _decode(q: torch.Tensor, cache: KvCache, layer: int, meta: AttentionMetadata) -> torch.Tensor:
     if meta.decode_context_lens is not None:  # in place, no gather: [B, H, D]
-        return paged_decode(q, cache.layer(layer), meta.decode_block_tables, meta.decode_context_lens)
+        return paged_decode(
+            q, cache.layer(layer), meta.decode_block_tables, meta.decode_context_lens
+        )
     b, h, d = q.shape
     kv = cache.num_kv_heads
-    keys, values = _gather(cache.layer(layer), meta.decode_block_tables, meta.decode_gather_buffer)  # [B, KV, L, D]
+    keys, values = _gather(
+        cache.layer(layer), meta.decode_block_tables, meta.decode_gather_buffer
+    )  # [B, KV, L, D]
     qg = q.view(b, kv, h // kv, d)  # [B, KV, G, D]: a group's heads share one K/V head
     out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=meta.decode_mask)
     return out.reshape(b, h, d)  # [B, H, D]
 
 
-def _prefill(q: torch.Tensor, kv: torch.Tensor, cache: KvCache, layer: int,
-             meta: AttentionMetadata) -> torch.Tensor:
+def _prefill(
+    q: torch.Tensor, kv: torch.Tensor, cache: KvCache, layer: int, meta: AttentionMetadata
+) -> torch.Tensor:
     n, h, d = q.shape
     if meta.prefill_causal_only:
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),  # [1, H, T, D]
             kv[:, 0].transpose(0, 1).unsqueeze(0),  # [1, KV, T, D]
-            kv[:, 1].transpose(0, 1).unsqueeze(0), is_causal=True, enable_gqa=True)
+            kv[:, 1].transpose(0, 1).unsqueeze(0),
+            is_causal=True,
+            enable_gqa=True,
+        )
         return out[0].transpose(0, 1)  # [T, H, D]
     mask = meta.prefill_mask
     kvh = cache.num_kv_heads
@@ -98,10 +113,16 @@ def _prefill(q: torch.Tensor, kv: torch.Tensor, cache: KvCache, layer: int,
         q = q.index_select(0, meta.prefill_pad_index)  # [Bp * Tq, H, D]
     # NOTE: as in decode, a KV group's query heads are folded into the query axis instead of
     # SDPA's enable_gqa, which repeats K/V per head: for short chunks that copy dominated.
-    qg = q.reshape(bp, tq, kvh, g, d).permute(0, 2, 1, 3, 4).reshape(bp, kvh, tq * g, d)  # [Bp, KV, Tq * G, D]
-    keys, values = _gather(cache.layer(layer), meta.prefill_block_tables, meta.prefill_gather_buffer)  # [Bp, KV, L, D]
+    qg = (
+        q.reshape(bp, tq, kvh, g, d).permute(0, 2, 1, 3, 4).reshape(bp, kvh, tq * g, d)
+    )  # [Bp, KV, Tq * G, D]
+    keys, values = _gather(
+        cache.layer(layer), meta.prefill_block_tables, meta.prefill_gather_buffer
+    )  # [Bp, KV, L, D]
     out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask)
-    out = out.reshape(bp, kvh, tq, g, d).permute(0, 2, 1, 3, 4).reshape(bp * tq, h, d)  # [Bp * Tq, H, D]
+    out = (
+        out.reshape(bp, kvh, tq, g, d).permute(0, 2, 1, 3, 4).reshape(bp * tq, h, d)
+    )  # [Bp * Tq, H, D]
     if meta.prefill_valid_index is not None:
         out = out.index_select(0, meta.prefill_valid_index)  # [Np, H, D]
     return out

@@ -12,16 +12,23 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence as Seq
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
 
+from pdd.core.cache_event import CacheEvent
 from pdd.engine.block_pool import BlockPool
-from pdd.engine.radix_cache import CacheEvent, RadixCache
+from pdd.engine.radix_cache import RadixCache
 from pdd.engine.sequence import Sequence
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 on_event: Callable[[CacheEvent], None] | None = None):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        on_event: Callable[[CacheEvent], None] | None = None,
+    ):
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
@@ -65,7 +72,9 @@ class BlockManager:
         n_full = upto // self.block_size
         if n_full <= seq.num_cached_blocks:
             return
-        res = self.cache.insert(seq.token_ids[:n_full * self.block_size], seq.block_table[:n_full], seq.salt)
+        res = self.cache.insert(
+            seq.token_ids[: n_full * self.block_size], seq.block_table[:n_full], seq.salt
+        )
         self.cache.lock(res.handle)
         if seq.cache_handle is not None:
             self.cache.unlock(seq.cache_handle)
@@ -78,7 +87,7 @@ class BlockManager:
         self.cache_blocks(seq)
         if seq.cache_handle is not None:
             self.cache.unlock(seq.cache_handle)
-        self.pool.free(seq.block_table[seq.num_cached_blocks:])
+        self.pool.free(seq.block_table[seq.num_cached_blocks :])
         seq.block_table, seq.num_cached_blocks, seq.cache_handle, seq.num_computed = [], 0, None, 0
 
     def rollback(self, seq: Sequence, num_tokens: int) -> bool:

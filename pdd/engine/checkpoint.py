@@ -44,8 +44,9 @@ def load_hf_dir(path: str | Path) -> Checkpoint:
     return Checkpoint(config, weights, tokenizer, str(source.path))
 
 
-def build_model(ckpt: Checkpoint, dtype: str | torch.dtype | None = None,
-                device: str | torch.device = "cpu") -> LlamaModel:
+def build_model(
+    ckpt: Checkpoint, dtype: str | torch.dtype | None = None, device: str | torch.device = "cpu"
+) -> LlamaModel:
     """Instantiate without random init (meta device), then copy the checkpoint in."""
     dtype = parse_dtype(dtype if dtype is not None else ckpt.config.torch_dtype)
     with torch.device("meta"):

@@ -19,7 +19,9 @@ from pdd.engine.model_config import ModelConfig, parse_dtype
 @dataclass(frozen=True)
 class Checkpoint:
     config: ModelConfig
-    weights: dict[str, torch.Tensor]  # Hugging Face names, e.g. "model.layers.0.self_attn.q_proj.weight"
+    weights: dict[
+        str, torch.Tensor
+    ]  # Hugging Face names, e.g. "model.layers.0.self_attn.q_proj.weight"
     tokenizer: Any | None = None  # a transformers tokenizer, or None (tiny random models)
     source: str = "<memory>"
 

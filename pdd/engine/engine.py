@@ -23,11 +23,13 @@ NOTE: not thread-safe; one owner thread (or one asyncio executor) calls everythi
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence as Seq
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import torch
 
+from pdd.core.cache_event import CacheEvent
 from pdd.engine.block_manager import BlockManager
 from pdd.engine.checkpoint import Checkpoint, build_model, load_checkpoint
 from pdd.engine.config import EngineConfig
@@ -37,9 +39,15 @@ from pdd.engine.kv_cache import KvCache
 from pdd.engine.kv_wire import KvPayload
 from pdd.engine.model_config import parse_dtype
 from pdd.engine.model_runner import ModelRunner
-from pdd.engine.radix_cache import CacheEvent
 from pdd.engine.rope import RotaryTable
-from pdd.engine.sampling import Logprob, SamplingParams, adjust_logits, prompt_mask, sample, token_logprobs
+from pdd.engine.sampling import (
+    Logprob,
+    SamplingParams,
+    adjust_logits,
+    prompt_mask,
+    sample,
+    token_logprobs,
+)
 from pdd.engine.scheduler import Scheduler
 from pdd.engine.sequence import SeqStatus, Sequence
 
@@ -52,12 +60,18 @@ class StepOutput:
     position: int  # index in the request's outputs
     finished: bool
     finish_reason: str | None  # "stop" | "length" | None
-    logprob: Logprob | None = None  # when the request asked for logprobs (never for appended tokens)
+    logprob: Logprob | None = (
+        None  # when the request asked for logprobs (never for appended tokens)
+    )
 
 
 class Engine:
-    def __init__(self, model: str | Checkpoint, config: EngineConfig | None = None,
-                 on_cache_event: Callable[[CacheEvent], None] | None = None):
+    def __init__(
+        self,
+        model: str | Checkpoint,
+        config: EngineConfig | None = None,
+        on_cache_event: Callable[[CacheEvent], None] | None = None,
+    ):
         self.config = config = config or EngineConfig()
         ckpt = load_checkpoint(model)
         self.model_config, self.tokenizer = ckpt.config, ckpt.tokenizer
@@ -66,28 +80,54 @@ class Engine:
         self.max_model_len = config.max_model_len or ckpt.config.max_position_embeddings
         mc = ckpt.config
         num_blocks = config.num_blocks or config.kv_cache_bytes // KvCache.bytes_per_block(
-            mc.num_layers, config.block_size, mc.num_kv_heads, mc.head_dim, self.dtype)
+            mc.num_layers, config.block_size, mc.num_kv_heads, mc.head_dim, self.dtype
+        )
         if num_blocks <= 0:
-            raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} holds no block of {config.block_size} tokens")
+            raise ValueError(
+                f"kv_cache_bytes={config.kv_cache_bytes} holds no block of {config.block_size} tokens"
+            )
         self.block_size, self.num_blocks = config.block_size, num_blocks
         self.model = build_model(ckpt, self.dtype, self.device)
         if config.prepack_weights:
             self.model.pack_weights()
-        self.kv = KvCache(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim,
-                          self.dtype, self.device)
-        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, on_cache_event)
+        self.kv = KvCache(
+            mc.num_layers,
+            num_blocks,
+            config.block_size,
+            mc.num_kv_heads,
+            mc.head_dim,
+            self.dtype,
+            self.device,
+        )
+        self.blocks = BlockManager(
+            num_blocks, config.block_size, config.enable_prefix_caching, on_cache_event
+        )
         self.scheduler = Scheduler(config.max_num_batched_tokens, config.max_num_seqs, self.blocks)
-        self.runner = ModelRunner(self.model, self.kv, self.blocks,
-                                  RotaryTable(mc, self.max_model_len, self.dtype, self.device), self.device,
-                                  config.paged_decode_kernel)
+        self.runner = ModelRunner(
+            self.model,
+            self.kv,
+            self.blocks,
+            RotaryTable(mc, self.max_model_len, self.dtype, self.device),
+            self.device,
+            config.paged_decode_kernel,
+        )
         self._seqs: dict[str, Sequence] = {}
         self._grammars = Grammars(self.tokenizer)
         self._generate_ids = 0
-        self.last_batch: list[tuple[str, int]] = []  # (request_id, tokens computed) of the last step
+        self.last_batch: list[
+            tuple[str, int]
+        ] = []  # (request_id, tokens computed) of the last step
 
     # ---- requests -------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: Seq[int], sampling: SamplingParams | None = None,
-                    salt: str = "", paused: bool = False, keep_after_finish: bool = False) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Seq[int],
+        sampling: SamplingParams | None = None,
+        salt: str = "",
+        paused: bool = False,
+        keep_after_finish: bool = False,
+    ) -> None:
         sampling = sampling or SamplingParams()
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id must be a non-empty string")
@@ -98,15 +138,25 @@ class Engine:
         if not prompt:
             raise ValueError("prompt_token_ids must not be empty")
         if len(prompt) + sampling.max_tokens > self.max_model_len:
-            raise ValueError(f"prompt_token_ids ({len(prompt)}) + max_tokens ({sampling.max_tokens}) exceeds "
-                             f"the max context of {self.max_model_len} tokens")
+            raise ValueError(
+                f"prompt_token_ids ({len(prompt)}) + max_tokens ({sampling.max_tokens}) exceeds "
+                f"the max context of {self.max_model_len} tokens"
+            )
         # NOTE: the last output token never gets K/V, hence the -1.
         need = self.blocks.blocks_for(len(prompt) + sampling.max_tokens - 1)
         if need > self.num_blocks:
             raise KvCapacityError(request_id, need, self.num_blocks)
         seed = sampling.seed if sampling.seed is not None else random.getrandbits(63)
-        seq = Sequence(request_id, prompt, len(prompt), sampling, seed, salt, paused=paused,
-                       keep_after_finish=keep_after_finish)
+        seq = Sequence(
+            request_id,
+            prompt,
+            len(prompt),
+            sampling,
+            seed,
+            salt,
+            paused=paused,
+            keep_after_finish=keep_after_finish,
+        )
         if sampling.grammar is not None:
             seq.matcher = self._grammars.matcher(sampling.grammar)
         self.blocks.match(seq)
@@ -124,28 +174,50 @@ class Engine:
             seq.num_computed += n
         raw = logits
         if any(s.sampling.adjusts_logits for s in sampled):
-            logits = adjust_logits(logits, [(s.sampling, self._prompt_seen(s, logits.shape[-1]), s.output_ids)
-                                            if s.sampling.adjusts_logits else None for s in sampled])
+            logits = adjust_logits(
+                logits,
+                [
+                    (s.sampling, self._prompt_seen(s, logits.shape[-1]), s.output_ids)
+                    if s.sampling.adjusts_logits
+                    else None
+                    for s in sampled
+                ],
+            )
         constrained = [(i, s.matcher) for i, s in enumerate(sampled) if s.matcher is not None]
         if constrained:
-            logits = logits.clone() if logits is raw else logits  # NOTE: logprobs stay the model's own
+            logits = (
+                logits.clone() if logits is raw else logits
+            )  # NOTE: logprobs stay the model's own
             self._grammars.mask_rows(logits, constrained)
-        tokens = sample(logits, [s.sampling for s in sampled], [s.seed for s in sampled],
-                        [s.num_tokens for s in sampled])
+        tokens = sample(
+            logits,
+            [s.sampling for s in sampled],
+            [s.seed for s in sampled],
+            [s.num_tokens for s in sampled],
+        )
         wants = [s.sampling.logprobs for s in sampled]
-        logprobs = token_logprobs(raw, tokens, wants) if any(k is not None for k in wants) else [None] * len(tokens)
+        logprobs = (
+            token_logprobs(raw, tokens, wants)
+            if any(k is not None for k in wants)
+            else [None] * len(tokens)
+        )
         outputs = []
         for seq, token, logprob in zip(sampled, tokens, logprobs):
             seq.token_ids.append(token)
             reason = self._finish_reason(seq, token)
             if seq.matcher is not None:
                 if not seq.matcher.consume_token(token):
-                    raise RuntimeError(f"{seq.request_id}: sampled token {token} outside its grammar "
-                                       f"({seq.matcher.get_error()})")
+                    raise RuntimeError(
+                        f"{seq.request_id}: sampled token {token} outside its grammar "
+                        f"({seq.matcher.get_error()})"
+                    )
                 if reason is None and seq.matcher.is_stopped():
                     reason = "stop"  # the grammar is complete: nothing more may follow
-            outputs.append(StepOutput(seq.request_id, token, seq.num_outputs - 1, reason is not None, reason,
-                                      logprob))
+            outputs.append(
+                StepOutput(
+                    seq.request_id, token, seq.num_outputs - 1, reason is not None, reason, logprob
+                )
+            )
             if reason is not None:
                 self._finish(seq, reason)
         for seq, _ in batch:
@@ -156,7 +228,9 @@ class Engine:
                 outputs.append(StepOutput(seq.request_id, None, seq.num_outputs - 1, True, reason))
                 self._finish(seq, reason)
             elif min(seq.num_computed, seq.prompt_len) // self.block_size > seq.num_cached_blocks:
-                self.blocks.cache_blocks(seq, seq.prompt_len)  # share the prompt while still running
+                self.blocks.cache_blocks(
+                    seq, seq.prompt_len
+                )  # share the prompt while still running
         return outputs
 
     def has_unfinished(self) -> bool:
@@ -171,8 +245,9 @@ class Engine:
         """Tokens with K/V over all held requests (a step that changes nothing here made no progress)."""
         return sum(s.num_computed for s in self._seqs.values())
 
-    def generate(self, prompts: Seq[Seq[int]], sampling: SamplingParams | Seq[SamplingParams] | None = None
-                 ) -> list[list[int]]:
+    def generate(
+        self, prompts: Seq[Seq[int]], sampling: SamplingParams | Seq[SamplingParams] | None = None
+    ) -> list[list[int]]:
         """Add every prompt, step until all finish; returns the output token ids per prompt."""
         params = sampling if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
         if len(params) != len(prompts):
@@ -186,7 +261,9 @@ class Engine:
         while any(s.status is not SeqStatus.FINISHED for s in seqs):
             before = [(s.num_computed, s.num_tokens) for s in seqs]
             if not self.step() and before == [(s.num_computed, s.num_tokens) for s in seqs]:
-                raise EngineStalledError("no request could be scheduled: paused or kept requests pin the KV pool")
+                raise EngineStalledError(
+                    "no request could be scheduled: paused or kept requests pin the KV pool"
+                )
         return [s.output_ids for s in seqs]
 
     def append_tokens(self, request_id: str, token_ids: Seq[int], start: int | None = None) -> bool:
@@ -206,7 +283,9 @@ class Engine:
             raise ValueError(f"start must be in [0, {seq.num_outputs}], got {start}")
         sp = seq.sampling
         if start + len(new) > sp.max_tokens:
-            raise ValueError(f"token_ids would make {start + len(new)} outputs, beyond max_tokens={sp.max_tokens}")
+            raise ValueError(
+                f"token_ids would make {start + len(new)} outputs, beyond max_tokens={sp.max_tokens}"
+            )
         stops = [i for i, t in enumerate(new) if self._is_stop(sp, t)]
         if stops and stops[0] != len(new) - 1:
             raise ValueError("token_ids continue past a stop token")
@@ -237,7 +316,7 @@ class Engine:
         if seq.sampling.repetition_penalty == 1.0:
             return ()
         if seq.prompt_seen is None:
-            seq.prompt_seen = prompt_mask(seq.token_ids[:seq.prompt_len], vocab)
+            seq.prompt_seen = prompt_mask(seq.token_ids[: seq.prompt_len], vocab)
         return seq.prompt_seen
 
     @staticmethod
@@ -246,13 +325,17 @@ class Engine:
         is then complete. ValueError (matcher unchanged) if ``added`` leaves the grammar."""
         matcher = seq.matcher
         if dropped and not matcher.rollback(len(dropped)):
-            raise RuntimeError(f"{seq.request_id}: the grammar could not roll back {len(dropped)} tokens")
+            raise RuntimeError(
+                f"{seq.request_id}: the grammar could not roll back {len(dropped)} tokens"
+            )
         accepted = matcher.validate_tokens(added)
         if accepted < len(added):
             if dropped:
                 matcher.consume_tokens(dropped)
-            raise ValueError(f"token_ids[{accepted}] (token {added[accepted]}) is not allowed by the request's "
-                             "grammar")
+            raise ValueError(
+                f"token_ids[{accepted}] (token {added[accepted]}) is not allowed by the request's "
+                "grammar"
+            )
         if added and not matcher.consume_tokens(added):
             raise RuntimeError(f"{seq.request_id}: the grammar refused tokens it had validated")
         return matcher.is_stopped()
@@ -286,12 +369,18 @@ class Engine:
         self.blocks.release(seq)
 
     # ---- KV transfer ----------------------------------------------------------------
-    def export_kv(self, request_id: str, start: int, end: int, dtype: str | None = None) -> KvPayload:
+    def export_kv(
+        self, request_id: str, start: int, end: int, dtype: str | None = None
+    ) -> KvPayload:
         """K/V of tokens ``[start, end)`` in the wire format (``dtype``: optional wire compression)."""
         seq = self._get(request_id)
         if not 0 <= start <= end <= seq.num_computed:
-            raise ValueError(f"export range [{start}, {end}) outside the {seq.num_computed} computed tokens")
-        slots = torch.tensor(self.blocks.slots(seq, start, end), dtype=torch.long, device=self.device)
+            raise ValueError(
+                f"export range [{start}, {end}) outside the {seq.num_computed} computed tokens"
+            )
+        slots = torch.tensor(
+            self.blocks.slots(seq, start, end), dtype=torch.long, device=self.device
+        )
         return KvPayload.from_tensor(self.kv.read_tokens(slots), start, self.block_size, dtype)
 
     def import_kv(self, request_id: str, payload: KvPayload) -> None:
@@ -303,22 +392,33 @@ class Engine:
         """
         seq = self._get(request_id)
         d, mc = payload.descriptor, self.model_config
-        theirs, ours = (d.num_layers, d.num_kv_heads, d.head_dim), (mc.num_layers, mc.num_kv_heads, mc.head_dim)
+        theirs, ours = (
+            (d.num_layers, d.num_kv_heads, d.head_dim),
+            (mc.num_layers, mc.num_kv_heads, mc.head_dim),
+        )
         if theirs != ours:
-            raise ValueError(f"payload (layers, kv heads, head dim) = {theirs} does not match the model's {ours}")
+            raise ValueError(
+                f"payload (layers, kv heads, head dim) = {theirs} does not match the model's {ours}"
+            )
         start, end = d.start_token, d.start_token + d.num_tokens
         if seq.status is SeqStatus.FINISHED:
             raise ValueError(f"request {request_id!r} has finished")
         if start > seq.num_computed:
-            raise ValueError(f"payload starts at token {start} but only {seq.num_computed} tokens have K/V")
+            raise ValueError(
+                f"payload starts at token {start} but only {seq.num_computed} tokens have K/V"
+            )
         if end > seq.num_tokens:
-            raise ValueError(f"payload ends at token {end} beyond the request's {seq.num_tokens} known tokens")
+            raise ValueError(
+                f"payload ends at token {end} beyond the request's {seq.num_tokens} known tokens"
+            )
         first = seq.num_computed  # tokens below this already have K/V (e.g. the radix-cache hit)
         if end <= first:
             return
         self.blocks.ensure(seq, end)  # NOTE: evicts from the radix cache but never preempts
-        slots = torch.tensor(self.blocks.slots(seq, first, end), dtype=torch.long, device=self.device)
-        kv = payload.to_tensor()[:, :, first - start:]  # [L, 2, n, KV, D]
+        slots = torch.tensor(
+            self.blocks.slots(seq, first, end), dtype=torch.long, device=self.device
+        )
+        kv = payload.to_tensor()[:, :, first - start :]  # [L, 2, n, KV, D]
         self.kv.write_tokens(slots, kv.to(self.device))
         seq.num_computed = end
         self.blocks.cache_blocks(seq, seq.prompt_len)
@@ -349,12 +449,14 @@ class Engine:
         cached = set(self.blocks.cache._cached_ids)
         owned: list[int] = []
         for seq in self._seqs.values():
-            shared = seq.block_table[:seq.num_cached_blocks]
+            shared = seq.block_table[: seq.num_cached_blocks]
             if not set(shared) <= cached:
                 raise RuntimeError(f"{seq.request_id}: a shared block is not in the radix cache")
             if seq.num_computed > len(seq.block_table) * self.block_size:
-                raise RuntimeError(f"{seq.request_id}: {seq.num_computed} computed tokens exceed its blocks")
-            owned += seq.block_table[seq.num_cached_blocks:]
+                raise RuntimeError(
+                    f"{seq.request_id}: {seq.num_computed} computed tokens exceed its blocks"
+                )
+            owned += seq.block_table[seq.num_cached_blocks :]
         free = {b for b in range(self.num_blocks) if self.blocks.pool.is_free(b)}
         if len(set(owned)) != len(owned) or set(owned) & (cached | free):
             raise RuntimeError("a block is owned twice, or owned and also cached or free")
@@ -377,7 +479,9 @@ class Engine:
         return ids
 
     def _is_stop(self, sp: SamplingParams, token: int) -> bool:
-        return token in sp.stop_token_ids or (not sp.ignore_eos and token in self.model_config.eos_token_ids)
+        return token in sp.stop_token_ids or (
+            not sp.ignore_eos and token in self.model_config.eos_token_ids
+        )
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         if self._is_stop(seq.sampling, token):

@@ -11,8 +11,10 @@ class KvCapacityError(Exception):
     """
 
     def __init__(self, request_id: str, blocks_needed: int, num_blocks: int) -> None:
-        super().__init__(f"request {request_id!r} needs {blocks_needed} KV blocks, but the pool "
-                         f"only has {num_blocks} in total")
+        super().__init__(
+            f"request {request_id!r} needs {blocks_needed} KV blocks, but the pool "
+            f"only has {num_blocks} in total"
+        )
         self.request_id = request_id
         self.blocks_needed = blocks_needed
         self.num_blocks = num_blocks

@@ -77,4 +77,3 @@ def load_gguf(path: str | Path, with_tokenizer: bool = True) -> Checkpoint:
 
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     return Checkpoint(config, weights, tokenizer, str(path))
-

@@ -31,7 +31,9 @@ def gguf_config(reader) -> ModelConfig:
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     names = {t.name for t in reader.tensors}
     if "rope_freqs.weight" in names:
-        raise ValueError("GGUF files with a rope_freqs tensor (llama3 rope scaling) are not supported")
+        raise ValueError(
+            "GGUF files with a rope_freqs tensor (llama3 rope scaling) are not supported"
+        )
     return ModelConfig(
         vocab_size=int(vocab),
         hidden_size=hidden,

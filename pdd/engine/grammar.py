@@ -17,7 +17,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-JSON_DEFAULTS = {"whitespace_flexible": False}  # compact JSON: small models wander in free whitespace
+JSON_DEFAULTS = {
+    "whitespace_flexible": False
+}  # compact JSON: small models wander in free whitespace
 
 
 def validate(grammar: str) -> str:
@@ -57,7 +59,9 @@ class Grammars:
             import llguidance.hf
 
             self._tokenizer = llguidance.hf.from_tokenizer(self._hf)
-        matcher = LLMatcher(self._tokenizer, grammar)  # NOTE: compiles once; a bad grammar is an error state
+        matcher = LLMatcher(
+            self._tokenizer, grammar
+        )  # NOTE: compiles once; a bad grammar is an error state
         if matcher.is_error():
             raise ValueError(f"grammar: {matcher.get_error()}")
         return matcher
@@ -69,11 +73,17 @@ class Grammars:
         # NOTE: not llguidance.torch: importing it runs torch.compile's machinery (seconds, and its
         # apply compiles on first call); the mask is one bit per token, unpacked here.
         vocab = self._tokenizer.vocab_size
-        bitmask = torch.stack([torch.frombuffer(bytearray(matcher.compute_bitmask()), dtype=torch.int32)
-                               for _, matcher in rows])  # [R, ceil(V / 32)], bit t of word t // 32 = allowed
+        bitmask = torch.stack(
+            [
+                torch.frombuffer(bytearray(matcher.compute_bitmask()), dtype=torch.int32)
+                for _, matcher in rows
+            ]
+        )  # [R, ceil(V / 32)], bit t of word t // 32 = allowed
         bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1  # [R, W, 32]
         allowed = bits.reshape(len(rows), -1)[:, :vocab].bool().to(logits.device)
         n = min(vocab, logits.shape[-1])
         for j, (i, _) in enumerate(rows):
             logits[i, :n].masked_fill_(~allowed[j, :n], -torch.inf)
-            logits[i, n:] = -torch.inf  # ids beyond the tokenizer's vocabulary (padding) never come out
+            logits[
+                i, n:
+            ] = -torch.inf  # ids beyond the tokenizer's vocabulary (padding) never come out

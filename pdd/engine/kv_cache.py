@@ -17,19 +17,36 @@ import torch
 
 
 class KvCache:
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ):
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
-        self.data = torch.zeros(num_layers, num_blocks + 1, block_size, 2, num_kv_heads, head_dim,
-                                dtype=dtype, device=device)  # [L, NB+1, bs, 2, KV, D]
+        self.data = torch.zeros(
+            num_layers,
+            num_blocks + 1,
+            block_size,
+            2,
+            num_kv_heads,
+            head_dim,
+            dtype=dtype,
+            device=device,
+        )  # [L, NB+1, bs, 2, KV, D]
         self.scratch_slot = num_blocks * block_size
         # [L, S, 2, KV, D] with S = (NB + 1) * bs: the same storage seen slot by slot
         self._slots = self.data.view(num_layers, -1, 2, num_kv_heads, head_dim)
 
     @staticmethod
-    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                        dtype: torch.dtype) -> int:
+    def bytes_per_block(
+        num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
         itemsize = torch.empty((), dtype=dtype).element_size()
         return num_layers * 2 * block_size * num_kv_heads * head_dim * itemsize
 
@@ -43,7 +60,9 @@ class KvCache:
 
     def read_tokens(self, slots: torch.Tensor) -> torch.Tensor:
         """Every layer's K/V at ``slots [n]`` → ``[L, 2, n, KV, D]`` (the wire layout)."""
-        return self._slots.index_select(1, slots).transpose(1, 2)  # [L, n, 2, KV, D] → [L, 2, n, KV, D]
+        return self._slots.index_select(1, slots).transpose(
+            1, 2
+        )  # [L, n, 2, KV, D] → [L, 2, n, KV, D]
 
     def write_tokens(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
         """Store ``kv [L, 2, n, KV, D]`` (any float dtype; converted) at ``slots [n]``."""

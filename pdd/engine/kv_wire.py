@@ -47,7 +47,9 @@ class KvDescriptor:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.start_token < 0 or self.num_tokens < 0:
-            raise ValueError(f"start_token and num_tokens must be >= 0, got {self.start_token}, {self.num_tokens}")
+            raise ValueError(
+                f"start_token and num_tokens must be >= 0, got {self.start_token}, {self.num_tokens}"
+            )
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -68,7 +70,9 @@ class KvPayload:
 
     def __post_init__(self) -> None:
         if len(self.data) != self.descriptor.nbytes:
-            raise ValueError(f"KV payload has {len(self.data)} bytes, descriptor says {self.descriptor.nbytes}")
+            raise ValueError(
+                f"KV payload has {len(self.data)} bytes, descriptor says {self.descriptor.nbytes}"
+            )
 
     @property
     def start_token(self) -> int:
@@ -79,14 +83,23 @@ class KvPayload:
         return self.descriptor.num_tokens
 
     @classmethod
-    def from_tensor(cls, kv: torch.Tensor, start_token: int, block_size: int,
-                    dtype: str | torch.dtype | None = None) -> KvPayload:
+    def from_tensor(
+        cls,
+        kv: torch.Tensor,
+        start_token: int,
+        block_size: int,
+        dtype: str | torch.dtype | None = None,
+    ) -> KvPayload:
         """``kv [L, 2, n, KV, D]`` → payload, converted to ``dtype`` (default: ``kv``'s)."""
         if kv.dim() != 5 or kv.shape[1] != 2:
-            raise ValueError(f"expected a [layer, 2, token, head, dim] tensor, got shape {tuple(kv.shape)}")
+            raise ValueError(
+                f"expected a [layer, 2, token, head, dim] tensor, got shape {tuple(kv.shape)}"
+            )
         kv = kv.to("cpu", parse_dtype(dtype) if dtype is not None else kv.dtype).contiguous()
         layers, _, n, heads, dim = kv.shape
-        desc = KvDescriptor(dtype_name(kv.dtype), WIRE_LAYOUT, layers, heads, dim, block_size, start_token, n)
+        desc = KvDescriptor(
+            dtype_name(kv.dtype), WIRE_LAYOUT, layers, heads, dim, block_size, start_token, n
+        )
         return cls(desc, _le_bytes(kv))
 
     def to_tensor(self, dtype: str | torch.dtype | None = None) -> torch.Tensor:
@@ -113,12 +126,12 @@ def to_bytes(payload: KvPayload) -> bytes:
 
 
 def from_bytes(blob: bytes) -> KvPayload:
-    if blob[:len(_MAGIC)] != _MAGIC:
+    if blob[: len(_MAGIC)] != _MAGIC:
         raise ValueError("not a PDD KV payload (bad magic)")
     (size,) = struct.unpack_from("<I", blob, len(_MAGIC))
     start = len(_MAGIC) + 4
     try:
-        desc = KvDescriptor(**json.loads(blob[start:start + size]))
+        desc = KvDescriptor(**json.loads(blob[start : start + size]))
     except (TypeError, json.JSONDecodeError) as e:
         raise ValueError(f"bad KV payload header: {e}") from e
-    return KvPayload(desc, bytes(blob[start + size:]))
+    return KvPayload(desc, bytes(blob[start + size :]))

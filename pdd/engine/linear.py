@@ -21,8 +21,12 @@ from torch import nn
 
 def packing_supported(weight: torch.Tensor) -> bool:
     """oneDNN prepacking applies to float32 CPU weights when PyTorch was built with it."""
-    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.float32
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
 
 
 class Linear(nn.Module):

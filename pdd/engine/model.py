@@ -38,17 +38,29 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
         self.layer = layer
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+        )
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.qkv_proj = Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
+        )
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KvCache,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KvCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         n, h, kv = x.shape[0], self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(n, h + 2 * kv, self.head_dim)  # [N, H + 2KV, D]
-        qk = qkv[:, :h + kv]  # [N, H + KV, D]: q and k, rotated together and in place
+        qk = qkv[:, : h + kv]  # [N, H + KV, D]: q and k, rotated together and in place
         apply_rotary(qk, cos, sin, out=qk)
         new_kv = qkv[:, h:].view(n, 2, kv, self.head_dim)  # [N, 2, KV, D]: a view, no copy
         out = paged_attention(qkv[:, :h], new_kv, cache, self.layer, meta)  # [N, H, D]
@@ -59,7 +71,9 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.intermediate = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.gate_up_proj = Linear(
+            config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias
+        )
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -89,8 +103,15 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
-    def forward(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KvCache,
-                meta: AttentionMetadata, logit_rows: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KvCache,
+        meta: AttentionMetadata,
+        logit_rows: torch.Tensor | None,
+    ) -> torch.Tensor:
         """``input_ids [N]``, ``cos/sin [N, 1, D]`` (``RotaryTable.lookup``) → logits ``[S, V]`` (float32).
 
         ``logit_rows [S]``: the rows to turn into logits; None for every row.
@@ -122,7 +143,9 @@ class LlamaModel(nn.Module):
             if param.dim() == 2 and param is not self.embed_tokens.weight:
                 value = value.t()  # Linear.weight_t is [in, out]
             if tuple(param.shape) != tuple(value.shape):
-                raise ValueError(f"{name}: expected shape {tuple(param.shape)}, got {tuple(value.shape)}")
+                raise ValueError(
+                    f"{name}: expected shape {tuple(param.shape)}, got {tuple(value.shape)}"
+                )
             param.copy_(value)
 
         put(self.embed_tokens.weight, take("model.embed_tokens.weight"), "embed_tokens")
@@ -144,12 +167,22 @@ class LlamaModel(nn.Module):
             put(mlp.gate_up_proj.weight_t, torch.cat(gate_up), p + "gate_up")
             put(mlp.down_proj.weight_t, take(p + "mlp.down_proj.weight"), p + "down_proj")
             if cfg.mlp_bias:
-                put(mlp.gate_up_proj.bias, torch.cat([take(f"{p}mlp.{x}_proj.bias") for x in ("gate", "up")]),
-                    p + "gate_up.bias")
+                put(
+                    mlp.gate_up_proj.bias,
+                    torch.cat([take(f"{p}mlp.{x}_proj.bias") for x in ("gate", "up")]),
+                    p + "gate_up.bias",
+                )
                 put(mlp.down_proj.bias, take(p + "mlp.down_proj.bias"), p + "down_proj.bias")
-            put(layer.input_layernorm.weight, take(p + "input_layernorm.weight"), p + "input_layernorm")
-            put(layer.post_attention_layernorm.weight, take(p + "post_attention_layernorm.weight"),
-                p + "post_attention_layernorm")
+            put(
+                layer.input_layernorm.weight,
+                take(p + "input_layernorm.weight"),
+                p + "input_layernorm",
+            )
+            put(
+                layer.post_attention_layernorm.weight,
+                take(p + "post_attention_layernorm.weight"),
+                p + "post_attention_layernorm",
+            )
         unused = set(weights) - done - {"lm_head.weight"}
         unused = {n for n in unused if not n.endswith("rotary_emb.inv_freq")}
         if unused:

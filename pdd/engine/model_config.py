@@ -65,24 +65,37 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                     "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
-                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
             raise ValueError("rms_norm_eps and rope_theta must be positive")
         _dtype_key(self.torch_dtype)
         if self.model_type not in _SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model_type must be one of {_SUPPORTED_MODEL_TYPES}, got {self.model_type!r}")
+            raise ValueError(
+                f"model_type must be one of {_SUPPORTED_MODEL_TYPES}, got {self.model_type!r}"
+            )
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
             if kind not in _SUPPORTED_ROPE:
-                raise ValueError(f"rope_scaling type {kind!r} is not supported (only {_SUPPORTED_ROPE})")
+                raise ValueError(
+                    f"rope_scaling type {kind!r} is not supported (only {_SUPPORTED_ROPE})"
+                )
             if kind != "default" and float(self.rope_scaling.get("factor", 0)) <= 0:
                 raise ValueError(f"rope_scaling factor must be positive, got {self.rope_scaling}")
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
@@ -106,7 +119,9 @@ class ModelConfig:
         """Build from a Hugging Face ``config.json`` dict (Llama, Mistral or Qwen2)."""
         model_type = cfg.get("model_type", "llama")
         if model_type not in _SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"unsupported model_type {model_type!r}; expected one of {_SUPPORTED_MODEL_TYPES}")
+            raise ValueError(
+                f"unsupported model_type {model_type!r}; expected one of {_SUPPORTED_MODEL_TYPES}"
+            )
         if cfg.get("sliding_window") and cfg.get("use_sliding_window", model_type == "mistral"):
             raise ValueError("sliding-window attention is not supported")
         heads = cfg["num_attention_heads"]
@@ -116,7 +131,9 @@ class ModelConfig:
             rope = dict(cfg["rope_scaling"])
         kind = rope.get("rope_type", rope.get("type", "default"))
         if kind == "llama3":
-            rope.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings", 2048))
+            rope.setdefault(
+                "original_max_position_embeddings", cfg.get("max_position_embeddings", 2048)
+            )
         eos = cfg.get("eos_token_id")
         eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
         attention_bias = bool(cfg.get("attention_bias", False))
@@ -148,10 +165,14 @@ class ModelConfig:
         if qwen and (self.o_bias or self.mlp_bias or not self.qkv_bias):
             raise ValueError("a qwen2 config has q/k/v biases and no o/mlp biases")
         if not qwen and self.qkv_bias != self.o_bias:
-            raise ValueError("Llama's attention_bias covers q/k/v/o together; use model_type='qwen2'")
+            raise ValueError(
+                "Llama's attention_bias covers q/k/v/o together; use model_type='qwen2'"
+            )
         rope = {"rope_type": self.rope_type, "rope_theta": self.rope_theta}
         if self.rope_scaling:
-            rope.update({k: v for k, v in self.rope_scaling.items() if k not in ("type", "rope_type")})
+            rope.update(
+                {k: v for k, v in self.rope_scaling.items() if k not in ("type", "rope_type")}
+            )
         cfg: dict[str, Any] = {
             "architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
             "model_type": self.model_type,

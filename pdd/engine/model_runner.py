@@ -23,14 +23,29 @@ from pdd.engine.sequence import Sequence
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, cache: KvCache, blocks: BlockManager, rope: RotaryTable,
-                 device: torch.device, paged_decode_kernel: bool = True):
-        self.model, self.cache, self.blocks, self.rope, self.device = model, cache, blocks, rope, device
+    def __init__(
+        self,
+        model: LlamaModel,
+        cache: KvCache,
+        blocks: BlockManager,
+        rope: RotaryTable,
+        device: torch.device,
+        paged_decode_kernel: bool = True,
+    ):
+        self.model, self.cache, self.blocks, self.rope, self.device = (
+            model,
+            cache,
+            blocks,
+            rope,
+            device,
+        )
         self.block_size = blocks.block_size
         # False when not requested, not a CPU float32 pool, or the kernel failed to build
         self.paged_kernel = paged_kernel_enabled(paged_decode_kernel, device, cache.dtype)
         self.num_forwards = 0
-        self._workspace = torch.empty(0, dtype=cache.dtype, device=device)  # backs the gather buffers
+        self._workspace = torch.empty(
+            0, dtype=cache.dtype, device=device
+        )  # backs the gather buffers
 
     @torch.inference_mode()
     def run(self, batch: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor]:
@@ -45,7 +60,7 @@ class ModelRunner:
         scratch = self.cache.scratch_slot
         for s, n in decode + prefill:
             start = s.num_computed
-            ids.extend(s.token_ids[start:start + n])
+            ids.extend(s.token_ids[start : start + n])
             positions.extend(range(start, start + n))
             slots.extend(self.blocks.slots(s, start, start + n, scratch))
             if start + n == s.num_tokens and s.finish_when_computed is None:
@@ -59,7 +74,9 @@ class ModelRunner:
         self._gather_buffers(meta)
         cos, sin = self.rope.lookup(self._tensor(positions))
         every_row = len(rows) == len(ids)  # a pure decode step samples every row
-        logits = self.model(self._tensor(ids), cos, sin, self.cache, meta, None if every_row else self._tensor(rows))
+        logits = self.model(
+            self._tensor(ids), cos, sin, self.cache, meta, None if every_row else self._tensor(rows)
+        )
         self.num_forwards += 1
         return sampled, logits
 
@@ -68,7 +85,9 @@ class ModelRunner:
 
     def _gather_buffers(self, meta: AttentionMetadata) -> None:
         """Carve this step's decode and prefill gather buffers out of one reused workspace."""
-        decode_gathers = meta.decode_context_lens is None  # the paged kernel reads the pool in place
+        decode_gathers = (
+            meta.decode_context_lens is None
+        )  # the paged kernel reads the pool in place
         tables = [meta.decode_block_tables if decode_gathers else None, meta.prefill_block_tables]
         counts = [0 if t is None else t.numel() for t in tables]
         block_shape = self.cache.layer(0).shape[1:]  # [bs, 2, KV, D]
@@ -104,17 +123,24 @@ class ModelRunner:
         lens = [n for _, n in chunks]
         starts = [s.num_computed for s in seqs]
         tq = max(lens)
-        meta.prefill_block_tables, length = self._tables(seqs, [c + n for c, n in zip(starts, lens)])
+        meta.prefill_block_tables, length = self._tables(
+            seqs, [c + n for c, n in zip(starts, lens)]
+        )
         q_pos = torch.tensor(starts)[:, None] + torch.arange(tq)[None, :]  # [Bp, Tq]
         mask = torch.arange(length)[None, None, :] <= q_pos[:, :, None]  # [Bp, Tq, L]
         # NOTE: each query row repeated for the G heads of its KV group: attention folds a group's
         # heads into the query axis (as decode does) instead of repeating K/V per head.
         g = self.model.config.num_heads // self.model.config.num_kv_heads
-        meta.prefill_mask = mask.repeat_interleave(g, dim=1).unsqueeze(1).to(self.device)  # [Bp, 1, Tq * G, L]
+        meta.prefill_mask = (
+            mask.repeat_interleave(g, dim=1).unsqueeze(1).to(self.device)
+        )  # [Bp, 1, Tq * G, L]
         if any(n != tq for n in lens):
             pad, valid, offset = [], [], 0
             for b, n in enumerate(lens):
                 pad.extend(offset + min(i, n - 1) for i in range(tq))
                 valid.extend(b * tq + i for i in range(n))
                 offset += n
-            meta.prefill_pad_index, meta.prefill_valid_index = self._tensor(pad), self._tensor(valid)
+            meta.prefill_pad_index, meta.prefill_valid_index = (
+                self._tensor(pad),
+                self._tensor(valid),
+            )

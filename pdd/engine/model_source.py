@@ -54,8 +54,10 @@ def resolve_model_source(source: str | Path) -> ModelSource:
         return ModelSource(path, is_gguf=True)
     if path.is_dir():
         return ModelSource(path, is_gguf=False)
-    raise ValueError(f"model source {str(source)!r} is neither a Hugging Face directory, a .gguf file "
-                     "nor 'smollm2'")
+    raise ValueError(
+        f"model source {str(source)!r} is neither a Hugging Face directory, a .gguf file "
+        "nor 'smollm2'"
+    )
 
 
 def smollm2_gguf_path() -> Path:

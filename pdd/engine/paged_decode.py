@@ -45,7 +45,9 @@ def load() -> None:
             raise _build_error
         try:
             _build()
-        except Exception as exc:  # compiler or ninja missing, or a compile error: keep it for the report
+        except (
+            Exception
+        ) as exc:  # compiler or ninja missing, or a compile error: keep it for the report
             _build_error = exc
             raise
         _loaded = True
@@ -72,9 +74,15 @@ def _build() -> None:
         # carries its own AVX-512 / AVX2 / baseline clones, chosen at load time. at::parallel_for
         # is inline OpenMP code: without -fopenmp it silently runs on one thread (the libgomp it
         # links is the one torch has already loaded: same soname).
-        build_extension(name="pdd_paged_decode", sources=[str(SOURCE)], build_directory=str(directory),
-                        extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                        is_python_module=False, verbose=False)
+        build_extension(
+            name="pdd_paged_decode",
+            sources=[str(SOURCE)],
+            build_directory=str(directory),
+            extra_cflags=["-O3", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
 
 
 def enabled(requested: bool, device: torch.device, dtype: torch.dtype) -> bool:
@@ -92,8 +100,14 @@ def enabled(requested: bool, device: torch.device, dtype: torch.dtype) -> bool:
             load()
             reason = None
         except Exception as exc:
-            _log_once("build_failed", log.warning, "paged_decode_fallback", path="gather_sdpa",
-                      reason="build_failed", error=str(exc)[-2000:])
+            _log_once(
+                "build_failed",
+                log.warning,
+                "paged_decode_fallback",
+                path="gather_sdpa",
+                reason="build_failed",
+                error=str(exc)[-2000:],
+            )
             return False
     if reason is None:
         _log_once("kernel", log.info, "paged_decode_kernel", path="paged_kernel")
@@ -102,13 +116,16 @@ def enabled(requested: bool, device: torch.device, dtype: torch.dtype) -> bool:
     return False
 
 
-def paged_decode(q: torch.Tensor, blocks: torch.Tensor, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor) -> torch.Tensor:
+def paged_decode(
+    q: torch.Tensor, blocks: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor
+) -> torch.Tensor:
     """``q [B, H, D]`` against ``blocks [NB+1, bs, 2, KV, D]`` by ``block_tables [B, MB]`` → ``[B, H, D]``.
 
     Sequence ``b`` attends to its first ``context_lens[b]`` tokens; scale ``1/sqrt(D)`` as SDPA's.
     """
-    return torch.ops.pdd.paged_decode(q, blocks, block_tables, context_lens, 1.0 / math.sqrt(q.shape[-1]))
+    return torch.ops.pdd.paged_decode(
+        q, blocks, block_tables, context_lens, 1.0 / math.sqrt(q.shape[-1])
+    )
 
 
 def _log_once(key: str, emit: Callable[..., object], event: str, **fields: object) -> None:

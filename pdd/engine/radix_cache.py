@@ -10,7 +10,7 @@ running request locks its matched path so it cannot be evicted under it;
 ``allocate`` evicts least-recently-used unlocked leaves when the pool is short.
 
 Every block added or dropped is reported as a ``CacheEvent`` named by the chained
-hash of ``pdd.block_hash`` (the kvstore index is fed from these events, so the
+hash of ``pdd.core.block_hash`` (the kvstore index is fed from these events, so the
 hashes must be exactly ``chain_hashes(tokens, block_size, salt)``).
 
 NOTE: invariants (checked by ``check_integrity``): a node's ref-count is >= each
@@ -26,21 +26,9 @@ import itertools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from pdd.block_hash import ROOT_HASH, block_hash
+from pdd.core.block_hash import ROOT_HASH, block_hash
+from pdd.core.cache_event import CacheEvent
 from pdd.engine.block_pool import BlockPool, PoolExhaustedError
-
-
-@dataclass(frozen=True)
-class CacheEvent:
-    """Blocks stored in / evicted from / cleared out of the cache, named by chained hash."""
-
-    kind: str  # "stored" | "evicted" | "cleared"
-    block_hashes: tuple[int, ...]
-    parent_hash: int  # chained hash of the block before the first one; ROOT_HASH at the root
-    salt: str
-    block_size: int
-    token_ids: tuple[int, ...] = ()  # "stored" only: the stored blocks' tokens, in order
-
 
 EventSink = Callable[[CacheEvent], None]
 
@@ -294,8 +282,16 @@ class RadixCache:
     def _split(self, node: _Node, k: int) -> _Node:
         """Cut ``node`` after ``k`` blocks; returns the new upper node (same ref and time)."""
         bs, parent = self.block_size, node.parent
-        top = _Node(node.salt, parent, next(self._ids), node.tokens[: k * bs], node.blocks[:k],
-                    node.hashes[:k], ref=node.ref, last_access=node.last_access)
+        top = _Node(
+            node.salt,
+            parent,
+            next(self._ids),
+            node.tokens[: k * bs],
+            node.blocks[:k],
+            node.hashes[:k],
+            ref=node.ref,
+            last_access=node.last_access,
+        )
         parent.children[top.tokens[:bs]] = top
         node.tokens, node.blocks = node.tokens[k * bs :], node.blocks[k:]
         node.hashes, node.parent = node.hashes[k:], top
@@ -325,7 +321,9 @@ class RadixCache:
             self._on_event(self._event(kind, node, token_ids))
 
     def _event(self, kind: str, node: _Node, token_ids: tuple[int, ...] = ()) -> CacheEvent:
-        return CacheEvent(kind, tuple(node.hashes), node.parent.last_hash, node.salt, self.block_size, token_ids)
+        return CacheEvent(
+            kind, tuple(node.hashes), node.parent.last_hash, node.salt, self.block_size, token_ids
+        )
 
     def _check_handle(self, handle: object) -> _Node:
         if not isinstance(handle, _Node) or not handle.alive:

@@ -17,14 +17,21 @@ from pdd.engine.model_config import ModelConfig
 def inv_frequencies(config: ModelConfig) -> torch.Tensor:
     """Per-pair inverse frequencies, ``[head_dim // 2]`` float32, with rope scaling applied."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    inv_freq = 1.0 / (
+        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    )
     kind, params = config.rope_type, config.rope_scaling or {}
     if kind == "linear":
         return inv_freq / float(params["factor"])
     if kind == "llama3":
         factor = float(params["factor"])
-        low, high = float(params.get("low_freq_factor", 1.0)), float(params.get("high_freq_factor", 4.0))
-        old_len = float(params.get("original_max_position_embeddings", config.max_position_embeddings))
+        low, high = (
+            float(params.get("low_freq_factor", 1.0)),
+            float(params.get("high_freq_factor", 4.0)),
+        )
+        old_len = float(
+            params.get("original_max_position_embeddings", config.max_position_embeddings)
+        )
         low_wavelen, high_wavelen = old_len / low, old_len / high
         wavelen = 2 * math.pi / inv_freq
         scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
@@ -43,20 +50,25 @@ class RotaryTable:
     bit for bit (a sign flip is exact).
     """
 
-    def __init__(self, config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self, config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device
+    ):
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = positions[:, None] * inv_frequencies(config)[None, :]  # [P, D/2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [P, D]
         self.cos = emb.cos().to(dtype=dtype, device=device)
-        self.signed_sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1).to(dtype=dtype, device=device)  # [P, D]
+        self.signed_sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1).to(
+            dtype=dtype, device=device
+        )  # [P, D]
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions [N]`` → ``cos, signed_sin [N, 1, D]`` (broadcast over heads)."""
         return self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+def apply_rotary(
+    x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """``x [N, H, D]`` rotated by per-token ``cos``/``signed_sin [N, 1, D]`` (into ``out`` if given).
 
     ``out`` may be ``x`` itself: both inputs of the last op are fresh tensors.
@@ -64,5 +76,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
     from transformers, and this path is bit-identical to it.
     """
     half = x.shape[-1] // 2
-    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)  # [N, H, D]: rotate_half without the sign
+    swapped = torch.cat(
+        (x[..., half:], x[..., :half]), dim=-1
+    )  # [N, H, D]: rotate_half without the sign
     return torch.add(x * cos, swapped.mul_(signed_sin), out=out)

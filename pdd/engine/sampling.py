@@ -14,19 +14,28 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
-from pdd.engine.sampling_params import Logprob, SamplingParams
+from pdd.core.sampling_params import Logprob, SamplingParams
 
-__all__ = ["Logprob", "SamplingParams", "adjust_logits", "position_uniform", "prompt_mask", "sample",
-           "token_logprobs"]
+__all__ = [
+    "Logprob",
+    "SamplingParams",
+    "adjust_logits",
+    "position_uniform",
+    "prompt_mask",
+    "sample",
+    "token_logprobs",
+]
 
 
 def position_uniform(seed: int, position: int) -> float:
     """A uniform number in [0, 1) that is a pure function of ``(seed, position)``."""
-    digest = hashlib.blake2b(struct.pack("<qq", seed & (2**63 - 1), position), digest_size=8).digest()
+    digest = hashlib.blake2b(
+        struct.pack("<qq", seed & (2**63 - 1), position), digest_size=8
+    ).digest()
     return (int.from_bytes(digest, "little") >> 11) / float(1 << 53)
 
 
@@ -37,9 +46,10 @@ def prompt_mask(prompt: Sequence[int], vocab: int) -> torch.Tensor:
     return mask
 
 
-def adjust_logits(logits: torch.Tensor,
-                  rows: Sequence[tuple[SamplingParams, Sequence[int] | torch.Tensor, Sequence[int]] | None]
-                  ) -> torch.Tensor:
+def adjust_logits(
+    logits: torch.Tensor,
+    rows: Sequence[tuple[SamplingParams, Sequence[int] | torch.Tensor, Sequence[int]] | None],
+) -> torch.Tensor:
     """``logits [S, V]`` with each row's bias and penalties applied; ``rows[i]`` = (params, prompt ids
     or their ``prompt_mask``, output ids) of row ``i``, or None for a row without any (left as it is).
     Returns a new tensor.
@@ -58,22 +68,32 @@ def adjust_logits(logits: torch.Tensor,
         x = out[i]
         if sp.logit_bias:
             ids, bias = zip(*sp.logit_bias)
-            x[torch.as_tensor(ids, dtype=torch.long, device=x.device)] += torch.as_tensor(bias, dtype=x.dtype,
-                                                                                         device=x.device)
+            x[torch.as_tensor(ids, dtype=torch.long, device=x.device)] += torch.as_tensor(
+                bias, dtype=x.dtype, device=x.device
+            )
         if sp.repetition_penalty != 1.0:
-            seen = (prompt if isinstance(prompt, torch.Tensor) else prompt_mask(prompt, vocab)).to(x.device, copy=True)
+            seen = (prompt if isinstance(prompt, torch.Tensor) else prompt_mask(prompt, vocab)).to(
+                x.device, copy=True
+            )
             if outputs:
                 seen[torch.as_tensor(list(outputs), dtype=torch.long, device=x.device)] = True
-            x[seen] = torch.where(x[seen] > 0, x[seen] / sp.repetition_penalty, x[seen] * sp.repetition_penalty)
+            x[seen] = torch.where(
+                x[seen] > 0, x[seen] / sp.repetition_penalty, x[seen] * sp.repetition_penalty
+            )
         if outputs and (sp.frequency_penalty or sp.presence_penalty):
-            counts = torch.bincount(torch.as_tensor(list(outputs), dtype=torch.long, device=x.device),
-                                    minlength=vocab)[:vocab].to(x.dtype)
+            counts = torch.bincount(
+                torch.as_tensor(list(outputs), dtype=torch.long, device=x.device), minlength=vocab
+            )[:vocab].to(x.dtype)
             x -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0).to(x.dtype)
     return out
 
 
-def sample(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int],
-           positions: Sequence[int]) -> list[int]:
+def sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    seeds: Sequence[int],
+    positions: Sequence[int],
+) -> list[int]:
     """``logits [S, V]`` (float32) → one token per row; row ``i`` uses ``params[i]`` at ``positions[i]``.
 
     NOTE: random rows are sampled on the CPU in float64, so a CPU and a CUDA engine
@@ -98,13 +118,21 @@ def _sample_row(logits: torch.Tensor, sp: SamplingParams, u: float) -> int:
     cum = probs[:keep].cumsum(0)
     if sp.top_p < 1.0:
         # smallest prefix whose mass reaches top_p (always at least one token)
-        keep = min(keep, int(torch.searchsorted(cum, torch.tensor(sp.top_p, dtype=cum.dtype)).item()) + 1)
+        keep = min(
+            keep, int(torch.searchsorted(cum, torch.tensor(sp.top_p, dtype=cum.dtype)).item()) + 1
+        )
     cum = cum[:keep]
-    idx = int(torch.searchsorted(cum, torch.tensor(u * cum[-1].item(), dtype=cum.dtype), right=True).item())
+    idx = int(
+        torch.searchsorted(
+            cum, torch.tensor(u * cum[-1].item(), dtype=cum.dtype), right=True
+        ).item()
+    )
     return int(order[min(idx, keep - 1)].item())
 
 
-def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], wants: Sequence[int | None]) -> list[Logprob | None]:
+def token_logprobs(
+    logits: torch.Tensor, tokens: Sequence[int], wants: Sequence[int | None]
+) -> list[Logprob | None]:
     """Row ``i``'s ``Logprob`` of ``tokens[i]`` when ``wants[i]`` is not None (with its top ``wants[i]``),
     from the raw ``logits [S, V]``; None elsewhere."""
     rows = [i for i, k in enumerate(wants) if k is not None]

@@ -123,7 +123,7 @@ class Scheduler:
         """
         if self._try_ensure(seq, num_tokens):
             return True  # NOTE: the common case, kept O(1): no victim list per sequence per step
-        victims = [s for s in self.running[index + 1:] if not s.paused]
+        victims = [s for s in self.running[index + 1 :] if not s.paused]
         while not self._try_ensure(seq, num_tokens):
             if not victims:
                 self.preempt(seq)
@@ -149,8 +149,12 @@ class Scheduler:
         Paused sequences and those holding blocks of their own keep what they have.
         """
         for seq in reversed(self.waiting):
-            if seq is not exclude and not seq.paused and seq.cache_handle is not None \
-                    and len(seq.block_table) == seq.num_cached_blocks:
+            if (
+                seq is not exclude
+                and not seq.paused
+                and seq.cache_handle is not None
+                and len(seq.block_table) == seq.num_cached_blocks
+            ):
                 self.blocks.release(seq)
                 return True
         return False

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from pdd.engine.sampling_params import SamplingParams
+from pdd.core.sampling_params import SamplingParams
 
 
 class SeqStatus(Enum):
@@ -60,7 +60,7 @@ class Sequence:
 
     @property
     def output_ids(self) -> list[int]:
-        return self.token_ids[self.prompt_len:]
+        return self.token_ids[self.prompt_len :]
 
     @property
     def num_pending(self) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdd.errors import InvalidArgumentError
+from pdd.core.errors import InvalidArgumentError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -22,8 +22,14 @@ def _content(value: Any, i: int) -> str:
     if isinstance(value, list):
         parts = []
         for j, part in enumerate(value):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise InvalidArgumentError(f"{field}[{j}]", "only {\"type\": \"text\", \"text\": ...} parts are supported")
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
+                raise InvalidArgumentError(
+                    f"{field}[{j}]", 'only {"type": "text", "text": ...} parts are supported'
+                )
             parts.append(part["text"])
         return "".join(parts)
     if value is None:
@@ -41,7 +47,9 @@ def normalize_messages(messages: Any) -> list[dict[str, str]]:
             raise InvalidArgumentError(f"messages[{i}]", "must be an object with role and content")
         role = msg.get("role")
         if role not in ROLES:
-            raise InvalidArgumentError(f"messages[{i}].role", f"must be one of {', '.join(ROLES)}, got {role!r}")
+            raise InvalidArgumentError(
+                f"messages[{i}].role", f"must be one of {', '.join(ROLES)}, got {role!r}"
+            )
         out.append({"role": role, "content": _content(msg.get("content"), i)})
     return out
 
@@ -49,13 +57,22 @@ def normalize_messages(messages: Any) -> list[dict[str, str]]:
 def render_chat(template: str, messages: Any) -> str:
     """The prompt text for ``messages`` (raises ``InvalidArgumentError`` on bad input)."""
     if not template:
-        raise InvalidArgumentError("messages", "the model has no chat template; use /v1/completions")
+        raise InvalidArgumentError(
+            "messages", "the model has no chat template; use /v1/completions"
+        )
     import jinja2
     from transformers.utils.chat_template_utils import render_jinja_template
 
     try:
-        rendered, _ = render_jinja_template([normalize_messages(messages)], chat_template=template,
-                                            add_generation_prompt=True, bos_token="", eos_token="")
-    except jinja2.TemplateError as exc:  # NOTE: templates reject e.g. roles out of order via raise_exception
+        rendered, _ = render_jinja_template(
+            [normalize_messages(messages)],
+            chat_template=template,
+            add_generation_prompt=True,
+            bos_token="",
+            eos_token="",
+        )
+    except (
+        jinja2.TemplateError
+    ) as exc:  # NOTE: templates reject e.g. roles out of order via raise_exception
         raise InvalidArgumentError("messages", f"the chat template rejected them: {exc}") from None
     return rendered[0]

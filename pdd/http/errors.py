@@ -1,6 +1,6 @@
 """The one mapping from errors to HTTP status codes and OpenAI's error JSON.
 
-Library code raises ``pdd.errors`` exceptions; ``pdd.server.errors`` maps them to a
+Library code raises ``pdd.core.errors`` exceptions; ``pdd.server.errors`` maps them to a
 gRPC status, and this module maps a status to HTTP. Errors only HTTP has (a bad key, a
 body that is not JSON, an unknown model or route) are ``ApiError``s, already
 in OpenAI's terms. Every error body is
@@ -13,7 +13,7 @@ from typing import Any
 
 import grpc
 
-from pdd import errors
+from pdd.core import errors
 from pdd.server.errors import is_domain_error, status_for
 
 INVALID = "invalid_request_error"
@@ -22,10 +22,23 @@ INVALID = "invalid_request_error"
 class ApiError(Exception):
     """An HTTP-only error, with its status and OpenAI's type/param/code."""
 
-    def __init__(self, status: int, message: str, *, type: str = INVALID, param: str | None = None,
-                 code: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = INVALID,
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.status, self.message, self.type, self.param, self.code = (
+            status,
+            message,
+            type,
+            param,
+            code,
+        )
 
 
 # gRPC status → HTTP: a stage service's status (seen through the gateway's calls to it), and
@@ -43,8 +56,9 @@ _GRPC: dict[grpc.StatusCode, tuple[int, str]] = {
 }
 
 
-def error_body(message: str, type: str = INVALID, param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
+def error_body(
+    message: str, type: str = INVALID, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 

@@ -31,21 +31,27 @@ import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
-from pdd.convert.gateway import ModelInfo, valid_id
-from pdd.errors import InvalidArgumentError
+from pdd.core.errors import InvalidArgumentError
+from pdd.core.model_info import ModelInfo
+from pdd.core.request import new_request_id
+from pdd.core.sampling_params import Logprob
 from pdd.http import openai_convert as conv
 from pdd.http.config import HttpConfig
 from pdd.http.errors import ApiError, error_body, http_error_for, is_expected
-from pdd.engine.sampling_params import Logprob
 from pdd.http.text_stream import Delta, End, choice_events
-from pdd.serving.gateway import Gateway, new_request_id
+from pdd.serving.gateway import Gateway
 from pdd.telemetry import metrics
+from pdd.wire.gateway import valid_id
 
 log = structlog.get_logger(__name__)
 
 REQUEST_ID = web.RequestKey("request_id", str)
 _REQUIRED_ROLES = ("prefill", "main_decode")
-_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
+_SSE_HEADERS = {
+    "Content-Type": "text/event-stream",
+    "Cache-Control": "no-cache",
+    "Connection": "keep-alive",
+}
 
 
 def _dumps(obj: Any) -> bytes:
@@ -57,17 +63,30 @@ def _json(obj: Any, status: int = 200) -> web.Response:
 
 
 class OpenAIServer:
-    def __init__(self, gateway: Gateway, info: ModelInfo, decode: Callable[[Sequence[int]], str] | None,
-                 config: HttpConfig) -> None:
+    def __init__(
+        self,
+        gateway: Gateway,
+        info: ModelInfo,
+        decode: Callable[[Sequence[int]], str] | None,
+        config: HttpConfig,
+    ) -> None:
         self.gateway, self.info, self.decode, self.config = gateway, info, decode, config
         self.model = config.served_model_name or info.name
         self.created = int(time.time())
-        self.app = web.Application(middlewares=[self._middleware], client_max_size=config.max_body_bytes)
-        self.app.add_routes([
-            web.get("/health", self.health), web.get("/ready", self.ready), web.get("/metrics", self.metrics),
-            web.get("/v1/models", self.models), web.get("/v1/models/{model}", self.model_card),
-            web.post("/v1/completions", self.completions), web.post("/v1/chat/completions", self.chat),
-        ])
+        self.app = web.Application(
+            middlewares=[self._middleware], client_max_size=config.max_body_bytes
+        )
+        self.app.add_routes(
+            [
+                web.get("/health", self.health),
+                web.get("/ready", self.ready),
+                web.get("/metrics", self.metrics),
+                web.get("/v1/models", self.models),
+                web.get("/v1/models/{model}", self.model_card),
+                web.post("/v1/completions", self.completions),
+                web.post("/v1/chat/completions", self.chat),
+            ]
+        )
         self._runner: web.AppRunner | None = None
         self.port = 0
 
@@ -75,17 +94,29 @@ class OpenAIServer:
     async def start(self) -> str:
         """Listen (in the running event loop); returns ``host:port``."""
         # NOTE: handler_cancellation: a client that disconnects cancels its request everywhere.
-        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
-                                     shutdown_timeout=self.config.grace_s)
+        self._runner = web.AppRunner(
+            self.app,
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=self.config.grace_s,
+        )
         await self._runner.setup()
         ssl_context = self.config.tls.server_ssl_context()
-        site = web.TCPSite(self._runner, self.config.host, self.config.port, ssl_context=ssl_context)
+        site = web.TCPSite(
+            self._runner, self.config.host, self.config.port, ssl_context=ssl_context
+        )
         await site.start()
         self.port = self._runner.addresses[0][1]
         address = f"{self.config.host}:{self.port}"
         tls_on = ssl_context is not None
-        log.info("http_started", address=address, model=self.model, auth=bool(self.config.api_keys),
-                 tls=tls_on, mutual_tls=tls_on and self.config.tls.require_client_cert)
+        log.info(
+            "http_started",
+            address=address,
+            model=self.model,
+            auth=bool(self.config.api_keys),
+            tls=tls_on,
+            mutual_tls=tls_on and self.config.tls.require_client_cert,
+        )
         return address
 
     async def stop(self) -> None:
@@ -106,8 +137,12 @@ class OpenAIServer:
         def done(status: int) -> None:
             metrics.HTTP_REQUESTS.labels(route, str(status)).inc()
             (log.info if route.startswith("/v1/") else log.debug)(
-                "http_request", method=request.method, path=request.path, status=status,
-                ms=round((time.perf_counter() - t0) * 1000, 2))
+                "http_request",
+                method=request.method,
+                path=request.path,
+                status=status,
+                ms=round((time.perf_counter() - t0) * 1000, 2),
+            )
 
         with structlog.contextvars.bound_contextvars(request_id=rid, http_route=route):
             try:
@@ -116,8 +151,12 @@ class OpenAIServer:
             except (ConnectionResetError, asyncio.CancelledError):
                 done(499)  # NOTE: nginx's "client closed request"
                 raise
-            except web.HTTPException as exc:  # aiohttp's own: unknown route, wrong method, body too large
-                resp = _json(error_body(exc.text or exc.reason, code=_HTTP_CODES.get(exc.status)), exc.status)
+            except (
+                web.HTTPException
+            ) as exc:  # aiohttp's own: unknown route, wrong method, body too large
+                resp = _json(
+                    error_body(exc.text or exc.reason, code=_HTTP_CODES.get(exc.status)), exc.status
+                )
             except Exception as exc:  # noqa: BLE001 — mapped to a status, never swallowed
                 resp = self._error(exc)
             if not resp.prepared:
@@ -139,7 +178,11 @@ class OpenAIServer:
         scheme, _, key = request.headers.get("Authorization", "").partition(" ")
         key = key.strip()
         if scheme.lower() != "bearer" or not key:
-            raise ApiError(401, "No API key provided: send 'Authorization: Bearer <key>'.", code="invalid_api_key")
+            raise ApiError(
+                401,
+                "No API key provided: send 'Authorization: Bearer <key>'.",
+                code="invalid_api_key",
+            )
         if not any(hmac.compare_digest(key.encode(), k.encode()) for k in self.config.api_keys):
             raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
 
@@ -148,15 +191,23 @@ class OpenAIServer:
         try:
             body = json.loads(raw)
         except ValueError as exc:
-            raise ApiError(400, f"The request body is not valid JSON: {exc}", code="invalid_json") from None
+            raise ApiError(
+                400, f"The request body is not valid JSON: {exc}", code="invalid_json"
+            ) from None
         if not isinstance(body, dict):
             raise InvalidArgumentError("body", "must be a JSON object")
         model = body.get("model")
         if not isinstance(model, str) or not model:
-            raise InvalidArgumentError("model", "is required: the id of a model from GET /v1/models")
+            raise InvalidArgumentError(
+                "model", "is required: the id of a model from GET /v1/models"
+            )
         if model != self.model:
-            raise ApiError(404, f"The model '{model}' does not exist; this server serves '{self.model}'.",
-                           param="model", code="model_not_found")
+            raise ApiError(
+                404,
+                f"The model '{model}' does not exist; this server serves '{self.model}'.",
+                param="model",
+                code="model_not_found",
+            )
         return body
 
     # ---- routes -------------------------------------------------------------------
@@ -167,11 +218,19 @@ class OpenAIServer:
         try:
             instances = await asyncio.wait_for(self.gateway.instances(), 5.0)
         except Exception as exc:  # noqa: BLE001 — not ready, and the reason is the answer
-            return _json({"status": "not_ready", "reason": f"kvstore: {type(exc).__name__}: {exc}"}, 503)
+            return _json(
+                {"status": "not_ready", "reason": f"kvstore: {type(exc).__name__}: {exc}"}, 503
+            )
         roles = Counter(i.ref.role.value for i in instances)
         missing = [r for r in _REQUIRED_ROLES if not roles[r]]
-        return _json({"status": "not_ready" if missing else "ready", "instances": dict(roles), "missing": missing},
-                     503 if missing else 200)
+        return _json(
+            {
+                "status": "not_ready" if missing else "ready",
+                "instances": dict(roles),
+                "missing": missing,
+            },
+            503 if missing else 200,
+        )
 
     async def metrics(self, request: web.Request) -> web.Response:
         resp = web.Response(body=generate_latest(REGISTRY))
@@ -179,15 +238,24 @@ class OpenAIServer:
         return resp
 
     def _card(self) -> dict[str, Any]:
-        return {"id": self.model, "object": "model", "created": self.created, "owned_by": "pdd",
-                "max_model_len": self.info.max_context_tokens}
+        return {
+            "id": self.model,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "pdd",
+            "max_model_len": self.info.max_context_tokens,
+        }
 
     async def models(self, request: web.Request) -> web.Response:
         return _json({"object": "list", "data": [self._card()]})
 
     async def model_card(self, request: web.Request) -> web.Response:
         if request.match_info["model"] != self.model:
-            raise ApiError(404, f"The model '{request.match_info['model']}' does not exist.", code="model_not_found")
+            raise ApiError(
+                404,
+                f"The model '{request.match_info['model']}' does not exist.",
+                code="model_not_found",
+            )
         return _json(self._card())
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -209,7 +277,9 @@ class OpenAIServer:
         # NOTE: a model without a tokenizer has no token strings; vLLM's spelling for that case
         return self.decode([token]) if self.decode is not None else f"token_id:{token}"
 
-    async def _whole(self, api: conv.ApiRequest, events: AsyncIterator[tuple[int, Delta | End]]) -> web.Response:
+    async def _whole(
+        self, api: conv.ApiRequest, events: AsyncIterator[tuple[int, Delta | End]]
+    ) -> web.Response:
         texts: list[list[str]] = [[] for _ in range(api.n)]
         ids: list[list[int]] = [[] for _ in range(api.n)]
         logprobs: list[list[Logprob]] = [[] for _ in range(api.n)]
@@ -222,15 +292,29 @@ class OpenAIServer:
             else:
                 ends[i] = ev
         assert len(ends) == api.n, "every request life ends with a final event"
-        choices = [conv.Choice("".join(texts[i]), conv.finish_reason(ends[i].finish_reason), ids[i],
-                               conv.logprobs_body(api, list(zip(ids[i], logprobs[i])), self._token_text)
-                               if api.logprobs else None)
-                   for i in range(api.n)]
-        return _json(conv.response_body(api, choices, ends[0].prompt_tokens,
-                                        sum(e.completion_tokens for e in ends.values())))
+        choices = [
+            conv.Choice(
+                "".join(texts[i]),
+                conv.finish_reason(ends[i].finish_reason),
+                ids[i],
+                conv.logprobs_body(api, list(zip(ids[i], logprobs[i])), self._token_text)
+                if api.logprobs
+                else None,
+            )
+            for i in range(api.n)
+        ]
+        return _json(
+            conv.response_body(
+                api, choices, ends[0].prompt_tokens, sum(e.completion_tokens for e in ends.values())
+            )
+        )
 
-    async def _stream(self, request: web.Request, api: conv.ApiRequest,
-                      events: AsyncIterator[tuple[int, Delta | End]]) -> web.StreamResponse:
+    async def _stream(
+        self,
+        request: web.Request,
+        api: conv.ApiRequest,
+        events: AsyncIterator[tuple[int, Delta | End]],
+    ) -> web.StreamResponse:
         resp = web.StreamResponse(headers={**_SSE_HEADERS, "x-request-id": request[REQUEST_ID]})
 
         async def send(obj: Any) -> None:
@@ -248,17 +332,28 @@ class OpenAIServer:
                 if isinstance(ev, Delta):
                     logprobs = None
                     if api.logprobs and ev.token_ids:
-                        logprobs = conv.logprobs_body(api, list(zip(ev.token_ids, ev.logprobs)), self._token_text,
-                                                      offsets[i])
+                        logprobs = conv.logprobs_body(
+                            api, list(zip(ev.token_ids, ev.logprobs)), self._token_text, offsets[i]
+                        )
                         if api.kind == conv.COMPLETION:
                             offsets[i] += sum(len(t) for t in logprobs["tokens"])
                     if ev.text or api.return_token_ids or logprobs:
-                        await send(conv.chunk_body(api, ev.text, None, ev.token_ids, index=i, logprobs=logprobs))
+                        await send(
+                            conv.chunk_body(
+                                api, ev.text, None, ev.token_ids, index=i, logprobs=logprobs
+                            )
+                        )
                     continue
                 ends[i] = ev
-                await send(conv.chunk_body(api, "", conv.finish_reason(ev.finish_reason), (), index=i))
+                await send(
+                    conv.chunk_body(api, "", conv.finish_reason(ev.finish_reason), (), index=i)
+                )
                 if api.include_usage and len(ends) == api.n:
-                    await send(conv.usage_chunk(api, ev.prompt_tokens, sum(e.completion_tokens for e in ends.values())))
+                    await send(
+                        conv.usage_chunk(
+                            api, ev.prompt_tokens, sum(e.completion_tokens for e in ends.values())
+                        )
+                    )
         except (ConnectionResetError, asyncio.CancelledError):
             log.info("http_client_gone")
             raise

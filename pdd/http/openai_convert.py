@@ -1,7 +1,7 @@
 """OpenAI JSON ↔ PDD: request bodies → ``GenerateJob``, results → response JSON.
 
 A body is type-checked here, turned into the same ``GenerateRequest`` the
-gRPC face receives, and validated by ``pdd.convert.gateway.generate_from_pb``
+gRPC face receives, and validated by ``pdd.wire.gateway.generate_from_pb``
 — one set of rules for both faces; an ``InvalidArgumentError`` names the
 field (HTTP 400). Supported: ``max_tokens`` (chat: also
 ``max_completion_tokens``), ``temperature``, ``top_p``, ``seed``, ``stop``
@@ -21,13 +21,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from pdd.convert.gateway import ModelInfo, generate_from_pb
+from pdd.core.errors import InvalidArgumentError
+from pdd.core.model_info import ModelInfo
+from pdd.core.request import GenerateJob
+from pdd.core.sampling_params import MAX_LOGPROBS, Logprob
 from pdd.engine import grammar
-from pdd.engine.sampling_params import MAX_LOGPROBS, Logprob
-from pdd.errors import InvalidArgumentError
 from pdd.gen.gateway.v1 import gateway_service_pb2 as pb
 from pdd.http.chat_template import render_chat
-from pdd.serving.gateway import GenerateJob
+from pdd.wire.gateway import generate_from_pb
 
 COMPLETION, CHAT = "text_completion", "chat.completion"
 _U32, _U64 = 2**32, 2**64
@@ -69,8 +70,13 @@ class ApiRequest:
             sampling = self.job.sampling
             if sampling.seed is not None:
                 sampling = replace(sampling, seed=(sampling.seed + i) % _U64)
-            jobs.append(replace(self.job, request_id=self.job.request_id[:128 - len(suffix)] + suffix,
-                                sampling=sampling))
+            jobs.append(
+                replace(
+                    self.job,
+                    request_id=self.job.request_id[: 128 - len(suffix)] + suffix,
+                    sampling=sampling,
+                )
+            )
         return jobs
 
 
@@ -155,32 +161,44 @@ def _response_format(fmt: Any) -> str:
     if kind == "json_object":
         return grammar.from_json_schema({"type": "object"})
     if kind != "json_schema":
-        raise InvalidArgumentError("response_format", "must be {\"type\": \"text\" | \"json_object\" | "
-                                   "\"json_schema\"}")
+        raise InvalidArgumentError(
+            "response_format", 'must be {"type": "text" | "json_object" | "json_schema"}'
+        )
     spec = fmt.get("json_schema")
     if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
-        raise InvalidArgumentError("response_format.json_schema", "must be an object with a \"schema\" object")
+        raise InvalidArgumentError(
+            "response_format.json_schema", 'must be an object with a "schema" object'
+        )
     try:
         return grammar.from_json_schema(spec.get("schema", {}))
     except ValueError as exc:
-        raise InvalidArgumentError("response_format.json_schema.schema",
-                                   f"is not a usable JSON schema: {exc}") from None
+        raise InvalidArgumentError(
+            "response_format.json_schema.schema", f"is not a usable JSON schema: {exc}"
+        ) from None
 
 
 # ---- requests ---------------------------------------------------------------------
 def _generate_request(body: dict, request_id: str, max_tokens: int) -> pb.GenerateRequest:
     top_k = _int(body, "top_k", -1, _U32, 0)
     req = pb.GenerateRequest(
-        max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", 1.0),
-        top_k=max(top_k, 0), stop_token_ids=_token_ids(body.get("stop_token_ids") or [], "stop_token_ids"),
-        ignore_eos=_bool(body, "ignore_eos"), session_id=_str(body, "session_id"),
-        cache_salt=_str(body, "cache_salt"), request_id=request_id,
+        max_tokens=max_tokens,
+        temperature=_number(body, "temperature", 1.0),
+        top_p=_number(body, "top_p", 1.0),
+        top_k=max(top_k, 0),
+        stop_token_ids=_token_ids(body.get("stop_token_ids") or [], "stop_token_ids"),
+        ignore_eos=_bool(body, "ignore_eos"),
+        session_id=_str(body, "session_id"),
+        cache_salt=_str(body, "cache_salt"),
+        request_id=request_id,
         presence_penalty=_number(body, "presence_penalty", 0.0),
-        frequency_penalty=_number(body, "frequency_penalty", 0.0))
+        frequency_penalty=_number(body, "frequency_penalty", 0.0),
+    )
     # NOTE: on the wire 0 means "off" (1.0); a body that says 0 asks for something invalid.
     repetition = _number(body, "repetition_penalty", 1.0)
     if not repetition > 0:
-        raise InvalidArgumentError("repetition_penalty", f"must be a finite number > 0, got {repetition}")
+        raise InvalidArgumentError(
+            "repetition_penalty", f"must be a finite number > 0, got {repetition}"
+        )
     req.repetition_penalty = repetition
     if fmt := _response_format(body.get("response_format")):
         req.grammar = fmt
@@ -207,11 +225,18 @@ def _common(body: Any, kind: str) -> dict[str, Any]:
     stream = _bool(body, "stream")
     options = body.get("stream_options")
     if options is not None and (not stream or not isinstance(options, dict)):
-        raise InvalidArgumentError("stream_options", "is only allowed as an object with stream: true")
-    return dict(kind=kind, model=body.get("model"), stream=stream,
-                include_usage=bool(options and options.get("include_usage")),
-                stop=_stop_strings(body), return_token_ids=_bool(body, "return_token_ids"),
-                n=_int(body, "n", 1, MAX_N + 1, 1))
+        raise InvalidArgumentError(
+            "stream_options", "is only allowed as an object with stream: true"
+        )
+    return dict(
+        kind=kind,
+        model=body.get("model"),
+        stream=stream,
+        include_usage=bool(options and options.get("include_usage")),
+        stop=_stop_strings(body),
+        return_token_ids=_bool(body, "return_token_ids"),
+        n=_int(body, "n", 1, MAX_N + 1, 1),
+    )
 
 
 def completion_request(body: Any, info: ModelInfo, request_id: str) -> ApiRequest:
@@ -223,8 +248,12 @@ def completion_request(body: Any, info: ModelInfo, request_id: str) -> ApiReques
     if prompt == [] or prompt == "":
         raise InvalidArgumentError("prompt", "must not be empty")
     if isinstance(prompt, list) and all(isinstance(p, (str, list)) for p in prompt):
-        raise InvalidArgumentError("prompt", "batches of prompts are not supported; send one request per prompt")
-    req = _generate_request(body, request_id, _int(body, "max_tokens", 0, _U32, DEFAULT_COMPLETION_MAX_TOKENS))
+        raise InvalidArgumentError(
+            "prompt", "batches of prompts are not supported; send one request per prompt"
+        )
+    req = _generate_request(
+        body, request_id, _int(body, "max_tokens", 0, _U32, DEFAULT_COMPLETION_MAX_TOKENS)
+    )
     # NOTE: OpenAI's completions logprobs: the top k, and always the sampled token's
     k = _int(body, "logprobs", 0, MAX_LOGPROBS + 1)
     if k is not None:
@@ -255,14 +284,17 @@ def chat_request(body: Any, info: ModelInfo, request_id: str) -> ApiRequest:
     if _bool(body, "logprobs"):
         req.logprobs = top or 0
     elif top is not None:
-        raise InvalidArgumentError("top_logprobs", "needs \"logprobs\": true")
+        raise InvalidArgumentError("top_logprobs", 'needs "logprobs": true')
     return ApiRequest(job=generate_from_pb(req, info), **common)
 
 
 # ---- responses --------------------------------------------------------------------
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def _envelope(r: ApiRequest, chunk: bool) -> dict[str, Any]:
@@ -270,8 +302,12 @@ def _envelope(r: ApiRequest, chunk: bool) -> dict[str, Any]:
     return {"id": r.id, "object": obj, "created": r.created, "model": r.model}
 
 
-def logprobs_body(r: ApiRequest, items: Sequence[tuple[int, Logprob]], token_text: Callable[[int], str],
-                  text_offset: int = 0) -> dict[str, Any]:
+def logprobs_body(
+    r: ApiRequest,
+    items: Sequence[tuple[int, Logprob]],
+    token_text: Callable[[int], str],
+    text_offset: int = 0,
+) -> dict[str, Any]:
     """OpenAI's ``logprobs`` of a choice (or chunk) for its tokens ``items`` = (token id, Logprob).
 
     Chat: ``content`` entries with ``token``, ``logprob``, ``bytes`` and ``top_logprobs``.
@@ -279,24 +315,43 @@ def logprobs_body(r: ApiRequest, items: Sequence[tuple[int, Logprob]], token_tex
     sampled token, so up to k + 1) and ``text_offset`` (from ``text_offset``, in token strings).
     """
     if r.kind == CHAT:
+
         def entry(token: int, logprob: float) -> dict[str, Any]:
             text = token_text(token)
             return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
-        return {"content": [{**entry(t, lp.logprob), "top_logprobs": [entry(tt, v) for tt, v in lp.top]}
-                            for t, lp in items]}
+        return {
+            "content": [
+                {**entry(t, lp.logprob), "top_logprobs": [entry(tt, v) for tt, v in lp.top]}
+                for t, lp in items
+            ]
+        }
     tokens = [token_text(t) for t, _ in items]
     offsets = []
     for text in tokens:
         offsets.append(text_offset)
         text_offset += len(text)
-    top = [{**{token_text(tt): v for tt, v in lp.top}, token_text(t): lp.logprob} for t, lp in items]
-    return {"tokens": tokens, "token_logprobs": [lp.logprob for _, lp in items], "top_logprobs": top,
-            "text_offset": offsets}
+    top = [
+        {**{token_text(tt): v for tt, v in lp.top}, token_text(t): lp.logprob} for t, lp in items
+    ]
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for _, lp in items],
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
 
 
-def _choice(r: ApiRequest, text: str, finish: str | None, token_ids: Sequence[int] | None,
-            chunk: bool, role: bool = False, index: int = 0, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+def _choice(
+    r: ApiRequest,
+    text: str,
+    finish: str | None,
+    token_ids: Sequence[int] | None,
+    chunk: bool,
+    role: bool = False,
+    index: int = 0,
+    logprobs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     if r.kind == CHAT:
         body: dict[str, Any] = {"index": index}
         if chunk:
@@ -323,20 +378,36 @@ class Choice:
     logprobs: dict[str, Any] | None = None  # ``logprobs_body`` when the request asked for them
 
 
-def response_body(r: ApiRequest, choices: Sequence[Choice], prompt_tokens: int,
-                  completion_tokens: int) -> dict[str, Any]:
+def response_body(
+    r: ApiRequest, choices: Sequence[Choice], prompt_tokens: int, completion_tokens: int
+) -> dict[str, Any]:
     """The whole (non-streamed) response; ``choices`` in index order, usage over all of them."""
-    return {**_envelope(r, False),
-            "choices": [_choice(r, c.text, c.finish, c.token_ids, False, index=i, logprobs=c.logprobs)
-                        for i, c in enumerate(choices)],
-            "usage": usage(prompt_tokens, completion_tokens)}
+    return {
+        **_envelope(r, False),
+        "choices": [
+            _choice(r, c.text, c.finish, c.token_ids, False, index=i, logprobs=c.logprobs)
+            for i, c in enumerate(choices)
+        ],
+        "usage": usage(prompt_tokens, completion_tokens),
+    }
 
 
-def chunk_body(r: ApiRequest, text: str = "", finish: str | None = None, token_ids: Sequence[int] | None = None,
-               *, role: bool = False, index: int = 0, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+def chunk_body(
+    r: ApiRequest,
+    text: str = "",
+    finish: str | None = None,
+    token_ids: Sequence[int] | None = None,
+    *,
+    role: bool = False,
+    index: int = 0,
+    logprobs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """One streamed chunk of choice ``index``; ``role`` marks chat's first chunk of a choice (OpenAI
     sends the role once)."""
-    out = {**_envelope(r, True), "choices": [_choice(r, text, finish, token_ids, True, role, index, logprobs)]}
+    out = {
+        **_envelope(r, True),
+        "choices": [_choice(r, text, finish, token_ids, True, role, index, logprobs)],
+    }
     if r.include_usage:
         out["usage"] = None
     return out

@@ -28,8 +28,8 @@ class StopStrings:
             self.hit, self._held = True, ""
             return buf[:at]
         keep = self._partial_tail(buf)
-        self._held = buf[len(buf) - keep:] if keep else ""
-        return buf[:len(buf) - keep]
+        self._held = buf[len(buf) - keep :] if keep else ""
+        return buf[: len(buf) - keep]
 
     def flush(self) -> str:
         """The held-back tail, once the stream ended without a stop string."""

@@ -14,10 +14,11 @@ import contextlib
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
-from pdd.engine.sampling_params import Logprob
+from pdd.core.request import Ending, GenerateJob, TokenEvent
+from pdd.core.sampling_params import Logprob
 from pdd.http.stop_strings import StopStrings
 from pdd.serving.detokenizer import Detokenizer
-from pdd.serving.gateway import Ending, Gateway, GenerateJob, TokenEvent
+from pdd.serving.gateway import Gateway
 
 
 @dataclass(frozen=True)
@@ -34,8 +35,12 @@ class End:
     completion_tokens: int
 
 
-async def text_events(gateway: Gateway, job: GenerateJob, decode: Callable[[Sequence[int]], str] | None,
-                      stop: Sequence[str] = ()) -> AsyncIterator[Delta | End]:
+async def text_events(
+    gateway: Gateway,
+    job: GenerateJob,
+    decode: Callable[[Sequence[int]], str] | None,
+    stop: Sequence[str] = (),
+) -> AsyncIterator[Delta | End]:
     detok, stops = Detokenizer(decode), StopStrings(stop)
     produced = 0
     ending = Ending()
@@ -46,7 +51,9 @@ async def text_events(gateway: Gateway, job: GenerateJob, decode: Callable[[Sequ
                 text = stops.feed(detok.add(ev.token_ids))
                 yield Delta(text, ev.token_ids, ev.logprobs)
                 if stops.hit:
-                    ending.reason = "stop"  # NOTE: before the close below, so metrics say stop, not cancelled
+                    ending.reason = (
+                        "stop"  # NOTE: before the close below, so metrics say stop, not cancelled
+                    )
                     yield End("stop", len(job.prompt_token_ids), produced)
                     return
                 continue
@@ -55,8 +62,12 @@ async def text_events(gateway: Gateway, job: GenerateJob, decode: Callable[[Sequ
             yield End(ev.finish_reason, ev.stats.prompt_tokens, ev.stats.completion_tokens)
 
 
-async def choice_events(gateway: Gateway, jobs: Sequence[GenerateJob], decode: Callable[[Sequence[int]], str] | None,
-                        stop: Sequence[str] = ()) -> AsyncIterator[tuple[int, Delta | End]]:
+async def choice_events(
+    gateway: Gateway,
+    jobs: Sequence[GenerateJob],
+    decode: Callable[[Sequence[int]], str] | None,
+    stop: Sequence[str] = (),
+) -> AsyncIterator[tuple[int, Delta | End]]:
     """``(index, event)`` of every job's ``text_events``, as they come; each job ends with its own
     ``End``. The first failure of any job is raised here and, like closing this generator early,
     cancels every job still running (their stage calls and KV with them)."""

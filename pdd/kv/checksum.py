@@ -90,7 +90,7 @@ def crc32(data: bytes | bytearray | memoryview, value: int = 0) -> int:
     if ACCELERATED or view.nbytes < _PARALLEL_MIN:
         return _crc32(view, value)
     step = -(-view.nbytes // _WORKERS)
-    pieces = [view[i:i + step] for i in range(0, view.nbytes, step)]
+    pieces = [view[i : i + step] for i in range(0, view.nbytes, step)]
     for piece, c in zip(pieces, _executor().map(zlib.crc32, pieces), strict=True):
         value = crc32_combine(value, c, piece.nbytes)
     return value

@@ -23,7 +23,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterator
 
-from pdd.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
+from pdd.core.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
 from pdd.kv.checksum import crc32
 from pdd.kv.compression import compress_chunk, decompress_chunk
 from pdd.kv.transfer import Chunk, TransferHeader, chunk_span
@@ -40,8 +40,9 @@ class ChunkVerdict(enum.Enum):
     CORRUPT = "corrupt"
 
 
-def encode_chunk(header: TransferHeader, index: int, raw: bytes | bytearray | memoryview,
-                 *, level: int = 1) -> Chunk:
+def encode_chunk(
+    header: TransferHeader, index: int, raw: bytes | bytearray | memoryview, *, level: int = 1
+) -> Chunk:
     """Chunk ``index`` from its raw (decompressed) bytes."""
     offset, length = chunk_span(header, index)
     if len(raw) != length:
@@ -50,38 +51,55 @@ def encode_chunk(header: TransferHeader, index: int, raw: bytes | bytearray | me
     return Chunk(header.request_id, index, offset, data, crc32(data))
 
 
-def split(header: TransferHeader, payload: bytes | bytearray | memoryview, *, level: int = 1) -> Iterator[Chunk]:
+def split(
+    header: TransferHeader, payload: bytes | bytearray | memoryview, *, level: int = 1
+) -> Iterator[Chunk]:
     """Every chunk of an in-memory payload, in order."""
     view = memoryview(payload).cast("B")
     if view.nbytes != header.total_bytes:
-        raise InvalidArgumentError("payload", f"has {view.nbytes} bytes, header says {header.total_bytes}")
+        raise InvalidArgumentError(
+            "payload", f"has {view.nbytes} bytes, header says {header.total_bytes}"
+        )
     for i in range(header.num_chunks):
         offset, length = chunk_span(header, i)
-        yield encode_chunk(header, i, view[offset:offset + length], level=level)
+        yield encode_chunk(header, i, view[offset : offset + length], level=level)
 
 
 def check_header(header: TransferHeader, max_total_bytes: int) -> None:
     """Reject a header whose declared size is over what the receiver accepts."""
     if header.total_bytes > max_total_bytes:
-        raise ResourceExhaustedError(f"KV transfer {header.request_id}: {header.total_bytes} bytes "
-                                     f"exceeds the limit of {max_total_bytes}")
+        raise ResourceExhaustedError(
+            f"KV transfer {header.request_id}: {header.total_bytes} bytes "
+            f"exceeds the limit of {max_total_bytes}"
+        )
     if header.num_chunks > MAX_CHUNKS:
-        raise InvalidArgumentError("header.num_chunks", f"{header.num_chunks} exceeds the limit of {MAX_CHUNKS}")
+        raise InvalidArgumentError(
+            "header.num_chunks", f"{header.num_chunks} exceeds the limit of {MAX_CHUNKS}"
+        )
 
 
 class Reassembler:
     """Collects one transfer's chunks into its payload buffer."""
 
-    def __init__(self, header: TransferHeader, *, max_total_bytes: int = DEFAULT_MAX_TOTAL_BYTES,
-                 buffer: memoryview | None = None) -> None:
+    def __init__(
+        self,
+        header: TransferHeader,
+        *,
+        max_total_bytes: int = DEFAULT_MAX_TOTAL_BYTES,
+        buffer: memoryview | None = None,
+    ) -> None:
         check_header(header, max_total_bytes)
         self.header = header
         if buffer is not None:
             # A caller-owned region (e.g. a fast-link shared-memory segment): written in place.
             buffer = memoryview(buffer).cast("B")
             if buffer.readonly or buffer.nbytes != header.total_bytes:
-                raise InvalidArgumentError("buffer", f"must be a writable region of {header.total_bytes} bytes")
-        self._buffer: bytearray | memoryview | None = buffer if buffer is not None else bytearray(header.total_bytes)
+                raise InvalidArgumentError(
+                    "buffer", f"must be a writable region of {header.total_bytes} bytes"
+                )
+        self._buffer: bytearray | memoryview | None = (
+            buffer if buffer is not None else bytearray(header.total_bytes)
+        )
         self._received = bytearray(header.num_chunks)  # 1 where an intact chunk landed
         self.chunks_received = 0
         self.bytes_received = 0  # decompressed
@@ -101,10 +119,14 @@ class Reassembler:
     def accept(self, chunk: Chunk) -> ChunkVerdict:
         header = self.header
         if chunk.request_id != header.request_id:
-            raise InvalidArgumentError("chunk.request_id",
-                                       f"{chunk.request_id!r} does not match the header's {header.request_id!r}")
+            raise InvalidArgumentError(
+                "chunk.request_id",
+                f"{chunk.request_id!r} does not match the header's {header.request_id!r}",
+            )
         if not 0 <= chunk.index < header.num_chunks:
-            raise InvalidArgumentError("chunk.index", f"{chunk.index} outside [0, {header.num_chunks})")
+            raise InvalidArgumentError(
+                "chunk.index", f"{chunk.index} outside [0, {header.num_chunks})"
+            )
         if self._received[chunk.index]:
             self.duplicates += 1
             return ChunkVerdict.DUPLICATE
@@ -113,11 +135,13 @@ class Reassembler:
             return ChunkVerdict.CORRUPT
         offset, length = chunk_span(header, chunk.index)
         if chunk.offset != offset:
-            raise InvalidArgumentError("chunk.offset", f"chunk {chunk.index} starts at {offset}, got {chunk.offset}")
+            raise InvalidArgumentError(
+                "chunk.offset", f"chunk {chunk.index} starts at {offset}, got {chunk.offset}"
+            )
         if self._taken or self._buffer is None:
             raise FailedPreconditionError(f"KV transfer {header.request_id}: payload already taken")
         raw = decompress_chunk(chunk.data, header.compression, length)
-        self._buffer[offset:offset + length] = raw
+        self._buffer[offset : offset + length] = raw
         self._received[chunk.index] = 1
         self.chunks_received += 1
         self.bytes_received += length
@@ -127,10 +151,12 @@ class Reassembler:
     def take(self) -> bytearray | memoryview:
         """The payload, once, when complete; the reassembler keeps no reference."""
         if not self.complete:
-            raise FailedPreconditionError(f"KV transfer {self.header.request_id}: "
-                                          f"{len(self.missing())} chunks still missing")
+            raise FailedPreconditionError(
+                f"KV transfer {self.header.request_id}: {len(self.missing())} chunks still missing"
+            )
         if self._taken or self._buffer is None:
-            raise FailedPreconditionError(f"KV transfer {self.header.request_id}: payload already taken")
+            raise FailedPreconditionError(
+                f"KV transfer {self.header.request_id}: payload already taken"
+            )
         payload, self._buffer, self._taken = self._buffer, None, True
         return payload
-

@@ -23,7 +23,7 @@ import zlib
 
 import torch
 
-from pdd.errors import InvalidArgumentError
+from pdd.core.errors import InvalidArgumentError
 from pdd.kv.layout import KvDtype, KvLayout
 from pdd.kv.transfer import Compression
 
@@ -53,8 +53,12 @@ def encode_tensor(kv: torch.Tensor, wire: KvDtype) -> memoryview:
     return tensor_bytes(cast_for_wire(kv, wire))
 
 
-def decode_tensor(payload: bytes | bytearray | memoryview, layout: KvLayout, num_tokens: int,
-                  dtype: torch.dtype | None = None) -> torch.Tensor:
+def decode_tensor(
+    payload: bytes | bytearray | memoryview,
+    layout: KvLayout,
+    num_tokens: int,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """The payload as a tensor of ``layout.shape(num_tokens)``, in ``dtype`` (default: the wire dtype).
 
     Zero-copy over a writable buffer (a ``Reassembler``'s payload, a shared-memory
@@ -62,7 +66,9 @@ def decode_tensor(payload: bytes | bytearray | memoryview, layout: KvLayout, num
     """
     view = memoryview(payload).cast("B")
     if view.nbytes != layout.nbytes(num_tokens):
-        raise InvalidArgumentError("payload", f"has {view.nbytes} bytes, layout says {layout.nbytes(num_tokens)}")
+        raise InvalidArgumentError(
+            "payload", f"has {view.nbytes} bytes, layout says {layout.nbytes(num_tokens)}"
+        )
     if view.nbytes == 0:
         raw = torch.empty(0, dtype=torch.uint8)
     else:
@@ -90,10 +96,13 @@ def decompress_chunk(data: bytes, compression: Compression, expected_len: int) -
         except zlib.error as e:
             raise InvalidArgumentError("chunk.data", f"not a zlib stream: {e}") from None
         if not inflater.eof:
-            raise InvalidArgumentError("chunk.data", f"inflates past its span of {expected_len} bytes "
-                                                     f"or is truncated")
+            raise InvalidArgumentError(
+                "chunk.data", f"inflates past its span of {expected_len} bytes or is truncated"
+            )
     else:
         raise InvalidArgumentError("compression", f"unsupported {compression!r}")
     if len(out) != expected_len:
-        raise InvalidArgumentError("chunk.data", f"holds {len(out)} bytes, its span is {expected_len}")
+        raise InvalidArgumentError(
+            "chunk.data", f"holds {len(out)} bytes, its span is {expected_len}"
+        )
     return out

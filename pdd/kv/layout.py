@@ -51,10 +51,21 @@ class KvDtype(enum.Enum):
 
 
 _ITEMSIZE = {KvDtype.FLOAT32: 4, KvDtype.FLOAT16: 2, KvDtype.BFLOAT16: 2, KvDtype.FLOAT8_E4M3: 1}
-_TORCH = {KvDtype.FLOAT32: torch.float32, KvDtype.FLOAT16: torch.float16,
-          KvDtype.BFLOAT16: torch.bfloat16, KvDtype.FLOAT8_E4M3: torch.float8_e4m3fn}
-_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16",
-            "fp8": "float8_e4m3", "fp8_e4m3": "float8_e4m3", "float8_e4m3fn": "float8_e4m3"}
+_TORCH = {
+    KvDtype.FLOAT32: torch.float32,
+    KvDtype.FLOAT16: torch.float16,
+    KvDtype.BFLOAT16: torch.bfloat16,
+    KvDtype.FLOAT8_E4M3: torch.float8_e4m3fn,
+}
+_ALIASES = {
+    "fp32": "float32",
+    "fp16": "float16",
+    "half": "float16",
+    "bf16": "bfloat16",
+    "fp8": "float8_e4m3",
+    "fp8_e4m3": "float8_e4m3",
+    "float8_e4m3fn": "float8_e4m3",
+}
 
 
 @dataclass(frozen=True)
@@ -77,13 +88,24 @@ class KvLayout:
         if self.block_size < 0:
             raise ValueError(f"block_size: must be >= 0, got {self.block_size}")
         names = self.axes.split(",")
-        if len(set(names)) != len(names) or not set(names) <= _KNOWN_AXES or not _REQUIRED_AXES <= set(names):
-            raise ValueError(f"axes: expected a permutation of {WIRE_AXES!r} (kv optional), got {self.axes!r}")
+        if (
+            len(set(names)) != len(names)
+            or not set(names) <= _KNOWN_AXES
+            or not _REQUIRED_AXES <= set(names)
+        ):
+            raise ValueError(
+                f"axes: expected a permutation of {WIRE_AXES!r} (kv optional), got {self.axes!r}"
+            )
 
     def shape(self, num_tokens: int) -> tuple[int, ...]:
         """Tensor shape of ``num_tokens`` tokens, in ``axes`` order."""
-        sizes = {"layer": self.num_layers, "kv": 2, "token": num_tokens,
-                 "head": self.num_kv_heads, "dim": self.head_dim}
+        sizes = {
+            "layer": self.num_layers,
+            "kv": 2,
+            "token": num_tokens,
+            "head": self.num_kv_heads,
+            "dim": self.head_dim,
+        }
         return tuple(sizes[a] for a in self.axes.split(","))
 
     @property
@@ -95,4 +117,6 @@ class KvLayout:
         return self.bytes_per_token * num_tokens
 
     def with_dtype(self, dtype: KvDtype) -> KvLayout:
-        return KvLayout(dtype, self.num_layers, self.num_kv_heads, self.head_dim, self.axes, self.block_size)
+        return KvLayout(
+            dtype, self.num_layers, self.num_kv_heads, self.head_dim, self.axes, self.block_size
+        )

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from pdd.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
+from pdd.core.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
 from pdd.kv.chunking import DEFAULT_MAX_TOTAL_BYTES, ChunkVerdict, Reassembler
 from pdd.kv.transfer import Chunk, Commit, PushItem, TransferHeader, TransferStatus
 from pdd.kv.waiters import Waiters
@@ -79,9 +79,13 @@ class _Transfer:
 
 
 class KvReceiver:
-    def __init__(self, config: ReceiverConfig = ReceiverConfig(), *,
-                 on_complete: Callable[[ReceivedKv], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        config: ReceiverConfig = ReceiverConfig(),
+        *,
+        on_complete: Callable[[ReceivedKv], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.config = config
         self._on_complete = on_complete
         self._clock = clock
@@ -98,15 +102,19 @@ class KvReceiver:
         t = self._transfers.get(rid)
         if t is not None:
             if t.header != header:
-                raise InvalidArgumentError("header", f"conflicts with the transfer of {rid} in progress")
+                raise InvalidArgumentError(
+                    "header", f"conflicts with the transfer of {rid} in progress"
+                )
             t.touched_at = self._clock()
             return self.status(rid)
         if self._done.get(rid) == header:
             return self.status(rid)
         self.expire()
         if self.inflight_bytes + header.total_bytes > self.config.max_inflight_bytes:
-            raise ResourceExhaustedError(f"KV receiver holds {self.inflight_bytes} bytes; {rid} needs "
-                                         f"{header.total_bytes} more (limit {self.config.max_inflight_bytes})")
+            raise ResourceExhaustedError(
+                f"KV receiver holds {self.inflight_bytes} bytes; {rid} needs "
+                f"{header.total_bytes} more (limit {self.config.max_inflight_bytes})"
+            )
         self._done.pop(rid, None)
         self._transfers[rid] = _Transfer(header, self.config.max_transfer_bytes, self._clock())
         return self.status(rid)
@@ -144,14 +152,18 @@ class KvReceiver:
         async for item in items:
             if rid is None:
                 if not isinstance(item, TransferHeader):
-                    raise InvalidArgumentError("header", "the first message of a push must be the header")
+                    raise InvalidArgumentError(
+                        "header", "the first message of a push must be the header"
+                    )
                 rid = item.request_id
                 self.open(item)
             elif isinstance(item, TransferHeader):
                 raise InvalidArgumentError("header", "a push carries one header")
             elif item.request_id != rid:
-                raise InvalidArgumentError(f"{type(item).__name__.lower()}.request_id",
-                                           f"{item.request_id!r} does not match the header's {rid!r}")
+                raise InvalidArgumentError(
+                    f"{type(item).__name__.lower()}.request_id",
+                    f"{item.request_id!r} does not match the header's {rid!r}",
+                )
             elif isinstance(item, Chunk):
                 self.accept(item)
             else:
@@ -166,10 +178,19 @@ class KvReceiver:
             done = self._done.get(request_id)
             if done is None:
                 return TransferStatus(request_id, known=False)
-            return TransferStatus(request_id, True, done.num_chunks, (), True, done.total_bytes, done.num_chunks)
+            return TransferStatus(
+                request_id, True, done.num_chunks, (), True, done.total_bytes, done.num_chunks
+            )
         r = t.reassembler
-        return TransferStatus(request_id, True, t.header.num_chunks, tuple(r.missing()), t.delivered is not None,
-                              r.bytes_received, r.chunks_received)
+        return TransferStatus(
+            request_id,
+            True,
+            t.header.num_chunks,
+            tuple(r.missing()),
+            t.delivered is not None,
+            r.bytes_received,
+            r.chunks_received,
+        )
 
     async def wait_complete(self, request_id: str, timeout_s: float) -> ReceivedKv:
         """The delivered transfer, waiting up to ``timeout_s`` (its header may not even be here yet)."""
@@ -190,13 +211,17 @@ class KvReceiver:
     def discard(self, request_id: str) -> bool:
         """Drop a transfer (request cancelled); waiters get ``FailedPreconditionError``."""
         dropped = self._transfers.pop(request_id, None) is not None
-        self._waiters.fail(request_id, FailedPreconditionError(f"KV transfer of {request_id} was cancelled"))
+        self._waiters.fail(
+            request_id, FailedPreconditionError(f"KV transfer of {request_id} was cancelled")
+        )
         return dropped
 
     def expire(self) -> list[str]:
         """Drop transfers idle longer than ``ttl_s``; returns their request ids."""
         now = self._clock()
-        stale = [rid for rid, t in self._transfers.items() if now - t.touched_at > self.config.ttl_s]
+        stale = [
+            rid for rid, t in self._transfers.items() if now - t.touched_at > self.config.ttl_s
+        ]
         for rid in stale:
             del self._transfers[rid]
             log.warning("kv_transfer_expired", request_id=rid)
@@ -212,10 +237,21 @@ class KvReceiver:
         if t.delivered is not None or t.commit is None or not t.reassembler.complete:
             return
         r = t.reassembler
-        t.delivered = ReceivedKv(t.header, r.take(), t.commit.output_token_ids, r.wire_bytes_received,
-                                 self._clock() - t.opened_at)
-        log.info("kv_transfer_complete", request_id=t.header.request_id, bytes=t.header.total_bytes,
-                 wire_bytes=r.wire_bytes_received, duplicates=r.duplicates, corrupt=r.corrupt)
+        t.delivered = ReceivedKv(
+            t.header,
+            r.take(),
+            t.commit.output_token_ids,
+            r.wire_bytes_received,
+            self._clock() - t.opened_at,
+        )
+        log.info(
+            "kv_transfer_complete",
+            request_id=t.header.request_id,
+            bytes=t.header.total_bytes,
+            wire_bytes=r.wire_bytes_received,
+            duplicates=r.duplicates,
+            corrupt=r.corrupt,
+        )
         self._waiters.resolve(t.header.request_id, t.delivered)
         if self._on_complete is not None:
             try:

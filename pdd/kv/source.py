@@ -18,7 +18,7 @@ import asyncio
 from collections.abc import AsyncIterable, AsyncIterator
 from typing import Protocol
 
-from pdd.errors import FailedPreconditionError, InvalidArgumentError
+from pdd.core.errors import FailedPreconditionError, InvalidArgumentError
 
 
 class KvSource(Protocol):
@@ -32,7 +32,9 @@ class KvSource(Protocol):
 
 def _check_span(offset: int, length: int, total: int) -> None:
     if offset < 0 or length < 0 or offset + length > total:
-        raise InvalidArgumentError("span", f"[{offset}, {offset + length}) outside the payload of {total} bytes")
+        raise InvalidArgumentError(
+            "span", f"[{offset}, {offset + length}) outside the payload of {total} bytes"
+        )
 
 
 class BytesSource:
@@ -47,13 +49,15 @@ class BytesSource:
 
     async def read(self, offset: int, length: int) -> memoryview:
         _check_span(offset, length, self._view.nbytes)
-        return self._view[offset:offset + length]
+        return self._view[offset : offset + length]
 
 
 class StreamedSource:
     """A payload produced piece by piece by an async iterator, pulled only as far as reads need."""
 
-    def __init__(self, total_bytes: int, pieces: AsyncIterable[bytes | bytearray | memoryview]) -> None:
+    def __init__(
+        self, total_bytes: int, pieces: AsyncIterable[bytes | bytearray | memoryview]
+    ) -> None:
         if total_bytes < 0:
             raise ValueError(f"total_bytes: must be >= 0, got {total_bytes}")
         self._total = total_bytes
@@ -81,10 +85,13 @@ class StreamedSource:
                         piece = await anext(self._pieces)
                     except StopAsyncIteration:
                         raise FailedPreconditionError(
-                            f"KV producer stopped after {self._produced} of {self._total} bytes") from None
+                            f"KV producer stopped after {self._produced} of {self._total} bytes"
+                        ) from None
                     piece = memoryview(piece).cast("B")
                     if self._produced + piece.nbytes > self._total:
-                        raise InvalidArgumentError("payload", f"producer overran the declared {self._total} bytes")
-                    self._buffer[self._produced:self._produced + piece.nbytes] = piece
+                        raise InvalidArgumentError(
+                            "payload", f"producer overran the declared {self._total} bytes"
+                        )
+                    self._buffer[self._produced : self._produced + piece.nbytes] = piece
                     self._produced += piece.nbytes
         return memoryview(self._buffer)[offset:end]

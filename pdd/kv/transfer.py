@@ -51,18 +51,26 @@ class TransferHeader:
         if not self.request_id:
             raise ValueError("request_id: must not be empty")
         if self.start_token < 0 or self.num_tokens < 0:
-            raise ValueError(f"num_tokens: start_token and num_tokens must be >= 0, "
-                             f"got {self.start_token}, {self.num_tokens}")
+            raise ValueError(
+                f"num_tokens: start_token and num_tokens must be >= 0, "
+                f"got {self.start_token}, {self.num_tokens}"
+            )
         if self.total_bytes != self.layout.nbytes(self.num_tokens):
-            raise ValueError(f"total_bytes: {self.total_bytes} != {self.num_tokens} tokens x "
-                             f"{self.layout.bytes_per_token} bytes per token")
+            raise ValueError(
+                f"total_bytes: {self.total_bytes} != {self.num_tokens} tokens x "
+                f"{self.layout.bytes_per_token} bytes per token"
+            )
         if self.total_bytes == 0 and self.num_chunks != 0:
             raise ValueError(f"num_chunks: an empty range has no chunks, got {self.num_chunks}")
         if self.total_bytes > 0 and not 1 <= self.num_chunks <= self.total_bytes:
-            raise ValueError(f"num_chunks: must be in [1, total_bytes={self.total_bytes}], got {self.num_chunks}")
+            raise ValueError(
+                f"num_chunks: must be in [1, total_bytes={self.total_bytes}], got {self.num_chunks}"
+            )
         if self.num_chunks > 1 and (self.num_chunks - 1) * self.chunk_bytes >= self.total_bytes:
-            raise ValueError(f"num_chunks: {self.num_chunks} balanced chunks of {self.total_bytes} bytes "
-                             f"leave the last one empty")
+            raise ValueError(
+                f"num_chunks: {self.num_chunks} balanced chunks of {self.total_bytes} bytes "
+                f"leave the last one empty"
+            )
         if not isinstance(self.compression, Compression):
             raise ValueError(f"compression: expected a Compression, got {self.compression!r}")
 
@@ -78,13 +86,30 @@ def num_chunks_for(total_bytes: int, max_chunk_bytes: int = DEFAULT_CHUNK_BYTES)
     return -(-total_bytes // max_chunk_bytes)
 
 
-def make_header(request_id: str, layout: KvLayout, start_token: int, num_tokens: int, *,
-                chunk_bytes: int = DEFAULT_CHUNK_BYTES, compression: Compression = Compression.NONE,
-                token_ids: tuple[int, ...] = (), cache_salt: str = "") -> TransferHeader:
+def make_header(
+    request_id: str,
+    layout: KvLayout,
+    start_token: int,
+    num_tokens: int,
+    *,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    compression: Compression = Compression.NONE,
+    token_ids: tuple[int, ...] = (),
+    cache_salt: str = "",
+) -> TransferHeader:
     """The header of a range of ``num_tokens`` tokens, cut into chunks of at most ``chunk_bytes``."""
     total = layout.nbytes(num_tokens)
-    return TransferHeader(request_id, layout, start_token, num_tokens, total,
-                          num_chunks_for(total, chunk_bytes), compression, tuple(token_ids), cache_salt)
+    return TransferHeader(
+        request_id,
+        layout,
+        start_token,
+        num_tokens,
+        total,
+        num_chunks_for(total, chunk_bytes),
+        compression,
+        tuple(token_ids),
+        cache_salt,
+    )
 
 
 def chunk_span(header: TransferHeader, index: int) -> tuple[int, int]:

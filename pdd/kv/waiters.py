@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from typing import Generic, TypeVar
 
-from pdd.errors import DeadlineExceededError
+from pdd.core.errors import DeadlineExceededError
 
 T = TypeVar("T")
 
@@ -31,7 +31,9 @@ class Waiters(Generic[T]):
         try:
             return await asyncio.wait_for(asyncio.shield(fut), timeout_s)
         except TimeoutError:
-            raise DeadlineExceededError(f"{self._what} of {key} not ready after {timeout_s:.3f} s") from None
+            raise DeadlineExceededError(
+                f"{self._what} of {key} not ready after {timeout_s:.3f} s"
+            ) from None
         finally:
             left = self._counts.pop(key) - 1
             if left:

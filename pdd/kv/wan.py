@@ -31,29 +31,47 @@ from typing import cast
 import grpc
 import structlog
 
-from pdd import errors
+from pdd.core import errors
 from pdd.gen.main_decode.v1 import main_decode_service_pb2 as mdpb
-from pdd.kv import convert
+from pdd.kv import messages as convert
 from pdd.kv.chunking import encode_chunk
 from pdd.kv.receiver import KvReceiver, ReceivedKv, ReceiverConfig
 from pdd.kv.source import KvSource
 from pdd.kv.stream_pool import StreamPool
 from pdd.kv.transfer import Chunk, Commit, Compression, TransferHeader, TransferStatus, chunk_span
 
-__all__ = ["KvPusher", "PusherConfig", "PushReport", "StreamPool", "KvReceiver", "ReceiverConfig", "ReceivedKv"]
+__all__ = [
+    "KvPusher",
+    "PusherConfig",
+    "PushReport",
+    "StreamPool",
+    "KvReceiver",
+    "ReceiverConfig",
+    "ReceivedKv",
+]
 
 log = structlog.get_logger(__name__)
 
 PushFn = Callable[[AsyncIterator[mdpb.PushKvRequest]], Awaitable[mdpb.PushKvResponse]]
 GetTransferFn = Callable[[str], Awaitable[mdpb.GetKvTransferResponse]]
 
-RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED,
-                       grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.DEADLINE_EXCEEDED})
-_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT: lambda m: errors.InvalidArgumentError("push", m),
-           grpc.StatusCode.NOT_FOUND: errors.NotFoundError,
-           grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhaustedError,
-           grpc.StatusCode.FAILED_PRECONDITION: errors.FailedPreconditionError,
-           grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceededError}
+RETRYABLE = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.ABORTED,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+    }
+)
+_ERRORS = {
+    grpc.StatusCode.INVALID_ARGUMENT: lambda m: errors.InvalidArgumentError("push", m),
+    grpc.StatusCode.NOT_FOUND: errors.NotFoundError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhaustedError,
+    grpc.StatusCode.FAILED_PRECONDITION: errors.FailedPreconditionError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceededError,
+}
 _END = object()
 
 
@@ -101,16 +119,28 @@ class _Tally:
 
 
 class KvPusher:
-    def __init__(self, push: PushFn, get_transfer: GetTransferFn, *, config: PusherConfig = PusherConfig(),
-                 pool: StreamPool | None = None) -> None:
+    def __init__(
+        self,
+        push: PushFn,
+        get_transfer: GetTransferFn,
+        *,
+        config: PusherConfig = PusherConfig(),
+        pool: StreamPool | None = None,
+    ) -> None:
         self._push = push
         self._get_transfer = get_transfer
         self.config = config
         self.pool = pool
 
     @classmethod
-    def for_stub(cls, stub: object, *, config: PusherConfig = PusherConfig(), pool: StreamPool | None = None,
-                 metadata: Sequence[tuple[str, str]] | None = None) -> KvPusher:
+    def for_stub(
+        cls,
+        stub: object,
+        *,
+        config: PusherConfig = PusherConfig(),
+        pool: StreamPool | None = None,
+        metadata: Sequence[tuple[str, str]] | None = None,
+    ) -> KvPusher:
         """A pusher over a ``MainDecodeServiceStub`` (``grpc.aio``)."""
 
         def push(requests: AsyncIterator[mdpb.PushKvRequest]) -> Awaitable[mdpb.PushKvResponse]:
@@ -122,29 +152,48 @@ class KvPusher:
 
         return cls(push, get_transfer, config=config, pool=pool)
 
-    async def push(self, header: TransferHeader, source: KvSource,
-                   output_token_ids: Sequence[int] | asyncio.Future = ()) -> PushReport:
+    async def push(
+        self,
+        header: TransferHeader,
+        source: KvSource,
+        output_token_ids: Sequence[int] | asyncio.Future = (),
+    ) -> PushReport:
         """Push ``header``'s range from ``source``; the commit carries ``output_token_ids``.
 
         ``output_token_ids`` may be a future (prefill pushes while still computing, before its
         first token is sampled); it is awaited only when the commit is due.
         """
         if source.total_bytes != header.total_bytes:
-            raise errors.InvalidArgumentError("source", f"holds {source.total_bytes} bytes, "
-                                                        f"header says {header.total_bytes}")
+            raise errors.InvalidArgumentError(
+                "source", f"holds {source.total_bytes} bytes, header says {header.total_bytes}"
+            )
         slot = self.pool.slot() if self.pool is not None else _no_wait()
         async with slot as waited:
             start = time.monotonic()
             attempts, tally = await self._push_until_complete(header, source, output_token_ids)
-            report = PushReport(header.request_id, attempts, tally.chunks, max(0, tally.chunks - header.num_chunks),
-                                tally.wire_bytes, waited, time.monotonic() - start)
-        log.info("kv_push_complete", request_id=header.request_id, bytes=header.total_bytes,
-                 attempts=attempts, resent=report.chunks_resent, queue_wait_s=round(waited, 4),
-                 elapsed_s=round(report.elapsed_s, 4))
+            report = PushReport(
+                header.request_id,
+                attempts,
+                tally.chunks,
+                max(0, tally.chunks - header.num_chunks),
+                tally.wire_bytes,
+                waited,
+                time.monotonic() - start,
+            )
+        log.info(
+            "kv_push_complete",
+            request_id=header.request_id,
+            bytes=header.total_bytes,
+            attempts=attempts,
+            resent=report.chunks_resent,
+            queue_wait_s=round(waited, 4),
+            elapsed_s=round(report.elapsed_s, 4),
+        )
         return report
 
-    async def _push_until_complete(self, header: TransferHeader, source: KvSource,
-                                   commit: Sequence[int] | asyncio.Future) -> tuple[int, _Tally]:
+    async def _push_until_complete(
+        self, header: TransferHeader, source: KvSource, commit: Sequence[int] | asyncio.Future
+    ) -> tuple[int, _Tally]:
         tally = _Tally()
         todo: list[int] = list(range(header.num_chunks))
         for attempt in range(1, self.config.max_retries + 2):
@@ -155,7 +204,9 @@ class KvPusher:
                 if tally.source_error is not None:
                     raise tally.source_error from e
                 if e.code() not in self.config.retry_codes:
-                    raise _ERRORS.get(e.code(), errors.UnavailableError)(e.details() or e.code().name) from e
+                    raise _ERRORS.get(e.code(), errors.UnavailableError)(
+                        e.details() or e.code().name
+                    ) from e
                 broken = e.code().name
             except asyncio.CancelledError:
                 task = asyncio.current_task()
@@ -170,22 +221,32 @@ class KvPusher:
                 todo = list(status.missing)
             if attempt > self.config.max_retries:
                 break
-            await asyncio.sleep(min(self.config.backoff_max_s, self.config.backoff_s * 2 ** (attempt - 1)))
+            await asyncio.sleep(
+                min(self.config.backoff_max_s, self.config.backoff_s * 2 ** (attempt - 1))
+            )
             if broken:
                 resumed = await self._still_missing(header.request_id, header.num_chunks)
                 if resumed is not None and resumed.complete:
                     return attempt, tally  # everything landed; only the response was lost
                 if resumed is not None:
                     todo = list(resumed.missing)
-            log.info("kv_push_retry", request_id=header.request_id, attempt=attempt,
-                     broken=broken or None, resend=len(todo))
-        raise errors.UnavailableError(f"KV push of {header.request_id} incomplete after "
-                                      f"{self.config.max_retries + 1} streams")
+            log.info(
+                "kv_push_retry",
+                request_id=header.request_id,
+                attempt=attempt,
+                broken=broken or None,
+                resend=len(todo),
+            )
+        raise errors.UnavailableError(
+            f"KV push of {header.request_id} incomplete after {self.config.max_retries + 1} streams"
+        )
 
     async def _still_missing(self, request_id: str, num_chunks: int) -> TransferStatus | None:
         """What the receiver lacks after a broken stream; None if it cannot tell (resend as before)."""
         try:
-            status = convert.transfer_status_from_pb(request_id, await self._get_transfer(request_id))
+            status = convert.transfer_status_from_pb(
+                request_id, await self._get_transfer(request_id)
+            )
         except grpc.aio.AioRpcError as e:
             log.info("kv_get_transfer_failed", request_id=request_id, code=e.code().name)
             return None
@@ -193,8 +254,14 @@ class KvPusher:
             return TransferStatus(request_id, False, num_chunks, tuple(range(num_chunks)))
         return status
 
-    async def _stream(self, header: TransferHeader, source: KvSource, indices: list[int],
-                      commit: Sequence[int] | asyncio.Future, tally: _Tally) -> TransferStatus:
+    async def _stream(
+        self,
+        header: TransferHeader,
+        source: KvSource,
+        indices: list[int],
+        commit: Sequence[int] | asyncio.Future,
+        tally: _Tally,
+    ) -> TransferStatus:
         requests = self._requests(header, source, indices, commit, tally)
         try:
             response = await self._push(requests)
@@ -203,8 +270,14 @@ class KvPusher:
                 await requests.aclose()
         return convert.push_response_from_pb(response)
 
-    async def _requests(self, header: TransferHeader, source: KvSource, indices: list[int],
-                        commit: Sequence[int] | asyncio.Future, tally: _Tally) -> AsyncIterator[mdpb.PushKvRequest]:
+    async def _requests(
+        self,
+        header: TransferHeader,
+        source: KvSource,
+        indices: list[int],
+        commit: Sequence[int] | asyncio.Future,
+        tally: _Tally,
+    ) -> AsyncIterator[mdpb.PushKvRequest]:
         yield convert.push_request_to_pb(header)
         queue: asyncio.Queue[object] = asyncio.Queue(maxsize=self.config.max_buffered_chunks)
         encoder = asyncio.create_task(self._encode(header, source, indices, queue))
@@ -224,8 +297,13 @@ class KvPusher:
             with contextlib.suppress(asyncio.CancelledError):
                 await encoder
 
-    async def _encode(self, header: TransferHeader, source: KvSource, indices: list[int],
-                      queue: asyncio.Queue[object]) -> None:
+    async def _encode(
+        self,
+        header: TransferHeader,
+        source: KvSource,
+        indices: list[int],
+        queue: asyncio.Queue[object],
+    ) -> None:
         level = self.config.zlib_level
         try:
             for index in indices:

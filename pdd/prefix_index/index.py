@@ -1,7 +1,7 @@
 """Which KV blocks each instance caches, and how much of a prompt it holds.
 
 Fed by the instances' cache events (blocks stored / evicted / cleared, named
-by chained block hashes from ``pdd.block_hash``); answers, per instance, the
+by chained block hashes from ``pdd.core.block_hash``); answers, per instance, the
 number of leading prompt tokens it holds. A chained hash names a whole
 prefix, so the answer is the count of leading block hashes present.
 
@@ -15,9 +15,9 @@ from collections.abc import Iterable, Sequence
 
 from redis.asyncio import Redis
 
-from pdd.block_hash import chain_hashes
-from pdd.engine.radix_cache import CacheEvent
-from pdd.instance import Instance
+from pdd.core.block_hash import chain_hashes
+from pdd.core.cache_event import CacheEvent
+from pdd.core.instance import Instance
 from pdd.prefix_index.registry import InstanceRegistry
 
 
@@ -61,7 +61,10 @@ class PrefixIndex:
             for inst in instances:
                 hashes = hashes_by_bs[inst.block_size]
                 if hashes:
-                    pipe.smismember(self._registry.blocks_key(inst.ref.instance_id), [_member(h) for h in hashes])
+                    pipe.smismember(
+                        self._registry.blocks_key(inst.ref.instance_id),
+                        [_member(h) for h in hashes],
+                    )
             replies = iter(await pipe.execute())
         result: dict[str, int] = {}
         for inst in instances:

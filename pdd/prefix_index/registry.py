@@ -16,7 +16,7 @@ import time
 
 from redis.asyncio import Redis
 
-from pdd.instance import Instance, InstanceLoad, InstanceRef, Role
+from pdd.core.instance import Instance, InstanceLoad, InstanceRef, Role
 
 
 def _now_ms() -> int:
@@ -25,17 +25,26 @@ def _now_ms() -> int:
 
 def _encode(inst: Instance) -> str:
     ref = inst.ref
-    return json.dumps({
-        "instance_id": ref.instance_id, "address": ref.address, "role": ref.role.value,
-        "cluster": ref.cluster, "block_size": inst.block_size, "model": inst.model,
-        "load": vars(inst.load), "last_heartbeat_ms": inst.last_heartbeat_ms,
-    })
+    return json.dumps(
+        {
+            "instance_id": ref.instance_id,
+            "address": ref.address,
+            "role": ref.role.value,
+            "cluster": ref.cluster,
+            "block_size": inst.block_size,
+            "model": inst.model,
+            "load": vars(inst.load),
+            "last_heartbeat_ms": inst.last_heartbeat_ms,
+        }
+    )
 
 
 def _decode(raw: bytes | str) -> Instance:
     d = json.loads(raw)
     ref = InstanceRef(d["instance_id"], d["address"], Role(d["role"]), d["cluster"])
-    return Instance(ref, d["block_size"], d["model"], InstanceLoad(**d["load"]), d["last_heartbeat_ms"])
+    return Instance(
+        ref, d["block_size"], d["model"], InstanceLoad(**d["load"]), d["last_heartbeat_ms"]
+    )
 
 
 class InstanceRegistry:
@@ -98,7 +107,10 @@ class InstanceRegistry:
         return None if raw is None else _decode(raw)
 
     async def list(self, role: Role | None = None) -> list[Instance]:
-        ids = sorted(i.decode() if isinstance(i, bytes) else i for i in await self._redis.smembers(self._ids_key))
+        ids = sorted(
+            i.decode() if isinstance(i, bytes) else i
+            for i in await self._redis.smembers(self._ids_key)
+        )
         if not ids:
             return []
         raws = await self._redis.mget([self._key(i) for i in ids])

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 from redis.asyncio import Redis
 
-from pdd.engine.radix_cache import CacheEvent
-from pdd.errors import InvalidArgumentError, NotFoundError
-from pdd.instance import Instance, InstanceLoad, Role
+from pdd.core.cache_event import CacheEvent
+from pdd.core.errors import InvalidArgumentError, NotFoundError
+from pdd.core.instance import Instance, InstanceLoad, Role
 from pdd.prefix_index.index import PrefixIndex
 from pdd.prefix_index.registry import InstanceRegistry
 
@@ -51,8 +51,12 @@ class PrefixStore:
         return await self.index.apply(instance_id, events)
 
     async def predict(
-        self, prompt: Sequence[int], salt: str = "", *,
-        instance_ids: Sequence[str] = (), role: Role | None = None,
+        self,
+        prompt: Sequence[int],
+        salt: str = "",
+        *,
+        instance_ids: Sequence[str] = (),
+        role: Role | None = None,
     ) -> list[Hit]:
         if not prompt:
             raise InvalidArgumentError("prompt_token_ids", "must not be empty")

@@ -20,23 +20,12 @@ Overrides (``force_pipeline``, ``handoff_mode``) win over the policy.
 
 from __future__ import annotations
 
-import enum
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from pdd.instance import Instance, Role
-
-
-class Pipeline(enum.Enum):
-    P_MD = "p-md"
-    P_RLD_MD = "p-rld-md"
-    MD = "md"
-
-
-class HandoffMode(enum.Enum):
-    ONE_SHOT = "one-shot"
-    CATCH_UP = "catch-up"
+from pdd.core.instance import Instance, Role
+from pdd.core.pipeline import HandoffMode, Pipeline
 
 
 @dataclass(frozen=True)
@@ -58,7 +47,9 @@ class RoutingConfig:
         if self.local_prefill_tokens < 0:
             raise ValueError(f"local_prefill_tokens: must be >= 0, got {self.local_prefill_tokens}")
         if self.tokens_per_load_unit <= 0:
-            raise ValueError(f"tokens_per_load_unit: must be positive, got {self.tokens_per_load_unit}")
+            raise ValueError(
+                f"tokens_per_load_unit: must be positive, got {self.tokens_per_load_unit}"
+            )
         if self.relay_busy_requests < 1:
             raise ValueError(f"relay_busy_requests: must be >= 1, got {self.relay_busy_requests}")
         if not 0.0 < self.max_kv_usage <= 1.0:
@@ -104,14 +95,19 @@ def _load(inst: Instance) -> int:
 
 def _pick(cands: list[Instance], score: Mapping[str, float], rng: random.Random) -> Instance:
     best = max(score[c.ref.instance_id] for c in cands)
-    tied = sorted((c for c in cands if score[c.ref.instance_id] == best), key=lambda c: c.ref.instance_id)
+    tied = sorted(
+        (c for c in cands if score[c.ref.instance_id] == best), key=lambda c: c.ref.instance_id
+    )
     return tied[0] if len(tied) == 1 else rng.choice(tied)
 
 
-def _affinity_pick(cands: list[Instance], cached: Mapping[str, int], config: RoutingConfig,
-                   rng: random.Random) -> Instance:
-    score = {c.ref.instance_id: cached.get(c.ref.instance_id, 0) / config.tokens_per_load_unit - _load(c)
-             for c in cands}
+def _affinity_pick(
+    cands: list[Instance], cached: Mapping[str, int], config: RoutingConfig, rng: random.Random
+) -> Instance:
+    score = {
+        c.ref.instance_id: cached.get(c.ref.instance_id, 0) / config.tokens_per_load_unit - _load(c)
+        for c in cands
+    }
     return _pick(cands, score, rng)
 
 

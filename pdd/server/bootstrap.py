@@ -59,7 +59,9 @@ class ServiceSpec:
 class GrpcServer:
     """A started server; ``port`` is the bound one."""
 
-    def __init__(self, config: ServerConfig, spec: ServiceSpec, tls_config: tls.TlsConfig | None = None) -> None:
+    def __init__(
+        self, config: ServerConfig, spec: ServiceSpec, tls_config: tls.TlsConfig | None = None
+    ) -> None:
         self.config = config
         self.spec = spec
         # NOTE: default: the process's TLS settings, installed from the service's flags.
@@ -71,7 +73,9 @@ class GrpcServer:
             ("grpc.so_reuseport", 0),
         ]
         # NOTE: telemetry outermost: it sees the status code ContextInterceptor maps errors to.
-        self._server = grpc.aio.server(interceptors=[TelemetryInterceptor(), ContextInterceptor()], options=options)
+        self._server = grpc.aio.server(
+            interceptors=[TelemetryInterceptor(), ContextInterceptor()], options=options
+        )
         self._health = health.aio.HealthServicer()
         self.port = 0
 
@@ -79,8 +83,11 @@ class GrpcServer:
         spec = self.spec
         spec.register(self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        names = [*spec.grpc_services, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                 reflection.SERVICE_NAME]
+        names = [
+            *spec.grpc_services,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ]
         reflection.enable_server_reflection(names, self._server)
         self.port = tls.add_port(self._server, self.config.address, self.tls)
         if self.port == 0:
@@ -92,8 +99,12 @@ class GrpcServer:
         if spec.serving is not None:
             await spec.serving(self.port)
         await self._set_status(health_pb2.HealthCheckResponse.SERVING)
-        log.info("server_started", address=f"{self.config.host}:{self.port}", tls=self.tls.enabled,
-                 mutual_tls=self.tls.require_client_cert)
+        log.info(
+            "server_started",
+            address=f"{self.config.host}:{self.port}",
+            tls=self.tls.enabled,
+            mutual_tls=self.tls.require_client_cert,
+        )
         return self.port
 
     async def _start_health_listener(self) -> None:

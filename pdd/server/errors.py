@@ -1,6 +1,6 @@
 """The one mapping from domain errors to gRPC status codes.
 
-Servicers never pick status codes themselves: they raise ``pdd.errors``
+Servicers never pick status codes themselves: they raise ``pdd.core.errors``
 exceptions, and the interceptor in ``pdd.server.interceptors`` turns them
 into a status with a human message via :func:`status_for`.
 """
@@ -11,7 +11,7 @@ import asyncio
 
 import grpc
 
-from pdd import errors
+from pdd.core import errors
 from pdd.engine.block_pool import PoolExhaustedError
 from pdd.engine.errors import KvCapacityError
 
@@ -35,7 +35,10 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         # NOTE: a downstream service already chose the status; pass it on unchanged.
         return exc.code(), exc.details() or exc.code().name
     if isinstance(exc, KvCapacityError):
-        return grpc.StatusCode.INVALID_ARGUMENT, f"max_tokens: {exc} (lower max_tokens or the prompt)"
+        return (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"max_tokens: {exc} (lower max_tokens or the prompt)",
+        )
     for kind, code in _CODES:
         if isinstance(exc, kind):
             return code, str(exc) or kind.__name__

@@ -47,7 +47,9 @@ def _bind(context: grpc.aio.ServicerContext, method: str) -> None:
     )
 
 
-def _wrap_unary(behavior: Callable[..., Awaitable[Any]], method: str) -> Callable[..., Awaitable[Any]]:
+def _wrap_unary(
+    behavior: Callable[..., Awaitable[Any]], method: str
+) -> Callable[..., Awaitable[Any]]:
     async def wrapped(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
         _bind(context, method)
         try:
@@ -86,15 +88,25 @@ class ContextInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return handler
         method = handler_call_details.method
-        kw = dict(request_deserializer=handler.request_deserializer,
-                  response_serializer=handler.response_serializer)
+        kw = dict(
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
         if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(_wrap_unary(handler.unary_unary, method), **kw)
+            return grpc.unary_unary_rpc_method_handler(
+                _wrap_unary(handler.unary_unary, method), **kw
+            )
         if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(_wrap_unary(handler.stream_unary, method), **kw)
+            return grpc.stream_unary_rpc_method_handler(
+                _wrap_unary(handler.stream_unary, method), **kw
+            )
         if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(_wrap_stream(handler.unary_stream, method), **kw)
-        return grpc.stream_stream_rpc_method_handler(_wrap_stream(handler.stream_stream, method), **kw)
+            return grpc.unary_stream_rpc_method_handler(
+                _wrap_stream(handler.unary_stream, method), **kw
+            )
+        return grpc.stream_stream_rpc_method_handler(
+            _wrap_stream(handler.stream_stream, method), **kw
+        )
 
 
 def outgoing_metadata() -> tuple[tuple[str, str], ...]:

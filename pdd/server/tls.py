@@ -42,9 +42,13 @@ class TlsConfig:
         if bool(self.cert) != bool(self.key):
             raise ValueError("tls: --tls-cert and --tls-key go together (got only one of them)")
         if self.require_client_cert and not (self.cert and self.ca):
-            raise ValueError("tls_client_auth: needs --tls-cert, --tls-key and --tls-ca (the CA clients must chain to)")
+            raise ValueError(
+                "tls_client_auth: needs --tls-cert, --tls-key and --tls-ca (the CA clients must chain to)"
+            )
         if self.server_name and not self.enabled:
-            raise ValueError("tls_server_name: only meaningful with TLS on (--tls-ca or --tls-cert)")
+            raise ValueError(
+                "tls_server_name: only meaningful with TLS on (--tls-ca or --tls-cert)"
+            )
         if not 0 <= self.health_port <= 65535:
             raise ValueError(f"health_port: must be in 0..65535, got {self.health_port}")
 
@@ -54,10 +58,14 @@ class TlsConfig:
 
     def server_credentials(self) -> grpc.ServerCredentials:
         if not self.cert:
-            raise ValueError("tls: a server needs --tls-cert and --tls-key (only --tls-ca was given)")
-        return grpc.ssl_server_credentials([(_read(self.key, "key"), _read(self.cert, "cert"))],
-                                           root_certificates=_read(self.ca, "ca") if self.ca else None,
-                                           require_client_auth=self.require_client_cert)
+            raise ValueError(
+                "tls: a server needs --tls-cert and --tls-key (only --tls-ca was given)"
+            )
+        return grpc.ssl_server_credentials(
+            [(_read(self.key, "key"), _read(self.cert, "cert"))],
+            root_certificates=_read(self.ca, "ca") if self.ca else None,
+            require_client_auth=self.require_client_cert,
+        )
 
     def server_ssl_context(self) -> ssl.SSLContext | None:
         """The same identity for the service's HTTP listeners (OpenAI API, /metrics); None when plaintext.
@@ -74,14 +82,18 @@ class TlsConfig:
             if self.ca:
                 ctx.load_verify_locations(cafile=self.ca)
         except (OSError, ssl.SSLError) as exc:
-            raise ValueError(f"tls: cannot load {self.cert} / {self.key} / {self.ca or '-'}: {exc}") from exc
+            raise ValueError(
+                f"tls: cannot load {self.cert} / {self.key} / {self.ca or '-'}: {exc}"
+            ) from exc
         ctx.verify_mode = ssl.CERT_REQUIRED if self.require_client_cert else ssl.CERT_NONE
         return ctx
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
-        return grpc.ssl_channel_credentials(root_certificates=_read(self.ca, "ca") if self.ca else None,
-                                            private_key=_read(self.key, "key") if self.key else None,
-                                            certificate_chain=_read(self.cert, "cert") if self.cert else None)
+        return grpc.ssl_channel_credentials(
+            root_certificates=_read(self.ca, "ca") if self.ca else None,
+            private_key=_read(self.key, "key") if self.key else None,
+            certificate_chain=_read(self.cert, "cert") if self.cert else None,
+        )
 
     def channel_options(self) -> list[tuple[str, str]]:
         return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
@@ -108,14 +120,16 @@ def installed() -> TlsConfig:
     return _installed
 
 
-def open_channel(address: str, config: TlsConfig | None = None,
-                 options: Sequence[tuple[str, object]] = ()) -> grpc.aio.Channel:
+def open_channel(
+    address: str, config: TlsConfig | None = None, options: Sequence[tuple[str, object]] = ()
+) -> grpc.aio.Channel:
     """An asyncio channel to ``address``: TLS when ``config`` (default: the installed one) is on."""
     config = installed() if config is None else config
     if not config.enabled:
         return grpc.aio.insecure_channel(address, options=list(options))
-    return grpc.aio.secure_channel(address, config.channel_credentials(),
-                                   options=[*options, *config.channel_options()])
+    return grpc.aio.secure_channel(
+        address, config.channel_credentials(), options=[*options, *config.channel_options()]
+    )
 
 
 def add_port(server: grpc.aio.Server, address: str, config: TlsConfig) -> int:

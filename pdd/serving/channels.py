@@ -32,8 +32,11 @@ class Channels:
         key = f"{address}#{lane}"
         ch = self._channels.get(key)
         if ch is None:
-            options = _OPTIONS if not lane else [*_OPTIONS, ("grpc.use_local_subchannel_pool", 1),
-                                                 ("pdd.lane", lane)]
+            options = (
+                _OPTIONS
+                if not lane
+                else [*_OPTIONS, ("grpc.use_local_subchannel_pool", 1), ("pdd.lane", lane)]
+            )
             ch = self._channels[key] = open_channel(address, self.tls, options)
         return ch
 

@@ -25,13 +25,13 @@ class Detokenizer:
         if self._decode is None:
             return ""
         self._ids.extend(token_ids)
-        text = self._decode(self._ids[self._prefix_offset:])
+        text = self._decode(self._ids[self._prefix_offset :])
         if text.endswith("\ufffd"):
             return ""  # NOTE: an incomplete UTF-8 sequence; wait for the next token
-        delta = text[len(self._released):] if text.startswith(self._released) else text
+        delta = text[len(self._released) :] if text.startswith(self._released) else text
         self._released = text
         if len(self._ids) - self._prefix_offset > _WINDOW:
             # Freeze everything but the last few tokens.
             self._prefix_offset = len(self._ids) - _WINDOW // 2
-            self._released = self._decode(self._ids[self._prefix_offset:])
+            self._released = self._decode(self._ids[self._prefix_offset :])
         return delta

@@ -15,10 +15,11 @@ from dataclasses import dataclass
 import structlog
 import torch
 
+from pdd.core.cache_event import CacheEvent
+from pdd.core.instance import Instance, InstanceLoad, InstanceRef
+from pdd.core.stage_events import CacheReport
 from pdd.engine.config import EngineConfig
 from pdd.engine.engine import Engine
-from pdd.engine.radix_cache import CacheEvent
-from pdd.instance import Instance, InstanceLoad, InstanceRef
 from pdd.serving.engine_runner import EngineRunner
 from pdd.serving.membership import Membership
 from pdd.serving.model_spec import load_model
@@ -44,15 +45,6 @@ class InstanceConfig:
             raise ValueError(f"threads: must be >= 0, got {self.threads}")
 
 
-@dataclass(frozen=True)
-class CacheReport:
-    cached_prefix_tokens: int
-    kv_blocks_used: int
-    kv_blocks_total: int
-    request_holds_kv: bool
-    block_size: int
-
-
 class EngineInstance:
     def __init__(self, config: InstanceConfig, *, publish_cache_events: bool = True) -> None:
         self.config = config
@@ -76,13 +68,27 @@ class EngineInstance:
         cfg = self.config
         ref = cfg.ref
         if ref.address.endswith(":0"):  # NOTE: no advertised address: the bound one
-            ref = InstanceRef(ref.instance_id, f"{ref.address.rpartition(':')[0]}:{port}", ref.role, ref.cluster)
+            ref = InstanceRef(
+                ref.instance_id, f"{ref.address.rpartition(':')[0]}:{port}", ref.role, ref.cluster
+            )
         assert self.engine is not None
-        self.membership = Membership(cfg.kvstore_address, Instance(ref, self.engine.block_size, cfg.model),
-                                     ttl_ms=cfg.lease_ttl_ms, load=self.load, snapshot=self._snapshot)
+        self.membership = Membership(
+            cfg.kvstore_address,
+            Instance(ref, self.engine.block_size, cfg.model),
+            ttl_ms=cfg.lease_ttl_ms,
+            load=self.load,
+            snapshot=self._snapshot,
+        )
         await self.membership.start()
-        log.info("instance_ready", address=ref.address, instance_id=cfg.ref.instance_id, role=cfg.ref.role.value,
-                 blocks=self.engine.num_blocks, block_size=self.engine.block_size, dtype=str(self.engine.dtype))
+        log.info(
+            "instance_ready",
+            address=ref.address,
+            instance_id=cfg.ref.instance_id,
+            role=cfg.ref.role.value,
+            blocks=self.engine.num_blocks,
+            block_size=self.engine.block_size,
+            dtype=str(self.engine.dtype),
+        )
 
     async def stop(self) -> None:
         metrics.LIVE.forget(self.config.ref.instance_id)
@@ -110,8 +116,14 @@ class EngineInstance:
         if eng is None:
             return InstanceLoad()
         used, total = eng.kv_usage()
-        running = sum(1 for s in eng.scheduler.running if not s.paused) if hasattr(eng.scheduler, "running") else 0
-        return InstanceLoad(running_requests=running, waiting_requests=0, kv_blocks_used=used, kv_blocks_total=total)
+        running = (
+            sum(1 for s in eng.scheduler.running if not s.paused)
+            if hasattr(eng.scheduler, "running")
+            else 0
+        )
+        return InstanceLoad(
+            running_requests=running, waiting_requests=0, kv_blocks_used=used, kv_blocks_total=total
+        )
 
     async def describe(self, token_ids: list[int], salt: str, request_id: str) -> CacheReport:
         eng = self.engine
@@ -119,7 +131,12 @@ class EngineInstance:
 
         def read() -> CacheReport:
             used, total = eng.kv_usage()
-            return CacheReport(eng.prefix_match_len(token_ids, salt) if token_ids else 0, used, total,
-                               bool(request_id) and eng.holds_request(request_id), eng.block_size)
+            return CacheReport(
+                eng.prefix_match_len(token_ids, salt) if token_ids else 0,
+                used,
+                total,
+                bool(request_id) and eng.holds_request(request_id),
+                eng.block_size,
+            )
 
         return await self.runner.call(read)

@@ -33,7 +33,9 @@ def _log_failure(future: concurrent.futures.Future) -> None:
 class EngineRunner:
     def __init__(self, engine: Any) -> None:
         self.engine = engine
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="engine"
+        )
         self._queues: dict[str, asyncio.Queue] = {}
         # Requests whose computed-token count is reported after every step ("computed", n).
         self._watched: set[str] = set()
@@ -99,7 +101,9 @@ class EngineRunner:
             try:
                 # NOTE: check and step in one trip to the engine thread: a separate check would
                 # cost every step an extra event-loop round trip.
-                result = await loop.run_in_executor(self._pool, self._step_if_schedulable, tuple(self._watched))
+                result = await loop.run_in_executor(
+                    self._pool, self._step_if_schedulable, tuple(self._watched)
+                )
             except Exception:  # noqa: BLE001 — a failed step must not kill the service silently
                 log.exception("engine_step_failed")
                 await self._fail_all()
@@ -122,7 +126,7 @@ class EngineRunner:
                 self._wake.clear()
                 try:
                     await asyncio.wait_for(self._wake.wait(), 0.05)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
             # NOTE: progress before outputs: a request's last chunk is reported before its token.
             for request_id, n in computed:
@@ -136,9 +140,13 @@ class EngineRunner:
 
     def _note_interval(self, seconds: float) -> None:
         # NOTE: an EWMA over ~10 steps: follows load changes within a few handoffs, ignores one slow step.
-        self.step_interval_s = seconds if self.step_interval_s == 0 else 0.9 * self.step_interval_s + 0.1 * seconds
+        self.step_interval_s = (
+            seconds if self.step_interval_s == 0 else 0.9 * self.step_interval_s + 0.1 * seconds
+        )
 
-    def _step_if_schedulable(self, watched: tuple[str, ...]) -> tuple[list, bool, list[tuple[str, int]]] | None:
+    def _step_if_schedulable(
+        self, watched: tuple[str, ...]
+    ) -> tuple[list, bool, list[tuple[str, int]]] | None:
         return self._step(watched) if self.engine.has_schedulable() else None
 
     def _step(self, watched: tuple[str, ...]) -> tuple[list, bool, list[tuple[str, int]]]:

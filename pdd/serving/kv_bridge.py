@@ -28,16 +28,39 @@ _ENGINE_AXES = ("layer", "kv", "token", "head", "dim")
 def engine_layout(engine: Engine, wire_dtype: KvDtype | None = None) -> KvLayout:
     mc = engine.model_config
     dtype = wire_dtype or KvDtype.of(engine.dtype)
-    return KvLayout(dtype, mc.num_layers, mc.num_kv_heads, mc.head_dim, axes=TOKEN_MAJOR,
-                    block_size=engine.block_size)
+    return KvLayout(
+        dtype,
+        mc.num_layers,
+        mc.num_kv_heads,
+        mc.head_dim,
+        axes=TOKEN_MAJOR,
+        block_size=engine.block_size,
+    )
 
 
-def range_header(engine: Engine, request_id: str, start: int, end: int, token_ids: Sequence[int], salt: str, *,
-                 wire_dtype: KvDtype | None = None, compression: Compression = Compression.NONE,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> TransferHeader:
+def range_header(
+    engine: Engine,
+    request_id: str,
+    start: int,
+    end: int,
+    token_ids: Sequence[int],
+    salt: str,
+    *,
+    wire_dtype: KvDtype | None = None,
+    compression: Compression = Compression.NONE,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> TransferHeader:
     """The header of tokens ``[start, end)`` of a request, before any of it is exported."""
-    return make_header(request_id, engine_layout(engine, wire_dtype), start, end - start, chunk_bytes=chunk_bytes,
-                       compression=compression, token_ids=tuple(token_ids), cache_salt=salt)
+    return make_header(
+        request_id,
+        engine_layout(engine, wire_dtype),
+        start,
+        end - start,
+        chunk_bytes=chunk_bytes,
+        compression=compression,
+        token_ids=tuple(token_ids),
+        cache_salt=salt,
+    )
 
 
 def export_tokens(engine: Engine, request_id: str, start: int, end: int) -> torch.Tensor:

@@ -42,11 +42,22 @@ log = structlog.get_logger(__name__)
 
 # A GGUF's neighbours that AutoTokenizer would read too (tokenizer.json, tokenizer_config.json, ...):
 # with any of them beside the file, its choice is not the plain GGUF one.
-_GGUF_NEIGHBOUR_PREFIXES = ("tokenizer", "tekken", "tiktoken", "special_tokens_map", "added_tokens",
-                            "chat_template", "additional_chat_templates")
+_GGUF_NEIGHBOUR_PREFIXES = (
+    "tokenizer",
+    "tekken",
+    "tiktoken",
+    "special_tokens_map",
+    "added_tokens",
+    "chat_template",
+    "additional_chat_templates",
+)
 # transformers' ``_SPECIAL_TOKENS`` of ``gguf_tokenizer_mapping``: special token → the metadata key of its id.
-_GGUF_SPECIAL_TOKENS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id",
-                        "pad_token": "padding_token_id"}
+_GGUF_SPECIAL_TOKENS = {
+    "bos_token": "bos_token_id",
+    "eos_token": "eos_token_id",
+    "unk_token": "unknown_token_id",
+    "pad_token": "padding_token_id",
+}
 
 
 def load_tokenizer(source: ModelSource, gguf_reader: Any = None) -> Any:
@@ -76,12 +87,19 @@ def gguf_tokenizer_inputs(reader: Any) -> tuple[str, dict, dict]:
     def value(key: str) -> Any:
         return reader.fields[key].contents()
 
-    grouped = {group: {name: value(f"tokenizer.{key}") for key, name in renames.items()
-                       if f"tokenizer.{key}" in reader.fields}
-               for group, renames in GGUF_TOKENIZER_MAPPING.items()}
+    grouped = {
+        group: {
+            name: value(f"tokenizer.{key}")
+            for key, name in renames.items()
+            if f"tokenizer.{key}" in reader.fields
+        }
+        for group, renames in GGUF_TOKENIZER_MAPPING.items()
+    }
     tokenizer, config = grouped["tokenizer"], grouped["tokenizer_config"]
     kind = tokenizer.get("tokenizer_type")
-    if kind == "llama":  # NOTE: as transformers: llama.cpp adds BOS to a sentencepiece vocabulary unless told
+    if (
+        kind == "llama"
+    ):  # NOTE: as transformers: llama.cpp adds BOS to a sentencepiece vocabulary unless told
         config.setdefault("add_bos_token", True)
     elif kind == "gemma4":
         config["add_bos_token"] = False
@@ -99,8 +117,13 @@ def _gguf_tokenizer(folder: Path, name: str, reader: Any) -> Any:
     backend, extra = convert_gguf_tokenizer(architecture, tokenizer_dict)
     # NOTE: what TokenizersBackend.__init__ does with gguf_file= alone, but with the backend built here
     # (alone it reads the file again, with transformers' reader, which imports torch).
-    return TokenizersBackend.from_pretrained(str(folder), gguf_file=name, tokenizer_object=backend, _from_auto=True,
-                                             **{**tokenizer_config, **extra})
+    return TokenizersBackend.from_pretrained(
+        str(folder),
+        gguf_file=name,
+        tokenizer_object=backend,
+        _from_auto=True,
+        **{**tokenizer_config, **extra},
+    )
 
 
 def _hf_tokenizer_class(path: Path) -> tuple[type | None, str]:
@@ -114,7 +137,11 @@ def _hf_tokenizer_class(path: Path) -> tuple[type | None, str]:
         return None, f"model_type {config.get('model_type')!r}"
     if "auto_map" in tokenizer_config or "auto_map" in config:
         return None, "remote code (auto_map)"
-    declared = tokenizer_config.get("tokenizer_class") or config.get("tokenizer_class") or "TokenizersBackend"
+    declared = (
+        tokenizer_config.get("tokenizer_class")
+        or config.get("tokenizer_class")
+        or "TokenizersBackend"
+    )
     name = declared.removesuffix("Fast")
     if name in ("TokenizersBackend", "PreTrainedTokenizer"):
         return TokenizersBackend, ""

@@ -29,10 +29,16 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from pdd.engine.sampling import Logprob, SamplingParams
-from pdd.errors import DeadlineExceededError, FailedPreconditionError, InvalidArgumentError, NotFoundError
+from pdd.core.errors import (
+    DeadlineExceededError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+)
+from pdd.core.pipeline import Pipeline
+from pdd.core.stage_events import Accepted, DecodeJob, Finished, Tokens
+from pdd.engine.sampling import Logprob
 from pdd.kv.receiver import KvReceiver
-from pdd.routing.policy import Pipeline
 from pdd.serving.engine_instance import EngineInstance
 from pdd.serving.kv_bridge import import_range
 from pdd.telemetry import metrics
@@ -40,39 +46,9 @@ from pdd.telemetry import metrics
 log = structlog.get_logger(__name__)
 
 
-@dataclass(frozen=True)
-class MdJob:
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    sampling: SamplingParams
-    cache_salt: str
-    pipeline: Pipeline
-
-
-@dataclass(frozen=True)
-class Accepted:
-    cached_tokens: int
-
-
-@dataclass(frozen=True)
-class Tokens:
-    start_position: int
-    token_ids: tuple[int, ...]
-    logprobs: tuple[Logprob, ...] = ()  # one per token when the request asked for them
-
-
-@dataclass(frozen=True)
-class Finished:
-    finish_reason: str | None
-    completion_tokens: int
-    md_tokens: int
-    wan_kv_bytes: int
-    extend_ms: float
-
-
 @dataclass
 class _State:
-    job: MdJob
+    job: DecodeJob
     queue: asyncio.Queue
     kv_ready: asyncio.Event = field(default_factory=asyncio.Event)
     progress: asyncio.Condition = field(default_factory=asyncio.Condition)
@@ -88,7 +64,9 @@ class _State:
 
 
 class MainDecode:
-    def __init__(self, instance: EngineInstance, receiver: KvReceiver, *, kv_timeout_s: float = 600.0) -> None:
+    def __init__(
+        self, instance: EngineInstance, receiver: KvReceiver, *, kv_timeout_s: float = 600.0
+    ) -> None:
         self.instance = instance
         self.receiver = receiver
         self.kv_timeout_s = kv_timeout_s
@@ -102,7 +80,7 @@ class MainDecode:
     def engine(self):
         return self.instance.engine
 
-    async def decode(self, job: MdJob) -> AsyncIterator[Accepted | Tokens | Finished]:
+    async def decode(self, job: DecodeJob) -> AsyncIterator[Accepted | Tokens | Finished]:
         rid = job.request_id
         if rid in self._requests:
             raise InvalidArgumentError("request_id", f"{rid!r} is already decoding here")
@@ -114,8 +92,9 @@ class MainDecode:
             local = job.pipeline is Pipeline.MD
 
             def admit() -> int:
-                self.engine.add_request(rid, job.prompt_token_ids, job.sampling, salt=job.cache_salt,
-                                        paused=not local)
+                self.engine.add_request(
+                    rid, job.prompt_token_ids, job.sampling, salt=job.cache_salt, paused=not local
+                )
                 return self.engine.num_cached_tokens(rid)
 
             cached = await self.runner.call(admit)
@@ -142,16 +121,26 @@ class MainDecode:
                     ready = sorted(p for p in state.outputs if p >= emit_from)
                     if ready:
                         md_tokens += len(ready)
-                        yield Tokens(ready[0], tuple(state.outputs[p] for p in ready), self._logprobs(state, ready))
+                        yield Tokens(
+                            ready[0],
+                            tuple(state.outputs[p] for p in ready),
+                            self._logprobs(state, ready),
+                        )
                     if state.finished:
                         done = True
                         yield self._finished(state, state.finish_reason, md_tokens)
                         return
                     continue
                 await self._note(state, item)
-                if item.token_id is not None and emit_from is not None and item.position >= emit_from:
+                if (
+                    item.token_id is not None
+                    and emit_from is not None
+                    and item.position >= emit_from
+                ):
                     md_tokens += 1
-                    yield Tokens(item.position, (item.token_id,), self._logprobs(state, [item.position]))
+                    yield Tokens(
+                        item.position, (item.token_id,), self._logprobs(state, [item.position])
+                    )
                 if item.finished:
                     state.finish_reason = item.finish_reason
                     if emit_from is not None:
@@ -165,7 +154,9 @@ class MainDecode:
             self.runner.close(rid)
             if not done:
                 self.receiver.discard(rid)
-                self.runner.submit(self.engine.abort, rid)  # NOTE: not awaited: runs even when cancelled
+                self.runner.submit(
+                    self.engine.abort, rid
+                )  # NOTE: not awaited: runs even when cancelled
                 log.info("md_request_aborted")
 
     @staticmethod
@@ -174,12 +165,19 @@ class MainDecode:
             return ()
         missing = [p for p in positions if p not in state.logprobs]
         if missing:  # NOTE: MainDecode speaks only from where it sampled; anything else is a bug
-            raise FailedPreconditionError(f"no logprobs for outputs {missing[:5]} of {state.job.request_id}")
+            raise FailedPreconditionError(
+                f"no logprobs for outputs {missing[:5]} of {state.job.request_id}"
+            )
         return tuple(state.logprobs[p] for p in positions)
 
     def _finished(self, state: _State, reason: str | None, md_tokens: int) -> Finished:
-        return Finished(reason, max(state.outputs, default=-1) + 1, md_tokens, state.wan_bytes,
-                        state.extend_s * 1000)
+        return Finished(
+            reason,
+            max(state.outputs, default=-1) + 1,
+            md_tokens,
+            state.wan_bytes,
+            state.extend_s * 1000,
+        )
 
     async def _note(self, state: _State, out) -> None:
         if out.token_id is not None:
@@ -202,8 +200,13 @@ class MainDecode:
             metrics.WAN_BYTES.labels("received").inc(kv.wire_bytes)
             metrics.WAN_TRANSFER.labels("received").observe(kv.elapsed_s)
             state.kv_ready.set()
-            log.info("md_kv_imported", tokens=kv.header.num_tokens, wire_bytes=kv.wire_bytes,
-                     transfer_s=round(kv.elapsed_s, 4), import_ms=round((time.perf_counter() - t0) * 1000, 2))
+            log.info(
+                "md_kv_imported",
+                tokens=kv.header.num_tokens,
+                wire_bytes=kv.wire_bytes,
+                transfer_s=round(kv.elapsed_s, 4),
+                import_ms=round((time.perf_counter() - t0) * 1000, 2),
+            )
             if state.job.pipeline is Pipeline.P_MD:
                 first = list(kv.output_token_ids)
                 t1 = time.perf_counter()
@@ -226,11 +229,12 @@ class MainDecode:
         try:
             await asyncio.wait_for(state.kv_ready.wait(), timeout_s)
             return True
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
 
-    async def handoff(self, request_id: str, start: int, token_ids: list[int], *,
-                      final: bool) -> tuple[int, int]:
+    async def handoff(
+        self, request_id: str, start: int, token_ids: list[int], *, final: bool
+    ) -> tuple[int, int]:
         """Extend ``token_ids`` at output ``start``.
 
         Returns (outputs extended through, outputs computed here). Between rounds
@@ -243,34 +247,46 @@ class MainDecode:
         if state is None:
             raise NotFoundError(f"request_id: {request_id!r} is not decoding here")
         if state.job.pipeline is not Pipeline.P_RLD_MD:
-            raise FailedPreconditionError(f"request_id: {request_id!r} is a {state.job.pipeline.value} request; "
-                                          "only P-RLD-MD requests are handed over")
+            raise FailedPreconditionError(
+                f"request_id: {request_id!r} is a {state.job.pipeline.value} request; "
+                "only P-RLD-MD requests are handed over"
+            )
         try:
             await asyncio.wait_for(state.kv_ready.wait(), self.kv_timeout_s)
-        except asyncio.TimeoutError:
-            raise DeadlineExceededError(f"KV of {request_id} did not arrive in {self.kv_timeout_s} s") from None
+        except TimeoutError:
+            raise DeadlineExceededError(
+                f"KV of {request_id} did not arrive in {self.kv_timeout_s} s"
+            ) from None
         target = start + len(token_ids)
         agrees = all(state.outputs.get(start + i) == t for i, t in enumerate(token_ids))
         if state.finished:
             # NOTE: MainDecode ran ahead to the end during catch-up; it must agree with the relay.
             if not agrees:
-                raise FailedPreconditionError(f"handoff tokens disagree with {request_id}'s finished outputs")
+                raise FailedPreconditionError(
+                    f"handoff tokens disagree with {request_id}'s finished outputs"
+                )
         elif not (agrees and state.produced >= target):
             t0 = time.perf_counter()
             appended = await self._append(state, start, token_ids, expedite=final)
             async with state.progress:
                 # The extension is computed once the engine produced the position after it (or finished).
                 await state.progress.wait_for(lambda: state.produced >= target or state.finished)
-            if not appended and not all(state.outputs.get(start + i) == t for i, t in enumerate(token_ids)):
+            if not appended and not all(
+                state.outputs.get(start + i) == t for i, t in enumerate(token_ids)
+            ):
                 # NOTE: MainDecode finished ahead while this round was on its way: its outputs stand
                 # and must agree with the relay's, or the stream would mix two paths.
-                raise FailedPreconditionError(f"handoff tokens disagree with {request_id}'s finished outputs")
+                raise FailedPreconditionError(
+                    f"handoff tokens disagree with {request_id}'s finished outputs"
+                )
             state.extend_s += time.perf_counter() - t0
         if final:
             state.queue.put_nowait(("emit_from", target))
         return target, max(target, state.produced + 1)
 
-    async def _append(self, state: _State, start: int, token_ids: list[int], *, expedite: bool) -> bool:
+    async def _append(
+        self, state: _State, start: int, token_ids: list[int], *, expedite: bool
+    ) -> bool:
         """Make ``token_ids`` the outputs from ``start`` (extend: computed in one pass); what
         MainDecode decoded ahead is kept where it agrees and dropped from the first disagreement.
 
@@ -298,12 +314,20 @@ class MainDecode:
         state.queue.put_nowait(("extended", start, tuple(token_ids), rolled_back, applied))
         try:
             await asyncio.wait_for(applied, self.kv_timeout_s)
-        except asyncio.TimeoutError:
-            raise DeadlineExceededError(f"{rid}: the extension was not applied in {self.kv_timeout_s} s") from None
+        except TimeoutError:
+            raise DeadlineExceededError(
+                f"{rid}: the extension was not applied in {self.kv_timeout_s} s"
+            ) from None
         return True
 
-    async def _apply_extension(self, state: _State, start: int, token_ids: tuple[int, ...], rolled_back: bool,
-                               applied: asyncio.Future) -> None:
+    async def _apply_extension(
+        self,
+        state: _State,
+        start: int,
+        token_ids: tuple[int, ...],
+        rolled_back: bool,
+        applied: asyncio.Future,
+    ) -> None:
         end = start + len(token_ids)
         for i, tok in enumerate(token_ids):
             state.outputs[start + i] = tok

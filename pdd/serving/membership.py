@@ -29,13 +29,13 @@ from collections.abc import Awaitable, Callable
 import grpc
 import structlog
 
-from pdd.convert import kvstore as conv
-from pdd.convert.common import instance_ref_to_pb
-from pdd.engine.radix_cache import CacheEvent
+from pdd.core.cache_event import CacheEvent
+from pdd.core.instance import Instance, InstanceLoad
 from pdd.gen.kvstore.v1 import kvstore_service_pb2 as pb
 from pdd.gen.kvstore.v1 import kvstore_service_pb2_grpc as pb_grpc
-from pdd.instance import Instance, InstanceLoad
 from pdd.server.tls import TlsConfig, open_channel
+from pdd.wire import kvstore as conv
+from pdd.wire.common import instance_ref_to_pb
 
 log = structlog.get_logger(__name__)
 
@@ -50,9 +50,16 @@ async def _no_cache() -> list[CacheEvent]:
 
 
 class Membership:
-    def __init__(self, kvstore_address: str, instance: Instance, *, ttl_ms: int = 6000,
-                 load: Callable[[], InstanceLoad] = InstanceLoad,
-                 snapshot: Snapshot = _no_cache, tls: TlsConfig | None = None) -> None:
+    def __init__(
+        self,
+        kvstore_address: str,
+        instance: Instance,
+        *,
+        ttl_ms: int = 6000,
+        load: Callable[[], InstanceLoad] = InstanceLoad,
+        snapshot: Snapshot = _no_cache,
+        tls: TlsConfig | None = None,
+    ) -> None:
         self.instance = instance
         self.ttl_ms = ttl_ms
         self._load = load
@@ -70,7 +77,10 @@ class Membership:
 
     async def start(self) -> None:
         await self._register(reset_index=True)
-        self._tasks = [asyncio.create_task(self._heartbeat()), asyncio.create_task(self._publisher())]
+        self._tasks = [
+            asyncio.create_task(self._heartbeat()),
+            asyncio.create_task(self._publisher()),
+        ]
 
     async def stop(self) -> None:
         await self.flush(timeout=2.0)
@@ -78,8 +88,9 @@ class Membership:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         try:
-            await self._stub.DeregisterInstance(pb.DeregisterInstanceRequest(
-                instance_id=self.instance.ref.instance_id), timeout=2.0)
+            await self._stub.DeregisterInstance(
+                pb.DeregisterInstanceRequest(instance_id=self.instance.ref.instance_id), timeout=2.0
+            )
         except grpc.aio.AioRpcError as exc:
             log.warning("deregister_failed", error=exc.details())
         await self._channel.close()
@@ -95,22 +106,34 @@ class Membership:
         """Wait until every queued event was sent (tests, shutdown)."""
         try:
             await asyncio.wait_for(self._events.join(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.warning("cache_event_flush_timeout", pending=self._events.qsize())
 
     async def _register(self, *, reset_index: bool) -> None:
         inst = self.instance
-        await self._stub.RegisterInstance(pb.RegisterInstanceRequest(
-            ref=instance_ref_to_pb(inst.ref), block_size=inst.block_size, model=inst.model,
-            ttl_ms=self.ttl_ms, reset_index=reset_index), timeout=5.0)
+        await self._stub.RegisterInstance(
+            pb.RegisterInstanceRequest(
+                ref=instance_ref_to_pb(inst.ref),
+                block_size=inst.block_size,
+                model=inst.model,
+                ttl_ms=self.ttl_ms,
+                reset_index=reset_index,
+            ),
+            timeout=5.0,
+        )
 
     async def _heartbeat(self) -> None:
         period = self.ttl_ms / 3000
         while True:
             await asyncio.sleep(period)
             try:
-                resp = await self._stub.Heartbeat(pb.HeartbeatRequest(
-                    instance_id=self.instance.ref.instance_id, load=conv.load_to_pb(self._load())), timeout=period)
+                resp = await self._stub.Heartbeat(
+                    pb.HeartbeatRequest(
+                        instance_id=self.instance.ref.instance_id,
+                        load=conv.load_to_pb(self._load()),
+                    ),
+                    timeout=period,
+                )
                 if not resp.known:
                     log.warning("lease_lapsed_reregistering")
                     self._resync_pending = True
@@ -144,8 +167,10 @@ class Membership:
             batch = [await self._events.get()]
             while not self._events.empty() and len(batch) < MAX_EVENTS_PER_CALL:
                 batch.append(self._events.get_nowait())
-            request = pb.PublishCacheEventsRequest(instance_id=self.instance.ref.instance_id,
-                                                   events=[conv.cache_event_to_pb(e) for e in batch])
+            request = pb.PublishCacheEventsRequest(
+                instance_id=self.instance.ref.instance_id,
+                events=[conv.cache_event_to_pb(e) for e in batch],
+            )
             for attempt in range(5):
                 try:
                     await self._stub.PublishCacheEvents(request, timeout=5.0)

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 from gguf import GGUFReader
 
-from pdd.convert.gateway import ModelInfo
+from pdd.core.model_info import ModelInfo
 from pdd.engine.gguf_metadata import gguf_config
 from pdd.engine.model_config import ModelConfig
 from pdd.engine.model_source import resolve_model_source
@@ -47,6 +47,12 @@ def load_model_info(spec: str) -> tuple[ModelInfo, Decode]:
         encode = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
         decode = lambda ids: tok.decode(list(ids), skip_special_tokens=True)  # noqa: E731
         template = getattr(tok, "chat_template", None) or ""
-    info = ModelInfo(name=spec, vocab_size=config.vocab_size, max_context_tokens=config.max_position_embeddings,
-                     eos_token_ids=tuple(config.eos_token_ids), chat_template=template, encode=encode)
+    info = ModelInfo(
+        name=spec,
+        vocab_size=config.vocab_size,
+        max_context_tokens=config.max_position_embeddings,
+        eos_token_ids=tuple(config.eos_token_ids),
+        chat_template=template,
+        encode=encode,
+    )
     return info, decode

@@ -17,9 +17,17 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from pdd.engine.checkpoint_record import Checkpoint
 
-_TINY_KEYS = {"vocab": "vocab_size", "hidden": "hidden_size", "inter": "intermediate_size",
-              "layers": "num_layers", "heads": "num_heads", "kv_heads": "num_kv_heads",
-              "ctx": "max_position_embeddings", "std": "std", "eos": "eos_token_id"}
+_TINY_KEYS = {
+    "vocab": "vocab_size",
+    "hidden": "hidden_size",
+    "inter": "intermediate_size",
+    "layers": "num_layers",
+    "heads": "num_heads",
+    "kv_heads": "num_kv_heads",
+    "ctx": "max_position_embeddings",
+    "std": "std",
+    "eos": "eos_token_id",
+}
 
 
 def tiny_kwargs(spec: str) -> dict:
@@ -31,7 +39,9 @@ def tiny_kwargs(spec: str) -> dict:
         for pair in pairs:
             key, _, value = pair.partition("=")
             if key not in _TINY_KEYS:
-                raise ValueError(f"model: unknown tiny option {key!r} (known: {sorted(_TINY_KEYS)})")
+                raise ValueError(
+                    f"model: unknown tiny option {key!r} (known: {sorted(_TINY_KEYS)})"
+                )
             kwargs[_TINY_KEYS[key]] = float(value) if key == "std" else int(value)
     except ValueError as exc:
         if str(exc).startswith("model:"):

@@ -25,12 +25,12 @@ from dataclasses import dataclass, replace
 
 import structlog
 
-from pdd.engine.sampling import Logprob, SamplingParams
-from pdd.errors import FailedPreconditionError, InvalidArgumentError
+from pdd.core.errors import FailedPreconditionError, InvalidArgumentError
+from pdd.core.pipeline import Pipeline
+from pdd.core.stage_events import FirstToken, PrefillJob, TransferDone
 from pdd.gen.main_decode.v1 import main_decode_service_pb2_grpc as md_grpc
 from pdd.gen.relay.v1 import relay_service_pb2_grpc as r_grpc
-from pdd.instance import InstanceRef
-from pdd.kv import convert as kv_convert
+from pdd.kv import messages as kv_convert
 from pdd.kv.fast_link.region import PrepareRequest
 from pdd.kv.fast_link.select import usable_candidates
 from pdd.kv.fast_link.sender import FastLinkSender
@@ -42,7 +42,6 @@ from pdd.kv.source import StreamedSource
 from pdd.kv.stream_pool import StreamPool
 from pdd.kv.transfer import DEFAULT_CHUNK_BYTES, Compression, TransferHeader
 from pdd.kv.wan import KvPusher, PusherConfig
-from pdd.routing.policy import Pipeline
 from pdd.server.interceptors import outgoing_metadata
 from pdd.serving.channels import Channels
 from pdd.serving.engine_instance import EngineInstance
@@ -50,18 +49,6 @@ from pdd.serving.kv_bridge import export_tokens, range_header, wire_bytes
 from pdd.telemetry import metrics
 
 log = structlog.get_logger(__name__)
-
-
-@dataclass(frozen=True)
-class PrefillJob:
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    sampling: SamplingParams
-    cache_salt: str
-    pipeline: Pipeline
-    main_decode: InstanceRef
-    main_decode_cached_tokens: int
-    relay: InstanceRef | None = None
 
 
 @dataclass(frozen=True)
@@ -82,25 +69,6 @@ class PrefillConfig:
             raise ValueError(f"wan_streams: must be >= 1, got {self.wan_streams}")
         if self.wan_chunk_bytes < 1024:
             raise ValueError(f"wan_chunk_bytes: must be >= 1024, got {self.wan_chunk_bytes}")
-
-
-@dataclass(frozen=True)
-class FirstToken:
-    token_id: int
-    prompt_tokens: int
-    cached_tokens: int
-    prefill_ms: float
-    logprob: Logprob | None = None
-
-
-@dataclass(frozen=True)
-class TransferDone:
-    relay_kv_bytes: int
-    wan_kv_bytes: int
-    relay_transfer_ms: float
-    wan_transfer_ms: float
-    wan_queue_ms: float
-    fast_link: str
 
 
 def offered_transports(preference: str, same_host: bool) -> tuple[Transport, ...]:
@@ -130,7 +98,9 @@ class _Link:
 
 
 class Prefill:
-    def __init__(self, instance: EngineInstance, channels: Channels, config: PrefillConfig = PrefillConfig()) -> None:
+    def __init__(
+        self, instance: EngineInstance, channels: Channels, config: PrefillConfig = PrefillConfig()
+    ) -> None:
         self.instance = instance
         self.channels = channels
         self.config = config
@@ -161,11 +131,25 @@ class Prefill:
         self.runner.watch(rid)
         cfg = self.config
         first: asyncio.Future = asyncio.get_running_loop().create_future()
-        links: list[_Link] = [_Link(range_header(self.engine, rid, md_from, n, job.prompt_token_ids, job.cache_salt,
-                                                 wire_dtype=cfg.wan_dtype, compression=cfg.wan_compression,
-                                                 chunk_bytes=cfg.wan_chunk_bytes))]
+        links: list[_Link] = [
+            _Link(
+                range_header(
+                    self.engine,
+                    rid,
+                    md_from,
+                    n,
+                    job.prompt_token_ids,
+                    job.cache_salt,
+                    wire_dtype=cfg.wan_dtype,
+                    compression=cfg.wan_compression,
+                    chunk_bytes=cfg.wan_chunk_bytes,
+                )
+            )
+        ]
         if job.pipeline is Pipeline.P_RLD_MD:
-            links.append(_Link(range_header(self.engine, rid, 0, n, job.prompt_token_ids, job.cache_salt)))
+            links.append(
+                _Link(range_header(self.engine, rid, 0, n, job.prompt_token_ids, job.cache_salt))
+            )
         # NOTE: both pushes start now and stream each chunk of the prompt as soon as it is computed.
         tasks = [asyncio.create_task(self._push_wan(job, links[0], first))]
         if len(links) > 1:
@@ -175,8 +159,13 @@ class Prefill:
             t0 = time.perf_counter()
 
             def admit() -> int:
-                self.engine.add_request(rid, job.prompt_token_ids, replace(job.sampling, max_tokens=1),
-                                        salt=job.cache_salt, keep_after_finish=True)
+                self.engine.add_request(
+                    rid,
+                    job.prompt_token_ids,
+                    replace(job.sampling, max_tokens=1),
+                    salt=job.cache_salt,
+                    keep_after_finish=True,
+                )
                 return self.engine.num_cached_tokens(rid)
 
             cached = await self.runner.call(admit)
@@ -199,7 +188,9 @@ class Prefill:
                     break
             token = item.token_id
             prefill_ms = (time.perf_counter() - t0) * 1000
-            log.info("prefilled", prompt_tokens=n, cached_tokens=cached, prefill_ms=round(prefill_ms, 2))
+            log.info(
+                "prefilled", prompt_tokens=n, cached_tokens=cached, prefill_ms=round(prefill_ms, 2)
+            )
             first.set_result((token,))
             # NOTE: the token leaves before any housekeeping: awaiting the engine thread first let it
             # wait behind the event loop's other work (the KV pushes starting) — 10-150 ms of TTFT.
@@ -214,12 +205,21 @@ class Prefill:
                 except Exception as exc:  # noqa: BLE001
                     # NOTE: a lost relay must not fail the request: MainDecode has its KV over the
                     # WAN, and the gateway hands the tokens it streamed over to MainDecode itself.
-                    log.warning("fast_link_failed", relay=job.relay.instance_id if job.relay else "",
-                                error=f"{type(exc).__name__}: {exc}")
+                    log.warning(
+                        "fast_link_failed",
+                        relay=job.relay.instance_id if job.relay else "",
+                        error=f"{type(exc).__name__}: {exc}",
+                    )
                     relay = (0, 0.0, "failed")
             finished = True
-            yield TransferDone(relay[0], wan.wire_bytes, relay[1] * 1000, wan.elapsed_s * 1000,
-                               wan.queue_wait_s * 1000, relay[2])
+            yield TransferDone(
+                relay[0],
+                wan.wire_bytes,
+                relay[1] * 1000,
+                wan.elapsed_s * 1000,
+                wan.queue_wait_s * 1000,
+                relay[2],
+            )
         finally:
             self._active.discard(rid)
             self.runner.close(rid)
@@ -245,13 +245,21 @@ class Prefill:
             pool = self._pools[f"{address}#{lane}"] = StreamPool(self.config.wan_streams)
             metrics.LIVE.watch_pool(pool)
         stub = md_grpc.MainDecodeServiceStub(self.channels.get(address, lane))
-        pusher = KvPusher.for_stub(stub, config=PusherConfig(), pool=pool, metadata=outgoing_metadata())
+        pusher = KvPusher.for_stub(
+            stub, config=PusherConfig(), pool=pool, metadata=outgoing_metadata()
+        )
         report = await pusher.push(header, link.source, output_token_ids=first)
         metrics.WAN_BYTES.labels("sent").inc(report.wire_bytes)
         metrics.WAN_TRANSFER.labels("sent").observe(report.elapsed_s)
         metrics.WAN_QUEUE.observe(report.queue_wait_s)
-        log.info("wan_pushed", bytes=report.wire_bytes, tokens=header.num_tokens, start=header.start_token,
-                 queue_ms=round(report.queue_wait_s * 1000, 2), elapsed_ms=round(report.elapsed_s * 1000, 2))
+        log.info(
+            "wan_pushed",
+            bytes=report.wire_bytes,
+            tokens=header.num_tokens,
+            start=header.start_token,
+            queue_ms=round(report.queue_wait_s * 1000, 2),
+            elapsed_ms=round(report.elapsed_s * 1000, 2),
+        )
         return report
 
     async def _send_fast(self, job: PrefillJob, link: _Link, first: asyncio.Future):
@@ -259,20 +267,29 @@ class Prefill:
         header = link.header
         stub = r_grpc.RelayServiceStub(self.channels.get(job.relay.address))
         meta = outgoing_metadata()
-        request = PrepareRequest(job.request_id, header.layout, header.num_tokens, header.total_bytes,
-                                 self.transports)
+        request = PrepareRequest(
+            job.request_id, header.layout, header.num_tokens, header.total_bytes, self.transports
+        )
         reservation = kv_convert.reservation_from_pb(
-            await stub.PrepareTransfer(kv_convert.prepare_request_to_pb(request), metadata=meta), request)
-        sender = FastLinkSender([ShmSenderBackend(), TcpSenderBackend.for_stub(stub, metadata=meta)])
+            await stub.PrepareTransfer(kv_convert.prepare_request_to_pb(request), metadata=meta),
+            request,
+        )
+        sender = FastLinkSender(
+            [ShmSenderBackend(), TcpSenderBackend.for_stub(stub, metadata=meta)]
+        )
 
         async def complete(completion):
-            resp = await stub.CompleteTransfer(kv_convert.completion_to_pb(completion), metadata=meta)
+            resp = await stub.CompleteTransfer(
+                kv_convert.completion_to_pb(completion), metadata=meta
+            )
             return resp.accepted
 
         t0 = time.perf_counter()
         report = await sender.send(reservation, header, link.source, complete, first)
         if report.state is not TransferState.COMPLETED:
-            raise FailedPreconditionError(f"fast link to {job.relay.instance_id} failed: {report.state.value}")
+            raise FailedPreconditionError(
+                f"fast link to {job.relay.instance_id} failed: {report.state.value}"
+            )
         elapsed, transport = time.perf_counter() - t0, reservation.transport.value
         metrics.FAST_LINK_BYTES.labels(transport).inc(header.total_bytes)
         metrics.FAST_LINK_TRANSFER.labels(transport).observe(elapsed)

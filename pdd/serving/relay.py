@@ -35,32 +35,21 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
-from pdd.convert.common import handoff_to_pb
-from pdd.engine.sampling import Logprob, SamplingParams
-from pdd.errors import DeadlineExceededError, InvalidArgumentError
+from pdd.core.errors import DeadlineExceededError, InvalidArgumentError
+from pdd.core.pipeline import HandoffMode
+from pdd.core.stage_events import Accepted, Finished, HandedOff, RelayJob, Tokens
 from pdd.gen.main_decode.v1 import main_decode_service_pb2 as md_pb
 from pdd.gen.main_decode.v1 import main_decode_service_pb2_grpc as md_grpc
-from pdd.instance import InstanceRef
 from pdd.kv.fast_link.receiver import FastLinkReceiver
-from pdd.routing.policy import HandoffMode
 from pdd.server.interceptors import outgoing_metadata
 from pdd.serving.channels import Channels
 from pdd.serving.engine_instance import EngineInstance
 from pdd.serving.kv_bridge import import_range
 from pdd.serving.stream_pacer import StreamPacer, SwitchTimes
 from pdd.telemetry import metrics
+from pdd.wire.common import handoff_to_pb
 
 log = structlog.get_logger(__name__)
-
-
-@dataclass(frozen=True)
-class RelayJob:
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    sampling: SamplingParams
-    cache_salt: str
-    main_decode: InstanceRef
-    handoff_mode: HandoffMode
 
 
 # NOTE: the lead before a switch to that MainDecode was timed (learned from the first switch on):
@@ -86,7 +75,9 @@ class RelayConfig:
 
     def __post_init__(self) -> None:
         if self.stream_lead_s is not None and self.stream_lead_s < 0:
-            raise ValueError(f"stream_lead_s: must be >= 0 or None (learned), got {self.stream_lead_s}")
+            raise ValueError(
+                f"stream_lead_s: must be >= 0 or None (learned), got {self.stream_lead_s}"
+            )
         if self.pace_max_hold_s < 0:
             raise ValueError(f"pace_max_hold_s: must be >= 0, got {self.pace_max_hold_s}")
         if self.catch_up_gap < 0:
@@ -95,35 +86,14 @@ class RelayConfig:
             raise ValueError(f"max_catch_up_rounds: must be >= 0, got {self.max_catch_up_rounds}")
 
 
-@dataclass(frozen=True)
-class Accepted:
-    pass
-
-
-@dataclass(frozen=True)
-class Tokens:
-    start_position: int
-    token_ids: tuple[int, ...]
-    logprobs: tuple[Logprob, ...] = ()  # one per token when the request asked for them
-
-
-@dataclass(frozen=True)
-class HandedOff:
-    at_position: int
-    mode: HandoffMode
-    rounds: int
-    handoff_ms: float
-
-
-@dataclass(frozen=True)
-class Finished:
-    finish_reason: str | None
-    completion_tokens: int
-
-
 class Relay:
-    def __init__(self, instance: EngineInstance, fast: FastLinkReceiver, channels: Channels,
-                 config: RelayConfig = RelayConfig()) -> None:
+    def __init__(
+        self,
+        instance: EngineInstance,
+        fast: FastLinkReceiver,
+        channels: Channels,
+        config: RelayConfig = RelayConfig(),
+    ) -> None:
         self.instance = instance
         self.fast = fast
         self.channels = channels
@@ -144,7 +114,9 @@ class Relay:
     def engine(self):
         return self.instance.engine
 
-    async def decode(self, job: RelayJob) -> AsyncIterator[Accepted | Tokens | HandedOff | Finished]:
+    async def decode(
+        self, job: RelayJob
+    ) -> AsyncIterator[Accepted | Tokens | HandedOff | Finished]:
         rid = job.request_id
         if rid in self._active:
             raise InvalidArgumentError("request_id", f"{rid!r} is already decoding here")
@@ -153,8 +125,14 @@ class Relay:
         md = md_grpc.MainDecodeServiceStub(self.channels.get(job.main_decode.address))
         tasks: list[asyncio.Task] = []
         try:
-            await self.runner.call(self.engine.add_request, rid, job.prompt_token_ids, job.sampling,
-                                   salt=job.cache_salt, paused=True)
+            await self.runner.call(
+                self.engine.add_request,
+                rid,
+                job.prompt_token_ids,
+                job.sampling,
+                salt=job.cache_salt,
+                paused=True,
+            )
             yield Accepted()
             region = await self.fast.wait_complete(rid, self.config.kv_timeout_s)
             t_kv = time.perf_counter()
@@ -176,7 +154,9 @@ class Relay:
             tasks.append(kv_ready)
             kv_ready.add_done_callback(lambda t: queue.put_nowait(("kv_ready", t)))
             finished: tuple[str | None, int] | None = None
-            outputs = list(first)  # NOTE: the engine forgets a finished request; keep its outputs here
+            outputs = list(
+                first
+            )  # NOTE: the engine forgets a finished request; keep its outputs here
             # NOTE: collected by a task of its own and stamped on arrival, also while the pacer
             # holds a token, so a held token is held from when it was computed.
             pending: collections.deque[tuple[float, object]] = collections.deque()
@@ -201,32 +181,44 @@ class Relay:
                 if isinstance(item, tuple):
                     kind, value = item
                     if kind == "kv_ready" and finished is None:
-                        interval_s = value.result()  # NOTE: surfaces MainDecode errors on this stream
+                        interval_s = (
+                            value.result()
+                        )  # NOTE: surfaces MainDecode errors on this stream
                         if job.handoff_mode is HandoffMode.CATCH_UP:
                             pacer.pace(interval_s)
                         handoff = asyncio.create_task(self._handoff(md, job, queue, pacer))
                         tasks.append(handoff)
-                        handoff.add_done_callback(lambda t: t.cancelled() or t.exception() is None
-                                                  or queue.put_nowait(t.exception()))
+                        handoff.add_done_callback(
+                            lambda t: t.cancelled()
+                            or t.exception() is None
+                            or queue.put_nowait(t.exception())
+                        )
                     elif kind == "handed_off":
                         yield value
                         return
                     continue
                 if item.token_id is not None and item.position >= len(first):
-                    del outputs[item.position:]
+                    del outputs[item.position :]
                     outputs.append(item.token_id)
                     await pacer.hold(computed_at)
                     if ttfdt_share is not None:
                         arrived_at, started_at = ttfdt_share
-                        log.info("relay_first_token", import_ms=round((started_at - arrived_at) * 1000, 2),
-                                 first_token_ms=round((time.perf_counter() - arrived_at) * 1000, 2))
+                        log.info(
+                            "relay_first_token",
+                            import_ms=round((started_at - arrived_at) * 1000, 2),
+                            first_token_ms=round((time.perf_counter() - arrived_at) * 1000, 2),
+                        )
                         ttfdt_share = None
-                    yield Tokens(item.position, (item.token_id,), () if item.logprob is None else (item.logprob,))
+                    yield Tokens(
+                        item.position,
+                        (item.token_id,),
+                        () if item.logprob is None else (item.logprob,),
+                    )
                 if item.finished and finished is None:
                     finished = (item.finish_reason, item.position + 1)
                     for t in tasks:
                         t.cancel()
-                    await self._hand_over_finished(md, job, outputs[:item.position + 1])
+                    await self._hand_over_finished(md, job, outputs[: item.position + 1])
                     yield Finished(*finished)
                     return
         finally:
@@ -235,7 +227,9 @@ class Relay:
             self._active.discard(rid)
             self.runner.close(rid)
             self.fast.cancel(rid)
-            self.runner.submit(self.engine.abort, rid)  # NOTE: not awaited: runs even when cancelled
+            self.runner.submit(
+                self.engine.abort, rid
+            )  # NOTE: not awaited: runs even when cancelled
 
     async def _wait_md(self, md, rid: str, timeout_s: float | None = None) -> float:
         """Wait until MainDecode holds the request's KV; returns its decode interval (s, 0 if unknown)."""
@@ -244,8 +238,10 @@ class Relay:
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0:
                 raise DeadlineExceededError(f"main_decode did not receive the KV of {rid} in time")
-            resp = await md.WaitKvReady(md_pb.WaitKvReadyRequest(request_id=rid, timeout_ms=min(left_ms, 30_000)),
-                                        metadata=outgoing_metadata())
+            resp = await md.WaitKvReady(
+                md_pb.WaitKvReadyRequest(request_id=rid, timeout_ms=min(left_ms, 30_000)),
+                metadata=outgoing_metadata(),
+            )
             if resp.ready:
                 return resp.decode_interval_ms / 1000
 
@@ -269,8 +265,14 @@ class Relay:
                 # NOTE: MainDecode decodes ahead between rounds; what it computed needs no extend step.
                 if len(outputs) - computed <= self.config.catch_up_gap:
                     break
-                await call.write(md_pb.TokenHandoffRequest(request_id=rid, start_position=sent,
-                                                           token_ids=outputs[sent:], mode=handoff_to_pb(mode)))
+                await call.write(
+                    md_pb.TokenHandoffRequest(
+                        request_id=rid,
+                        start_position=sent,
+                        token_ids=outputs[sent:],
+                        mode=handoff_to_pb(mode),
+                    )
+                )
                 ack = await call.read()
                 sent, rounds, rounds_left = ack.extended_through, rounds + 1, rounds_left - 1
                 computed = ack.computed_through
@@ -281,9 +283,15 @@ class Relay:
                 call.cancel()
                 return
             t_final, lag_s = time.perf_counter(), pacer.lag_s
-            await call.write(md_pb.TokenHandoffRequest(request_id=rid, start_position=sent,
-                                                       token_ids=outputs[sent:], final=True,
-                                                       mode=handoff_to_pb(mode)))
+            await call.write(
+                md_pb.TokenHandoffRequest(
+                    request_id=rid,
+                    start_position=sent,
+                    token_ids=outputs[sent:],
+                    final=True,
+                    mode=handoff_to_pb(mode),
+                )
+            )
             await call.read()
             pacer.release()
             switch_s = time.perf_counter() - t_final
@@ -296,9 +304,18 @@ class Relay:
         rounds += 1
         metrics.HANDOFFS.labels(mode.value, "live").inc()
         metrics.HANDOFF_TIME.labels(mode.value).observe(time.perf_counter() - t0)
-        log.info("handed_off", at=len(outputs), mode=mode.value, rounds=rounds, switch_ms=round(switch_s * 1000, 2),
-                 lead_ms=round(pacer.lead_s * 1000, 2), lag_ms=round(lag_s * 1000, 2))
-        queue.put_nowait(("handed_off", HandedOff(len(outputs), mode, rounds, (time.perf_counter() - t0) * 1000)))
+        log.info(
+            "handed_off",
+            at=len(outputs),
+            mode=mode.value,
+            rounds=rounds,
+            switch_ms=round(switch_s * 1000, 2),
+            lead_ms=round(pacer.lead_s * 1000, 2),
+            lag_ms=round(lag_s * 1000, 2),
+        )
+        queue.put_nowait(
+            ("handed_off", HandedOff(len(outputs), mode, rounds, (time.perf_counter() - t0) * 1000))
+        )
 
     def _read(self, rid: str) -> list[int] | None:
         return self.engine.output_token_ids(rid) if self.engine.holds_request(rid) else None
@@ -314,8 +331,16 @@ class Relay:
         rid = job.request_id
         await self._wait_md(md, rid)
         call = md.TokenHandoff(metadata=outgoing_metadata())
-        await call.write(md_pb.TokenHandoffRequest(request_id=rid, start_position=0, token_ids=outputs, final=True,
-                                                   request_finished=True, mode=handoff_to_pb(job.handoff_mode)))
+        await call.write(
+            md_pb.TokenHandoffRequest(
+                request_id=rid,
+                start_position=0,
+                token_ids=outputs,
+                final=True,
+                request_finished=True,
+                mode=handoff_to_pb(job.handoff_mode),
+            )
+        )
         await call.read()
         await call.done_writing()
         metrics.HANDOFFS.labels(job.handoff_mode.value, "finished").inc()

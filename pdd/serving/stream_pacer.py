@@ -49,8 +49,9 @@ LEAD_RAMP = 0.25
 
 
 class StreamPacer:
-    def __init__(self, max_hold_s: float, clock: Callable[[], float] = time.monotonic, *,
-                 lead_s: float = 0.0) -> None:
+    def __init__(
+        self, max_hold_s: float, clock: Callable[[], float] = time.monotonic, *, lead_s: float = 0.0
+    ) -> None:
         if max_hold_s < 0:
             raise ValueError(f"max_hold_s: must be >= 0, got {max_hold_s}")
         if lead_s < 0:
@@ -105,7 +106,9 @@ class StreamPacer:
         if computed_at is not None:
             if self._last_computed is not None:
                 gap = max(0.0, computed_at - self._last_computed)
-                self._typical_gap_s = gap if self._typical_gap_s is None else 0.8 * self._typical_gap_s + 0.2 * gap
+                self._typical_gap_s = (
+                    gap if self._typical_gap_s is None else 0.8 * self._typical_gap_s + 0.2 * gap
+                )
             self._last_computed = computed_at
             self._lag_s = max(0.0, now - computed_at)
 
@@ -118,7 +121,7 @@ class StreamPacer:
                 self._wake = asyncio.Event()
             try:
                 await asyncio.wait_for(self._wake.wait(), wait)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             metrics.PACE_HOLD.inc(max(0.0, self.clock() - start))
         self.sent(computed_at)
@@ -151,4 +154,6 @@ class SwitchTimes:
         return self.margin * max(recent) if recent else self.prior_s
 
     def observe(self, key: Hashable, seconds: float) -> None:
-        self._recent.setdefault(key, collections.deque(maxlen=self._window)).append(max(0.0, seconds))
+        self._recent.setdefault(key, collections.deque(maxlen=self._window)).append(
+            max(0.0, seconds)
+        )

@@ -50,7 +50,9 @@ class _Call:
         emit("rpc_finished", code=code, ms=round(elapsed * 1000, 2))
 
 
-def _unary(behavior: Callable[..., Awaitable[Any]], call: Callable[[], _Call]) -> Callable[..., Awaitable[Any]]:
+def _unary(
+    behavior: Callable[..., Awaitable[Any]], call: Callable[[], _Call]
+) -> Callable[..., Awaitable[Any]]:
     async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
         c, exc = call(), None
         try:
@@ -93,8 +95,10 @@ class TelemetryInterceptor(grpc.aio.ServerInterceptor):
         def call() -> _Call:
             return _Call(details.method, scoped)
 
-        kw = dict(request_deserializer=handler.request_deserializer,
-                  response_serializer=handler.response_serializer)
+        kw = dict(
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(_unary(handler.unary_unary, call), **kw)
         if handler.stream_unary:

@@ -35,7 +35,9 @@ def configure_logging(service: str, *, level: str = "INFO", json: bool = True) -
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
     )
-    logging.basicConfig(level=numeric, stream=sys.stderr, format="%(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=numeric, stream=sys.stderr, format="%(name)s %(levelname)s %(message)s"
+    )
     structlog.contextvars.clear_contextvars()
     structlog.contextvars.bind_contextvars(service=service)
     _configured = True

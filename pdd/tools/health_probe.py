@@ -19,15 +19,21 @@ from pdd.server.flags import add_tls_flags, tls_config
 from pdd.server.tls import TlsConfig, open_channel
 
 
-async def check(address: str, service: str = "", *, tls: TlsConfig = TlsConfig(), timeout: float = 3.0) -> int:
+async def check(
+    address: str, service: str = "", *, tls: TlsConfig = TlsConfig(), timeout: float = 3.0
+) -> int:
     """The ``HealthCheckResponse.ServingStatus`` of ``service`` at ``address`` (raises ``grpc.RpcError``)."""
     async with open_channel(address, tls) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
-        return (await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)).status
+        return (
+            await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        ).status
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pdd.tools.health_probe", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m pdd.tools.health_probe", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("address", help="host:port")
     parser.add_argument("--service", default="", help="gRPC service name; '' = the whole server")
     parser.add_argument("--timeout", type=float, default=3.0, help="seconds")
@@ -35,7 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     name = health_pb2.HealthCheckResponse.ServingStatus.Name
     try:
-        status = asyncio.run(check(args.address, args.service, tls=tls_config(args), timeout=args.timeout))
+        status = asyncio.run(
+            check(args.address, args.service, tls=tls_config(args), timeout=args.timeout)
+        )
     except ValueError as exc:  # a TLS setting that cannot work (missing file, cert without key)
         print(f"{args.address}: {exc}", file=sys.stderr)
         return 2

@@ -13,14 +13,16 @@ import random
 import grpc
 import structlog
 
-from pdd.convert.gateway import ModelInfo, event_to_pb, generate_from_pb, model_info_to_pb
+from pdd.core.model_info import ModelInfo
+from pdd.core.request import TokenEvent
 from pdd.gen.gateway.v1 import gateway_service_pb2 as pb
 from pdd.gen.gateway.v1 import gateway_service_pb2_grpc as pb_grpc
 from pdd.http.openai_api import OpenAIServer
 from pdd.server.bootstrap import ServiceSpec
 from pdd.serving.detokenizer import Detokenizer
-from pdd.serving.gateway import Gateway, TokenEvent
+from pdd.serving.gateway import Gateway
 from pdd.serving.model_info import load_model_info
+from pdd.wire.gateway import event_to_pb, generate_from_pb, model_info_to_pb
 from services.gateway.config import GatewayConfig
 
 
@@ -45,9 +47,12 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
 
 def build(config: GatewayConfig) -> ServiceSpec:
     info, decode = load_model_info(config.model)
-    gateway = Gateway(config.kvstore_address, config.routing,
-                      random.Random(config.seed) if config.seed is not None else random.Random(),
-                      config.stage_timeout_s)
+    gateway = Gateway(
+        config.kvstore_address,
+        config.routing,
+        random.Random(config.seed) if config.seed is not None else random.Random(),
+        config.stage_timeout_s,
+    )
     servicer = GatewayServicer(gateway, info, decode)
     http = OpenAIServer(gateway, info, decode, config.http) if config.http.port else None
 
@@ -63,5 +68,10 @@ def build(config: GatewayConfig) -> ServiceSpec:
             await http.stop()
         await gateway.close()
 
-    return ServiceSpec("gateway", [pb.DESCRIPTOR.services_by_name["GatewayService"].full_name],
-                       register, stop=stop, serving=serving)
+    return ServiceSpec(
+        "gateway",
+        [pb.DESCRIPTOR.services_by_name["GatewayService"].full_name],
+        register,
+        stop=stop,
+        serving=serving,
+    )

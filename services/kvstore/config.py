@@ -16,6 +16,8 @@ class KvstoreConfig:
 
     def __post_init__(self) -> None:
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"redis_url: expected redis://, rediss:// or unix://, got {self.redis_url!r}")
+            raise ValueError(
+                f"redis_url: expected redis://, rediss:// or unix://, got {self.redis_url!r}"
+            )
         if not self.key_prefix or ":" in self.key_prefix:
             raise ValueError(f"key_prefix: must be non-empty without ':', got {self.key_prefix!r}")

@@ -8,12 +8,12 @@ from __future__ import annotations
 import grpc
 from redis.asyncio import Redis
 
-from pdd.convert import kvstore as conv
-from pdd.convert.common import role_from_pb
 from pdd.gen.kvstore.v1 import kvstore_service_pb2 as pb
 from pdd.gen.kvstore.v1 import kvstore_service_pb2_grpc as pb_grpc
 from pdd.prefix_index.store import PrefixStore
 from pdd.server.bootstrap import ServiceSpec
+from pdd.wire import kvstore as conv
+from pdd.wire.common import role_from_pb
 from services.kvstore.config import KvstoreConfig
 
 
@@ -21,25 +21,32 @@ class KvstoreServicer(pb_grpc.KvstoreServiceServicer):
     def __init__(self, store: PrefixStore) -> None:
         self.store = store
 
-    async def RegisterInstance(self, request: pb.RegisterInstanceRequest, context) -> pb.RegisterInstanceResponse:
+    async def RegisterInstance(
+        self, request: pb.RegisterInstanceRequest, context
+    ) -> pb.RegisterInstanceResponse:
         inst, ttl_ms = conv.register_from_pb(request)
         await self.store.register(inst, ttl_ms, reset_index=request.reset_index)
         return pb.RegisterInstanceResponse(ttl_ms=ttl_ms)
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:
-        known = await self.store.heartbeat(conv.require_instance_id(request.instance_id),
-                                           conv.load_from_pb(request.load))
+        known = await self.store.heartbeat(
+            conv.require_instance_id(request.instance_id), conv.load_from_pb(request.load)
+        )
         return pb.HeartbeatResponse(known=known)
 
     async def DeregisterInstance(self, request, context) -> pb.DeregisterInstanceResponse:
         await self.store.deregister(conv.require_instance_id(request.instance_id))
         return pb.DeregisterInstanceResponse()
 
-    async def ListInstances(self, request: pb.ListInstancesRequest, context) -> pb.ListInstancesResponse:
+    async def ListInstances(
+        self, request: pb.ListInstancesRequest, context
+    ) -> pb.ListInstancesResponse:
         instances = await self.store.list(role_from_pb(request.role, "role", optional=True))
         return pb.ListInstancesResponse(instances=[conv.instance_to_pb(i) for i in instances])
 
-    async def PublishCacheEvents(self, request: pb.PublishCacheEventsRequest, context) -> pb.PublishCacheEventsResponse:
+    async def PublishCacheEvents(
+        self, request: pb.PublishCacheEventsRequest, context
+    ) -> pb.PublishCacheEventsResponse:
         instance_id = conv.require_instance_id(request.instance_id)
         events = [conv.cache_event_from_pb(ev, i) for i, ev in enumerate(request.events)]
         return pb.PublishCacheEventsResponse(applied=await self.store.publish(instance_id, events))
@@ -63,5 +70,10 @@ def build(config: KvstoreConfig) -> ServiceSpec:
     def register(server: grpc.aio.Server) -> None:
         pb_grpc.add_KvstoreServiceServicer_to_server(servicer, server)
 
-    return ServiceSpec("kvstore", [pb.DESCRIPTOR.services_by_name["KvstoreService"].full_name],
-                       register, start, stop)
+    return ServiceSpec(
+        "kvstore",
+        [pb.DESCRIPTOR.services_by_name["KvstoreService"].full_name],
+        register,
+        start,
+        stop,
+    )

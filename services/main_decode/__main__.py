@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import argparse
 
-from pdd.instance import Role
+from pdd.core.instance import Role
 from pdd.server.bootstrap import run
-from pdd.server.flags import add_engine_flags, add_instance_flags, add_server_flags, env, instance_config, server_config
+from pdd.server.flags import (
+    add_engine_flags,
+    add_instance_flags,
+    add_server_flags,
+    env,
+    instance_config,
+    server_config,
+)
 from pdd.telemetry.logging import configure_logging
 
 DEFAULT_PORT = 50054
@@ -24,8 +31,11 @@ def main(argv: list[str] | None = None) -> None:
     from services.main_decode.config import MainDecodeConfig  # NOTE: after logging: imports torch
     from services.main_decode.server import build
 
-    config = MainDecodeConfig(server=server, instance=instance_config(args, Role.MAIN_DECODE),
-                              kv_timeout_s=args.kv_timeout_s)
+    config = MainDecodeConfig(
+        server=server,
+        instance=instance_config(args, Role.MAIN_DECODE),
+        kv_timeout_s=args.kv_timeout_s,
+    )
     run(config.server, build(config))
 
 

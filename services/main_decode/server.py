@@ -6,15 +6,14 @@ import asyncio
 
 import grpc
 
-from pdd.convert import stages as conv
-
 from pdd.gen.main_decode.v1 import main_decode_service_pb2 as pb
 from pdd.gen.main_decode.v1 import main_decode_service_pb2_grpc as pb_grpc
-from pdd.kv import convert as kv_convert
+from pdd.kv import messages as kv_convert
 from pdd.kv.receiver import KvReceiver
 from pdd.server.bootstrap import ServiceSpec
 from pdd.serving.engine_instance import EngineInstance
 from pdd.serving.main_decode import MainDecode
+from pdd.wire import stages as conv
 from services.main_decode.config import MainDecodeConfig
 
 
@@ -37,13 +36,17 @@ class MainDecodeServicer(pb_grpc.MainDecodeServiceServicer):
         status = await self.receiver.receive(kv_convert.push_items_from_pb(request_iterator))
         return kv_convert.push_response_to_pb(status)
 
-    async def GetKvTransfer(self, request: pb.GetKvTransferRequest, context) -> pb.GetKvTransferResponse:
+    async def GetKvTransfer(
+        self, request: pb.GetKvTransferRequest, context
+    ) -> pb.GetKvTransferResponse:
         return kv_convert.transfer_status_to_pb(self.receiver.status(request.request_id))
 
     async def WaitKvReady(self, request: pb.WaitKvReadyRequest, context) -> pb.WaitKvReadyResponse:
         timeout = (request.timeout_ms or 30_000) / 1000
         ready = await self.md.wait_kv_ready(request.request_id, timeout)
-        return pb.WaitKvReadyResponse(ready=ready, decode_interval_ms=self.md.decode_interval_s * 1000)
+        return pb.WaitKvReadyResponse(
+            ready=ready, decode_interval_ms=self.md.decode_interval_s * 1000
+        )
 
     async def TokenHandoff(self, request_iterator, context):
         index = 0
@@ -53,15 +56,22 @@ class MainDecodeServicer(pb_grpc.MainDecodeServiceServicer):
             loop = asyncio.get_running_loop()
             t0 = loop.time()
             through, computed = await self.md.handoff(rid, start, tokens, final=final)
-            yield pb.TokenHandoffResponse(extended_through=through, extend_ms=(loop.time() - t0) * 1000,
-                                          computed_through=computed,
-                                          decode_interval_ms=self.md.decode_interval_s * 1000)
+            yield pb.TokenHandoffResponse(
+                extended_through=through,
+                extend_ms=(loop.time() - t0) * 1000,
+                computed_through=computed,
+                decode_interval_ms=self.md.decode_interval_s * 1000,
+            )
 
     async def Cancel(self, request: pb.CancelRequest, context) -> pb.CancelResponse:
         return pb.CancelResponse(cancelled=await self.md.cancel(request.request_id))
 
-    async def DescribeCache(self, request: pb.DescribeCacheRequest, context) -> pb.DescribeCacheResponse:
-        report = await self.instance.describe(list(request.token_ids), request.cache_salt, request.request_id)
+    async def DescribeCache(
+        self, request: pb.DescribeCacheRequest, context
+    ) -> pb.DescribeCacheResponse:
+        report = await self.instance.describe(
+            list(request.token_ids), request.cache_salt, request.request_id
+        )
         return conv.cache_report_to_pb(report, pb.DescribeCacheResponse)
 
 
@@ -74,8 +84,11 @@ def build(config: MainDecodeConfig) -> ServiceSpec:
     def register(server: grpc.aio.Server) -> None:
         pb_grpc.add_MainDecodeServiceServicer_to_server(servicer, server)
 
-    return ServiceSpec("main_decode", [pb.DESCRIPTOR.services_by_name["MainDecodeService"].full_name],
-                       register, start=instance.start, stop=instance.stop, serving=instance.register)
-
-
-
+    return ServiceSpec(
+        "main_decode",
+        [pb.DESCRIPTOR.services_by_name["MainDecodeService"].full_name],
+        register,
+        start=instance.start,
+        stop=instance.stop,
+        serving=instance.register,
+    )

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import grpc
 
-from pdd.convert import stages as conv
 from pdd.gen.prefill.v1 import prefill_service_pb2 as pb
 from pdd.gen.prefill.v1 import prefill_service_pb2_grpc as pb_grpc
 from pdd.server.bootstrap import ServiceSpec
 from pdd.serving.channels import Channels
 from pdd.serving.engine_instance import EngineInstance
 from pdd.serving.prefill import Prefill
+from pdd.wire import stages as conv
 from services.prefill.config import PrefillServiceConfig
 
 
@@ -25,11 +25,18 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             yield conv.prefill_event_to_pb(ev)
 
     async def Cancel(self, request: pb.CancelRequest, context) -> pb.CancelResponse:
-        return pb.CancelResponse(cancelled=await self.instance.runner.call(self.instance.engine.abort,
-                                                                           request.request_id))
+        return pb.CancelResponse(
+            cancelled=await self.instance.runner.call(
+                self.instance.engine.abort, request.request_id
+            )
+        )
 
-    async def DescribeCache(self, request: pb.DescribeCacheRequest, context) -> pb.DescribeCacheResponse:
-        report = await self.instance.describe(list(request.token_ids), request.cache_salt, request.request_id)
+    async def DescribeCache(
+        self, request: pb.DescribeCacheRequest, context
+    ) -> pb.DescribeCacheResponse:
+        report = await self.instance.describe(
+            list(request.token_ids), request.cache_salt, request.request_id
+        )
         return conv.cache_report_to_pb(report, pb.DescribeCacheResponse)
 
 
@@ -45,5 +52,11 @@ def build(config: PrefillServiceConfig) -> ServiceSpec:
     def register(server: grpc.aio.Server) -> None:
         pb_grpc.add_PrefillServiceServicer_to_server(servicer, server)
 
-    return ServiceSpec("prefill", [pb.DESCRIPTOR.services_by_name["PrefillService"].full_name], register,
-                       start=instance.start, stop=stop, serving=instance.register)
+    return ServiceSpec(
+        "prefill",
+        [pb.DESCRIPTOR.services_by_name["PrefillService"].full_name],
+        register,
+        start=instance.start,
+        stop=stop,
+        serving=instance.register,
+    )

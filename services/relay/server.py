@@ -6,10 +6,9 @@ import asyncio
 
 import grpc
 
-from pdd.convert import stages as conv
 from pdd.gen.relay.v1 import relay_service_pb2 as pb
 from pdd.gen.relay.v1 import relay_service_pb2_grpc as pb_grpc
-from pdd.kv import convert as kv_convert
+from pdd.kv import messages as kv_convert
 from pdd.kv.fast_link.rdma import RdmaReceiverBackend
 from pdd.kv.fast_link.receiver import FastLinkReceiver
 from pdd.kv.fast_link.select import probe_host
@@ -20,6 +19,7 @@ from pdd.server.bootstrap import ServiceSpec
 from pdd.serving.channels import Channels
 from pdd.serving.engine_instance import EngineInstance
 from pdd.serving.relay import Relay
+from pdd.wire import stages as conv
 from services.relay.config import RelayServiceConfig
 
 
@@ -34,27 +34,43 @@ class RelayServicer(pb_grpc.RelayServiceServicer):
         async for ev in self.relay.decode(job):
             yield conv.relay_event_to_pb(ev)
 
-    async def PrepareTransfer(self, request: pb.PrepareTransferRequest, context) -> pb.PrepareTransferResponse:
-        return kv_convert.reservation_to_pb(await self.fast.prepare(kv_convert.prepare_request_from_pb(request)))
+    async def PrepareTransfer(
+        self, request: pb.PrepareTransferRequest, context
+    ) -> pb.PrepareTransferResponse:
+        return kv_convert.reservation_to_pb(
+            await self.fast.prepare(kv_convert.prepare_request_from_pb(request))
+        )
 
     async def PushKv(self, request_iterator, context) -> pb.PushKvResponse:
-        received, chunks = await self.fast.receive_chunks(kv_convert.relay_push_items_from_pb(request_iterator))
+        received, chunks = await self.fast.receive_chunks(
+            kv_convert.relay_push_items_from_pb(request_iterator)
+        )
         return pb.PushKvResponse(bytes_received=received, chunks_received=chunks)
 
-    async def CompleteTransfer(self, request: pb.CompleteTransferRequest, context) -> pb.CompleteTransferResponse:
+    async def CompleteTransfer(
+        self, request: pb.CompleteTransferRequest, context
+    ) -> pb.CompleteTransferResponse:
         state = await self.fast.complete(kv_convert.completion_from_pb(request))
         return pb.CompleteTransferResponse(accepted=state is TransferState.COMPLETED)
 
     async def Cancel(self, request: pb.CancelRequest, context) -> pb.CancelResponse:
         return pb.CancelResponse(cancelled=await self.relay.cancel(request.request_id))
 
-    async def DescribeCache(self, request: pb.DescribeCacheRequest, context) -> pb.DescribeCacheResponse:
-        report = await self.instance.describe(list(request.token_ids), request.cache_salt, request.request_id)
+    async def DescribeCache(
+        self, request: pb.DescribeCacheRequest, context
+    ) -> pb.DescribeCacheResponse:
+        report = await self.instance.describe(
+            list(request.token_ids), request.cache_salt, request.request_id
+        )
         return conv.cache_report_to_pb(report, pb.DescribeCacheResponse)
 
 
 def _backends(transports: str) -> list:
-    wanted = {t.strip() for t in transports.split(",")} if transports != "auto" else {"rdma", "shm", "tcp"}
+    wanted = (
+        {t.strip() for t in transports.split(",")}
+        if transports != "auto"
+        else {"rdma", "shm", "tcp"}
+    )
     backends = []
     if Transport.RDMA.value in wanted and probe_host().rdma_devices:
         backends.append(RdmaReceiverBackend())
@@ -88,5 +104,11 @@ def build(config: RelayServiceConfig) -> ServiceSpec:
     def register(server: grpc.aio.Server) -> None:
         pb_grpc.add_RelayServiceServicer_to_server(servicer, server)
 
-    return ServiceSpec("relay", [pb.DESCRIPTOR.services_by_name["RelayService"].full_name], register,
-                       start=start, stop=stop, serving=instance.register)
+    return ServiceSpec(
+        "relay",
+        [pb.DESCRIPTOR.services_by_name["RelayService"].full_name],
+        register,
+        start=start,
+        stop=stop,
+        serving=instance.register,
+    )

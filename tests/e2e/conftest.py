@@ -11,19 +11,40 @@ import uuid
 
 import pytest
 
-from pdd.stack import LinkSettings, Stack, StackConfig
+from pdd.testbed.stack import LinkSettings, Stack, StackConfig
 
 TINY = "tiny:7,ctx=512"
 BLOCK = 4
 
 
-def make_stack(redis_url: str, tmp_path, *, wan: LinkSettings = LinkSettings(), extra_engine=(),
-               gateway_flags=()) -> Stack:
-    config = StackConfig(model=TINY, redis_url=redis_url, gateway_port=0, wan=wan,
-                         engine_flags=("--block-size", str(BLOCK), "--kv-cache-mb", "32", "--threads", "1",
-                                       "--lease-ttl-ms", "3000", *extra_engine),
-                         gateway_flags=("--seed", "0", *gateway_flags), log_dir=tmp_path / "logs",
-                         key_prefix=f"e2e{uuid.uuid4().hex[:8]}")
+def make_stack(
+    redis_url: str,
+    tmp_path,
+    *,
+    wan: LinkSettings = LinkSettings(),
+    extra_engine=(),
+    gateway_flags=(),
+) -> Stack:
+    config = StackConfig(
+        model=TINY,
+        redis_url=redis_url,
+        gateway_port=0,
+        wan=wan,
+        engine_flags=(
+            "--block-size",
+            str(BLOCK),
+            "--kv-cache-mb",
+            "32",
+            "--threads",
+            "1",
+            "--lease-ttl-ms",
+            "3000",
+            *extra_engine,
+        ),
+        gateway_flags=("--seed", "0", *gateway_flags),
+        log_dir=tmp_path / "logs",
+        key_prefix=f"e2e{uuid.uuid4().hex[:8]}",
+    )
     return Stack(config).start()
 
 

@@ -20,7 +20,9 @@ PROMPT = [5, 17, 33, 2, 99, 41, 8, 120, 64]
 MAX_TOKENS = 10
 
 
-def python_client(address: str, prompt: list[int], extra_env: dict[str, str] | None = None) -> list[dict]:
+def python_client(
+    address: str, prompt: list[int], extra_env: dict[str, str] | None = None
+) -> list[dict]:
     """``pdd-client --json`` under ``python -I`` with torch and the server package blocked."""
     code = f"""
 import sys
@@ -33,8 +35,13 @@ rc = main(["--address", {address!r}, "--prompt-token-ids", {",".join(map(str, pr
 assert "torch" not in sys.modules or sys.modules["torch"] is None
 sys.exit(rc)
 """
-    out = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, timeout=180,
-                         env={**os.environ, **(extra_env or {})})
+    out = subprocess.run(
+        [sys.executable, "-I", "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, **(extra_env or {})},
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     return [json.loads(line) for line in out.stdout.splitlines()]
 
@@ -46,10 +53,21 @@ def node_test(address: str, expected: list[int], extra_env: dict[str, str] | Non
         if os.environ.get("CI"):
             pytest.fail("the Node client's dependencies are missing (make clients installs them)")
         pytest.skip("npm or clients/node/node_modules missing; `make clients` installs them")
-    env = {**os.environ, "PDD_GATEWAY": address, "PDD_PROMPT_TOKEN_IDS": ",".join(map(str, PROMPT)),
-           "PDD_EXPECTED_TOKEN_IDS": ",".join(map(str, expected)), **(extra_env or {})}
-    out = subprocess.run([npm, "test", "--silent"], cwd=CLIENT_NODE, env=env, capture_output=True, text=True,
-                         timeout=300)
+    env = {
+        **os.environ,
+        "PDD_GATEWAY": address,
+        "PDD_PROMPT_TOKEN_IDS": ",".join(map(str, PROMPT)),
+        "PDD_EXPECTED_TOKEN_IDS": ",".join(map(str, expected)),
+        **(extra_env or {}),
+    }
+    out = subprocess.run(
+        [npm, "test", "--silent"],
+        cwd=CLIENT_NODE,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     text = out.stdout + out.stderr
     assert out.returncode == 0, text
     assert "# fail 0" in text and "# skipped 0" in text and "# pass 4" in text, text

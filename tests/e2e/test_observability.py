@@ -21,8 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdd.client import generate_stream
 from pdd.gen.common.v1 import common_pb2
-from pdd.launcher import free_port
-from pdd.stack import LinkSettings, Stack, StackConfig
+from pdd.testbed.launcher import free_port
+from pdd.testbed.stack import LinkSettings, Stack, StackConfig
 from tests.e2e.conftest import BLOCK, TINY
 
 SERVICES = ("gateway", "kvstore", "prefill-0", "relay-0", "main_decode-0")
@@ -34,12 +34,26 @@ def stack(redis_url, tmp_path_factory):
     # NOTE: a WAN delay, so that a P-RLD-MD request's first tokens are the relay's whatever the
     # machine's load: MainDecode holds the KV only after the KV's hop and the reply's (>= 2 x 150 ms).
     # Without it either stage could produce all 40 tokens (seen in CI: the relay none, then MainDecode none).
-    config = StackConfig(model=TINY, redis_url=redis_url, gateway_port=0, http_port=free_port(),
-                         wan=LinkSettings(delay_ms=WAN_DELAY_MS),
-                         engine_flags=("--block-size", str(BLOCK), "--kv-cache-mb", "32", "--threads", "1",
-                                       "--lease-ttl-ms", "3000"),
-                         gateway_flags=("--seed", "0"), log_dir=tmp_path_factory.mktemp("obs") / "logs",
-                         key_prefix=f"obs{uuid.uuid4().hex[:8]}")
+    config = StackConfig(
+        model=TINY,
+        redis_url=redis_url,
+        gateway_port=0,
+        http_port=free_port(),
+        wan=LinkSettings(delay_ms=WAN_DELAY_MS),
+        engine_flags=(
+            "--block-size",
+            str(BLOCK),
+            "--kv-cache-mb",
+            "32",
+            "--threads",
+            "1",
+            "--lease-ttl-ms",
+            "3000",
+        ),
+        gateway_flags=("--seed", "0"),
+        log_dir=tmp_path_factory.mktemp("obs") / "logs",
+        key_prefix=f"obs{uuid.uuid4().hex[:8]}",
+    )
     s = Stack(config).start()
     yield s
     codes = s.stop()
@@ -53,17 +67,34 @@ def prompt(seed: int, n: int = 24) -> list[int]:
 
 async def http_completion(stack, tokens: list[int], request_id: str, max_tokens: int = 40) -> dict:
     async with aiohttp.ClientSession() as s:
-        async with s.post(f"http://{stack.http_address}/v1/completions", headers={"X-Request-Id": request_id},
-                          json={"model": TINY, "prompt": tokens, "max_tokens": max_tokens, "temperature": 0,
-                                "ignore_eos": True}) as r:
+        async with s.post(
+            f"http://{stack.http_address}/v1/completions",
+            headers={"X-Request-Id": request_id},
+            json={
+                "model": TINY,
+                "prompt": tokens,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+        ) as r:
             assert r.status == 200, await r.text()
             assert r.headers["x-request-id"] == request_id
             return await r.json()
 
 
-async def grpc_completion(stack, tokens: list[int], request_id: str, max_tokens: int = 40, **fields) -> None:
-    async for _ in generate_stream(stack.gateway.address, tokens, max_tokens=max_tokens, ignore_eos=True,
-                                   request_id=request_id, timeout=120, **fields):
+async def grpc_completion(
+    stack, tokens: list[int], request_id: str, max_tokens: int = 40, **fields
+) -> None:
+    async for _ in generate_stream(
+        stack.gateway.address,
+        tokens,
+        max_tokens=max_tokens,
+        ignore_eos=True,
+        request_id=request_id,
+        timeout=120,
+        **fields,
+    ):
         pass
 
 
@@ -92,23 +123,37 @@ async def test_one_request_id_is_in_every_services_log(stack, face):
     while True:
         found = {name: lines_of(stack, name, rid) for name in SERVICES}
         events = {name: {d["event"] for d in lines} for name, lines in found.items()}
-        rpcs = {name: {d.get("rpc") for d in lines if d["event"] == "rpc_finished"} for name, lines in found.items()}
-        complete = ({"routed", "request_done"} <= events["gateway"] and "PredictHits" in rpcs["kvstore"]
-                    and "Prefill" in rpcs["prefill-0"]
-                    and {"Decode", "PrepareTransfer", "CompleteTransfer"} <= rpcs["relay-0"]
-                    and {"Decode", "PushKv"} <= rpcs["main_decode-0"])
+        rpcs = {
+            name: {d.get("rpc") for d in lines if d["event"] == "rpc_finished"}
+            for name, lines in found.items()
+        }
+        complete = (
+            {"routed", "request_done"} <= events["gateway"]
+            and "PredictHits" in rpcs["kvstore"]
+            and "Prefill" in rpcs["prefill-0"]
+            and {"Decode", "PrepareTransfer", "CompleteTransfer"} <= rpcs["relay-0"]
+            and {"Decode", "PushKv"} <= rpcs["main_decode-0"]
+        )
         if complete or time.monotonic() > deadline:
             break
         await asyncio.sleep(0.1)
-    assert all(found.values()), f"services without a line of {rid}: {[n for n, v in found.items() if not v]}"
+    assert all(found.values()), (
+        f"services without a line of {rid}: {[n for n, v in found.items() if not v]}"
+    )
     assert {"routed", "request_done"} <= events["gateway"]
     done = next(d for d in found["gateway"] if d["event"] == "request_done")
-    assert done["pipeline"] == "p-rld-md" and done["outcome"] == "length" and sum(done["tokens"].values()) == 40
+    assert (
+        done["pipeline"] == "p-rld-md"
+        and done["outcome"] == "length"
+        and sum(done["tokens"].values()) == 40
+    )
     assert "PredictHits" in rpcs["kvstore"]
     assert "Prefill" in rpcs["prefill-0"]
     assert {"Decode", "PrepareTransfer", "CompleteTransfer"} <= rpcs["relay-0"]
     assert {"Decode", "PushKv"} <= rpcs["main_decode-0"]
-    if done["tokens"].get("relay", 0) > 0:  # the relay's share of TTFDT: KV arrived → import → first token
+    if (
+        done["tokens"].get("relay", 0) > 0
+    ):  # the relay's share of TTFDT: KV arrived → import → first token
         first = next(d for d in found["relay-0"] if d["event"] == "relay_first_token")
         assert 0 <= first["import_ms"] <= first["first_token_ms"]
     for name, lines in found.items():
@@ -117,8 +162,11 @@ async def test_one_request_id_is_in_every_services_log(stack, face):
 
 def scrape(address: str) -> dict[tuple[str, frozenset], float]:
     text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def total(samples: dict, name: str, **labels) -> float:
@@ -138,12 +186,17 @@ async def test_metrics_endpoints_expose_the_named_series_after_traffic(stack):
     await http_completion(stack, turn1, f"m1-{uuid.uuid4().hex[:8]}")
     await http_completion(stack, turn1 + [9, 9, 9, 9], f"m2-{uuid.uuid4().hex[:8]}")
     # NOTE: P-MD, so MainDecode's tokens are there whatever the timing (the relay's come from the others).
-    await grpc_completion(stack, prompt(8), f"m3-{uuid.uuid4().hex[:8]}", force_pipeline=common_pb2.PIPELINE_P_MD)
+    await grpc_completion(
+        stack, prompt(8), f"m3-{uuid.uuid4().hex[:8]}", force_pipeline=common_pb2.PIPELINE_P_MD
+    )
 
     gw = scrape(stack.metrics["gateway"])
     assert total(gw, "pdd_requests_total", outcome="length") >= 3
-    for h in ("pdd_time_to_first_token_seconds_count", "pdd_inter_token_latency_seconds_count",
-              "pdd_e2e_request_latency_seconds_count"):
+    for h in (
+        "pdd_time_to_first_token_seconds_count",
+        "pdd_inter_token_latency_seconds_count",
+        "pdd_e2e_request_latency_seconds_count",
+    ):
         assert total(gw, h) >= 3, h
     assert total(gw, "pdd_generation_tokens_total", stage="relay") > 0
     assert total(gw, "pdd_generation_tokens_total", stage="main_decode") > 0
@@ -174,12 +227,16 @@ async def test_metrics_endpoints_expose_the_named_series_after_traffic(stack):
     md = scrape(stack.metrics["main_decode-0"])
     assert total(md, "pdd_prefix_cache_queries_total", role="main_decode") > 0
     assert total(md, "pdd_prefix_cache_hits_total", role="main_decode") > 0
-    assert total(md, "pdd_wan_kv_bytes_total", side="received") == total(p, "pdd_wan_kv_bytes_total", side="sent")
+    assert total(md, "pdd_wan_kv_bytes_total", side="received") == total(
+        p, "pdd_wan_kv_bytes_total", side="sent"
+    )
     assert total(md, "pdd_wan_kv_transfer_seconds_count", side="received") >= 3
     assert 0 < total(md, "pdd_kv_pool_usage_ratio", role="main_decode") <= 1
     assert has(md, "pdd_engine_requests")
     assert total(md, "pdd_gc_pause_seconds_count") > 0  # every collection after start-up is timed
 
     kv = scrape(stack.metrics["kvstore"])
-    assert total(kv, "pdd_grpc_server_handled_total", grpc_method="PredictHits", grpc_code="OK") >= 3
+    assert (
+        total(kv, "pdd_grpc_server_handled_total", grpc_method="PredictHits", grpc_code="OK") >= 3
+    )
     assert total(kv, "process_cpu_seconds_total") > 0

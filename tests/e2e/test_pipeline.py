@@ -15,8 +15,8 @@ import grpc
 import pytest
 
 from pdd.client import generate_stream
-from pdd.engine.engine import Engine
 from pdd.engine.config import EngineConfig
+from pdd.engine.engine import Engine
 from pdd.engine.sampling import SamplingParams
 from pdd.gen.common.v1 import common_pb2
 from pdd.gen.kvstore.v1 import kvstore_service_pb2 as kv_pb
@@ -32,10 +32,12 @@ from tests.e2e.conftest import BLOCK, TINY
 
 P_MD, P_RLD_MD, MD = common_pb2.PIPELINE_P_MD, common_pb2.PIPELINE_P_RLD_MD, common_pb2.PIPELINE_MD
 ONE_SHOT, CATCH_UP = common_pb2.HANDOFF_MODE_ONE_SHOT, common_pb2.HANDOFF_MODE_CATCH_UP
-MODES = {"p-md": dict(force_pipeline=P_MD),
-         "p-rld-md-one-shot": dict(force_pipeline=P_RLD_MD, handoff_mode=ONE_SHOT),
-         "p-rld-md-catch-up": dict(force_pipeline=P_RLD_MD, handoff_mode=CATCH_UP),
-         "md": dict(force_pipeline=MD)}
+MODES = {
+    "p-md": dict(force_pipeline=P_MD),
+    "p-rld-md-one-shot": dict(force_pipeline=P_RLD_MD, handoff_mode=ONE_SHOT),
+    "p-rld-md-catch-up": dict(force_pipeline=P_RLD_MD, handoff_mode=CATCH_UP),
+    "md": dict(force_pipeline=MD),
+}
 
 
 @pytest.fixture(scope="module")
@@ -50,9 +52,17 @@ def oracle(llama_oracle):
 
 async def run(stack, prompt, max_tokens=16, logprobs_out: list | None = None, **fields):
     tokens, stages, final = [], [], None
-    async for resp in generate_stream(stack.gateway.address, list(prompt), max_tokens=max_tokens, timeout=120,
-                                      ignore_eos=True, **fields):
-        assert resp.start_position == len(tokens) or not resp.token_ids, "gap or duplicate in the stream"
+    async for resp in generate_stream(
+        stack.gateway.address,
+        list(prompt),
+        max_tokens=max_tokens,
+        timeout=120,
+        ignore_eos=True,
+        **fields,
+    ):
+        assert resp.start_position == len(tokens) or not resp.token_ids, (
+            "gap or duplicate in the stream"
+        )
         tokens.extend(resp.token_ids)
         if logprobs_out is not None:
             logprobs_out.extend(resp.logprobs)
@@ -75,8 +85,11 @@ async def wait_indexed(stack, prompt, salt, want):
         kv = kv_grpc.KvstoreServiceStub(ch)
         best = 0
         for _ in range(200):
-            hits = await kv.PredictHits(kv_pb.PredictHitsRequest(prompt_token_ids=prompt, cache_salt=salt,
-                                                                 role=common_pb2.ROLE_MAIN_DECODE))
+            hits = await kv.PredictHits(
+                kv_pb.PredictHitsRequest(
+                    prompt_token_ids=prompt, cache_salt=salt, role=common_pb2.ROLE_MAIN_DECODE
+                )
+            )
             best = max(h.cached_tokens for h in hits.hits)
             if best >= want:
                 return
@@ -88,8 +101,9 @@ async def wait_indexed(stack, prompt, salt, want):
 async def test_greedy_equals_single_engine(stack, reference, oracle, mode):
     ps = prompts(hash(mode) % 1000, 5)
     lengths = [5, 24, 9, 17, 30]
-    results = await asyncio.gather(*(run(stack, p, n, cache_salt=f"greedy-{mode}", **MODES[mode])
-                                     for p, n in zip(ps, lengths)))
+    results = await asyncio.gather(
+        *(run(stack, p, n, cache_salt=f"greedy-{mode}", **MODES[mode]) for p, n in zip(ps, lengths))
+    )
     for p, n, (tokens, stages, final) in zip(ps, lengths, results):
         ref = reference.generate([p], SamplingParams(max_tokens=n, ignore_eos=True))[0]
         oracle.assert_greedy_equal(p, tokens, ref)
@@ -118,13 +132,19 @@ async def test_greedy_equals_single_engine(stack, reference, oracle, mode):
 
 async def test_second_turn_pushes_only_the_delta(stack, reference):
     turn1 = prompts(11, 1)[0] + [7] * 20
-    tokens1, _, f1 = await run(stack, turn1, 12, session_id="s1", cache_salt="delta", force_pipeline=P_MD)
+    tokens1, _, f1 = await run(
+        stack, turn1, 12, session_id="s1", cache_salt="delta", force_pipeline=P_MD
+    )
     turn2 = turn1 + tokens1 + [9, 8, 7, 6, 5]
     held = (len(turn1) + len(tokens1) - 1) // BLOCK * BLOCK
     await wait_indexed(stack, turn2, "delta", held)
-    tokens2, _, f2 = await run(stack, turn2, 6, session_id="s1", cache_salt="delta", force_pipeline=P_MD)
+    tokens2, _, f2 = await run(
+        stack, turn2, 6, session_id="s1", cache_salt="delta", force_pipeline=P_MD
+    )
     s1, s2 = f1.stats, f2.stats
-    bytes_per_token = s1.wan_kv_bytes // len(turn1)  # turn 1 was a cold miss: the whole prompt crossed
+    bytes_per_token = s1.wan_kv_bytes // len(
+        turn1
+    )  # turn 1 was a cold miss: the whole prompt crossed
     assert s1.md_cached_tokens == 0 and s1.wan_kv_bytes == bytes_per_token * len(turn1)
     # MainDecode's DRC holds turn 1's prompt + output (its last token has no KV): full blocks of that.
     assert s2.md_cached_tokens == held
@@ -135,10 +155,14 @@ async def test_second_turn_pushes_only_the_delta(stack, reference):
 
 async def test_second_turn_prefilled_by_main_decode_sends_no_kv(stack, reference):
     turn1 = prompts(12, 1)[0] + [5] * 20
-    tokens1, _, _ = await run(stack, turn1, 12, session_id="s2", cache_salt="local", force_pipeline=P_MD)
+    tokens1, _, _ = await run(
+        stack, turn1, 12, session_id="s2", cache_salt="local", force_pipeline=P_MD
+    )
     turn2 = turn1 + tokens1 + [4, 3, 2, 1, 9, 8]
     held = (len(turn1) + len(tokens1) - 1) // BLOCK * BLOCK
-    tokens2, stages2, f2 = await run(stack, turn2, 6, session_id="s2", cache_salt="local", force_pipeline=MD)
+    tokens2, stages2, f2 = await run(
+        stack, turn2, 6, session_id="s2", cache_salt="local", force_pipeline=MD
+    )
     s2 = f2.stats
     # MainDecode matched turn 1's prompt + output in its DRC and computed only the rest itself.
     assert s2.pipeline == MD and s2.md_cached_tokens == held and s2.wan_kv_bytes == 0
@@ -149,22 +173,30 @@ async def test_second_turn_prefilled_by_main_decode_sends_no_kv(stack, reference
 async def test_relay_frees_kv_after_handoff(stack):
     p = prompts(5, 1)[0]
     # NOTE: 300 tokens take the relay far longer than MainDecode needs to receive a few KB of KV.
-    tokens, _, final = await run(stack, p, 300, cache_salt="free", force_pipeline=P_RLD_MD, handoff_mode=ONE_SHOT)
+    tokens, _, final = await run(
+        stack, p, 300, cache_salt="free", force_pipeline=P_RLD_MD, handoff_mode=ONE_SHOT
+    )
     assert 0 < final.stats.handoff_at_token < 300, "the relay should have handed over"
     rid = final.request_id
     async with grpc.aio.insecure_channel(stack.by_name("relay-0").address) as ch:
-        r = await r_grpc.RelayServiceStub(ch).DescribeCache(r_pb.DescribeCacheRequest(request_id=rid))
+        r = await r_grpc.RelayServiceStub(ch).DescribeCache(
+            r_pb.DescribeCacheRequest(request_id=rid)
+        )
     assert not r.request_holds_kv
 
 
 async def test_request_finishing_on_relay_still_lands_in_the_drc(stack):
     p = prompts(6, 1)[0] + [3] * 16
-    tokens, stages, final = await run(stack, p, 1, cache_salt="finish-first", force_pipeline=P_RLD_MD)
+    tokens, stages, final = await run(
+        stack, p, 1, cache_salt="finish-first", force_pipeline=P_RLD_MD
+    )
     assert len(tokens) == 1
     async with grpc.aio.insecure_channel(stack.by_name("wan-0").address) as ch:
         md = md_grpc.MainDecodeServiceStub(ch)
         for _ in range(300):  # 15 s for a loaded machine
-            r = await md.DescribeCache(md_pb.DescribeCacheRequest(token_ids=p + tokens, cache_salt="finish-first"))
+            r = await md.DescribeCache(
+                md_pb.DescribeCacheRequest(token_ids=p + tokens, cache_salt="finish-first")
+            )
             if r.cached_prefix_tokens == (len(p) + len(tokens)) // BLOCK * BLOCK:
                 break
             await asyncio.sleep(0.05)
@@ -174,27 +206,49 @@ async def test_request_finishing_on_relay_still_lands_in_the_drc(stack):
 @pytest.mark.parametrize("mode", list(MODES))
 async def test_seeded_sampling_matches_single_engine(stack, reference, mode):
     p = prompts(21, 1)[0]
-    tokens, _, _ = await run(stack, p, 20, temperature=0.8, seed=1234, cache_salt=f"seed-{mode}", **MODES[mode])
-    ref = reference.generate([p], SamplingParams(max_tokens=20, temperature=0.8, seed=1234, ignore_eos=True))[0]
+    tokens, _, _ = await run(
+        stack, p, 20, temperature=0.8, seed=1234, cache_salt=f"seed-{mode}", **MODES[mode]
+    )
+    ref = reference.generate(
+        [p], SamplingParams(max_tokens=20, temperature=0.8, seed=1234, ignore_eos=True)
+    )[0]
     assert tokens == ref
-    other, _, _ = await run(stack, p, 20, temperature=0.8, seed=99, cache_salt=f"seed-{mode}", **MODES[mode])
+    other, _, _ = await run(
+        stack, p, 20, temperature=0.8, seed=99, cache_salt=f"seed-{mode}", **MODES[mode]
+    )
     assert other != tokens
 
 
 @pytest.mark.parametrize("mode", list(MODES))
 async def test_bias_and_penalties_match_single_engine_across_the_handoff(stack, reference, mode):
     # NOTE: values exact in float32 (the wire's type), so the reference gets the very same numbers.
-    penalties = dict(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.25,
-                     logit_bias={9: -100.0, 7: 1.5})
+    penalties = dict(
+        presence_penalty=0.5,
+        frequency_penalty=0.25,
+        repetition_penalty=1.25,
+        logit_bias={9: -100.0, 7: 1.5},
+    )
     p = prompts(23, 1)[0] + [7, 7, 7, 9]
     # NOTE: long enough that the relay hands over (where exactly is timing: the same tokens either way;
     # the engine-level test pins a handoff after relay tokens down).
-    tokens, _, _ = await run(stack, p, 200, temperature=0.75, seed=4321, cache_salt=f"pen-{mode}",
-                             **penalties, **MODES[mode])
-    ref = reference.generate([p], SamplingParams(max_tokens=200, temperature=0.75, seed=4321, ignore_eos=True,
-                                                 **penalties))[0]
+    tokens, _, _ = await run(
+        stack,
+        p,
+        200,
+        temperature=0.75,
+        seed=4321,
+        cache_salt=f"pen-{mode}",
+        **penalties,
+        **MODES[mode],
+    )
+    ref = reference.generate(
+        [p],
+        SamplingParams(max_tokens=200, temperature=0.75, seed=4321, ignore_eos=True, **penalties),
+    )[0]
     assert tokens == ref and 9 not in tokens
-    plain = reference.generate([p], SamplingParams(max_tokens=200, temperature=0.75, seed=4321, ignore_eos=True))[0]
+    plain = reference.generate(
+        [p], SamplingParams(max_tokens=200, temperature=0.75, seed=4321, ignore_eos=True)
+    )[0]
     assert plain != ref, "the penalties should change this output"
 
 
@@ -203,8 +257,17 @@ async def test_logprobs_of_every_token_whichever_stage_sampled_it(stack, referen
     p = prompts(29, 1)[0]
     got: list = []
     sp = SamplingParams(max_tokens=120, temperature=0.9, seed=77, ignore_eos=True, logprobs=3)
-    tokens, stages, _ = await run(stack, p, 120, logprobs_out=got, temperature=0.9, seed=77, logprobs=3,
-                                  cache_salt=f"logprobs-{mode}", **MODES[mode])
+    tokens, stages, _ = await run(
+        stack,
+        p,
+        120,
+        logprobs_out=got,
+        temperature=0.9,
+        seed=77,
+        logprobs=3,
+        cache_salt=f"logprobs-{mode}",
+        **MODES[mode],
+    )
     reference.add_request("ref-logprobs", p, sp)
     want = []
     while reference.has_unfinished():
@@ -213,8 +276,10 @@ async def test_logprobs_of_every_token_whichever_stage_sampled_it(stack, referen
     for i, (lp, ref) in enumerate(zip(got, want)):
         # NOTE: another stage's kernels (a decode step vs an extension chunk): equal up to float noise
         assert lp.logprob == pytest.approx(ref.logprob.logprob, abs=1e-3), (i, stages[i])
-        assert list(lp.top_token_ids) == [t for t, _ in ref.logprob.top] or min(
-            abs(a - b) for a, b in zip(lp.top_logprobs[1:], lp.top_logprobs)) < 1e-3, (i, stages[i])
+        assert (
+            list(lp.top_token_ids) == [t for t, _ in ref.logprob.top]
+            or min(abs(a - b) for a, b in zip(lp.top_logprobs[1:], lp.top_logprobs)) < 1e-3
+        ), (i, stages[i])
         assert list(lp.top_logprobs) == pytest.approx([v for _, v in ref.logprob.top], abs=1e-3)
     plain: list = []
     await run(stack, p, 4, logprobs_out=plain, cache_salt=f"logprobs-{mode}", **MODES[mode])
@@ -226,16 +291,19 @@ async def test_cancel_mid_stream_frees_kv_everywhere(stack, mode):
     p = prompts(31, 1)[0]
     rid = f"cancel-{mode}"
     seen = 0
-    stream = generate_stream(stack.gateway.address, p, max_tokens=400, ignore_eos=True, request_id=rid,
-                             **MODES[mode])
+    stream = generate_stream(
+        stack.gateway.address, p, max_tokens=400, ignore_eos=True, request_id=rid, **MODES[mode]
+    )
     async for resp in stream:
         seen += len(resp.token_ids)
         if seen >= 3:
             break
     await stream.aclose()
-    stubs = [(p_grpc.PrefillServiceStub, p_pb.DescribeCacheRequest, "prefill-0"),
-             (r_grpc.RelayServiceStub, r_pb.DescribeCacheRequest, "relay-0"),
-             (md_grpc.MainDecodeServiceStub, md_pb.DescribeCacheRequest, "wan-0")]
+    stubs = [
+        (p_grpc.PrefillServiceStub, p_pb.DescribeCacheRequest, "prefill-0"),
+        (r_grpc.RelayServiceStub, r_pb.DescribeCacheRequest, "relay-0"),
+        (md_grpc.MainDecodeServiceStub, md_pb.DescribeCacheRequest, "wan-0"),
+    ]
     for stub_cls, req_cls, name in stubs:
         async with grpc.aio.insecure_channel(stack.by_name(name).address) as ch:
             stub = stub_cls(ch)

@@ -16,7 +16,7 @@ from pdd.engine.engine import Engine
 from pdd.engine.sampling import SamplingParams
 from pdd.gen.common.v1 import common_pb2
 from pdd.serving.model_spec import load_model
-from pdd.stack import LinkSettings, Stack, StackConfig
+from pdd.testbed.stack import LinkSettings, Stack, StackConfig
 from tests.e2e.conftest import BLOCK, TINY
 from tests.e2e.test_pipeline import prompts, run, wait_indexed
 
@@ -27,12 +27,26 @@ WAN_DELAY_MS = 400.0
 def stack(redis_url, tmp_path_factory):
     # NOTE: the relay can hand over only once MainDecode's "KV ready" reached it: the KV's hop to
     # MainDecode, then the reply's hop back (>= 0.8 s), against the few ms until the test sees its token.
-    config = StackConfig(model=TINY, redis_url=redis_url, gateway_port=0, main_decode=2,
-                         wan=LinkSettings(delay_ms=WAN_DELAY_MS),
-                         engine_flags=("--block-size", str(BLOCK), "--kv-cache-mb", "32", "--threads", "1",
-                                       "--lease-ttl-ms", "3000"),
-                         gateway_flags=("--seed", "0", "--stage-timeout-s", "60"),
-                         log_dir=tmp_path_factory.mktemp("topology") / "logs", key_prefix="topology")
+    config = StackConfig(
+        model=TINY,
+        redis_url=redis_url,
+        gateway_port=0,
+        main_decode=2,
+        wan=LinkSettings(delay_ms=WAN_DELAY_MS),
+        engine_flags=(
+            "--block-size",
+            str(BLOCK),
+            "--kv-cache-mb",
+            "32",
+            "--threads",
+            "1",
+            "--lease-ttl-ms",
+            "3000",
+        ),
+        gateway_flags=("--seed", "0", "--stage-timeout-s", "60"),
+        log_dir=tmp_path_factory.mktemp("topology") / "logs",
+        key_prefix="topology",
+    )
     s = Stack(config).start()
     yield s
     s.stop()
@@ -50,7 +64,9 @@ async def test_sessions_stick_to_the_main_decode_holding_their_prefix(stack):
         # NOTE: long enough that the DRC hit is >= 0.95 and that its affinity (~1.5 running requests'
         # worth) outweighs a load report still counting turn 1 (seen on a loaded machine).
         turn1 = prompts(100 + s, 1)[0] + [5] * 340
-        out1, _, f1 = await run(stack, turn1, 8, cache_salt=salt, force_pipeline=common_pb2.PIPELINE_P_MD)
+        out1, _, f1 = await run(
+            stack, turn1, 8, cache_salt=salt, force_pipeline=common_pb2.PIPELINE_P_MD
+        )
         turn2 = turn1 + out1 + [1, 2, 3]
         held = (len(turn1) + len(out1) - 1) // BLOCK * BLOCK
         await wait_indexed(stack, turn2, salt, held)
@@ -59,7 +75,9 @@ async def test_sessions_stick_to_the_main_decode_holding_their_prefix(stack):
         assert f2.stats.md_cached_tokens == held
         assert f2.stats.pipeline == common_pb2.PIPELINE_P_MD  # high hit: no relay
         chosen[s] = f1.stats.main_decode_instance
-    assert set(chosen.values()) == {"main_decode-0", "main_decode-1"}, "load spreads over both instances"
+    assert set(chosen.values()) == {"main_decode-0", "main_decode-1"}, (
+        "load spreads over both instances"
+    )
 
 
 async def test_gateway_drives_the_handoff_when_the_relay_dies(stack, reference):
@@ -69,9 +87,16 @@ async def test_gateway_drives_the_handoff_when_the_relay_dies(stack, reference):
     final = None
     from pdd.client import generate_stream
 
-    async for resp in generate_stream(stack.gateway.address, p, max_tokens=300, ignore_eos=True, timeout=60,
-                                      force_pipeline=common_pb2.PIPELINE_P_RLD_MD,
-                                      handoff_mode=common_pb2.HANDOFF_MODE_ONE_SHOT, cache_salt="dies"):
+    async for resp in generate_stream(
+        stack.gateway.address,
+        p,
+        max_tokens=300,
+        ignore_eos=True,
+        timeout=60,
+        force_pipeline=common_pb2.PIPELINE_P_RLD_MD,
+        handoff_mode=common_pb2.HANDOFF_MODE_ONE_SHOT,
+        cache_salt="dies",
+    ):
         assert resp.start_position == len(tokens) or not resp.token_ids
         tokens.extend(resp.token_ids)
         if len(tokens) >= 2 and relay.alive():
@@ -82,4 +107,6 @@ async def test_gateway_drives_the_handoff_when_the_relay_dies(stack, reference):
     assert tokens == reference.generate([p], SamplingParams(max_tokens=300, ignore_eos=True))[0]
     assert final.stats.handoff_at_token >= 2
     if "relay_lost_gateway_handoff" not in stack.gateway.log_path.read_text():
-        pytest.fail("the relay handed over before it was killed; the gateway's takeover did not run")
+        pytest.fail(
+            "the relay handed over before it was killed; the gateway's takeover did not run"
+        )

@@ -11,10 +11,10 @@ import os
 import grpc
 import pytest
 
-from pdd.errors import PddError, UnavailableError
+from pdd.core.errors import PddError, UnavailableError
 from pdd.gen.relay.v1 import relay_service_pb2 as rpb
 from pdd.gen.relay.v1 import relay_service_pb2_grpc as rgrpc
-from pdd.kv import convert
+from pdd.kv import messages as convert
 from pdd.kv.fast_link.receiver import FastLinkReceiver
 from pdd.kv.fast_link.region import Completion, PrepareRequest
 from pdd.kv.fast_link.sender import FastLinkSender
@@ -42,7 +42,9 @@ class RelayServicer(rgrpc.RelayServiceServicer):
 
     async def PrepareTransfer(self, request, context):
         try:
-            return convert.reservation_to_pb(await self.fast.prepare(convert.prepare_request_from_pb(request)))
+            return convert.reservation_to_pb(
+                await self.fast.prepare(convert.prepare_request_from_pb(request))
+            )
         except PddError as e:
             await context.abort(*status_for(e))
 
@@ -73,7 +75,9 @@ async def relay():
 
 async def _prepare(stub, rid: str, num_tokens: int):
     request = PrepareRequest(rid, LAYOUT, num_tokens, LAYOUT.nbytes(num_tokens), (Transport.TCP,))
-    return convert.reservation_from_pb(await stub.PrepareTransfer(convert.prepare_request_to_pb(request)), request)
+    return convert.reservation_from_pb(
+        await stub.PrepareTransfer(convert.prepare_request_to_pb(request)), request
+    )
 
 
 async def _send(stub, reservation, payload: bytes, num_tokens: int):
@@ -92,7 +96,11 @@ async def test_tcp_fast_link_round_trip(relay):
     report = await _send(stub, reservation, payload, 500)
     assert reservation.transport is Transport.TCP and report.state is TransferState.COMPLETED
     got = await servicer.fast.wait_complete("r", 5)
-    assert bytes(got.view) == payload and got.output_token_ids == (3,) and got.transport is Transport.TCP
+    assert (
+        bytes(got.view) == payload
+        and got.output_token_ids == (3,)
+        and got.transport is Transport.TCP
+    )
 
 
 async def test_a_chunk_lost_on_tcp_is_caught_before_decoding(relay):
@@ -103,5 +111,10 @@ async def test_a_chunk_lost_on_tcp_is_caught_before_decoding(relay):
         await _send(stub, reservation, os.urandom(LAYOUT.nbytes(500)), 500)
     # The sender saw the shortfall; the relay refuses the region if a completion comes anyway.
     header = make_header("r", LAYOUT, 0, 500, chunk_bytes=64 << 10)
-    response = await stub.CompleteTransfer(convert.completion_to_pb(Completion(reservation.transfer_id, header, 0)))
-    assert not response.accepted and servicer.fast.state(reservation.transfer_id) is TransferState.FAILED
+    response = await stub.CompleteTransfer(
+        convert.completion_to_pb(Completion(reservation.transfer_id, header, 0))
+    )
+    assert (
+        not response.accepted
+        and servicer.fast.state(reservation.transfer_id) is TransferState.FAILED
+    )

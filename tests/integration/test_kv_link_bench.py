@@ -7,12 +7,14 @@ import json
 import pytest
 import structlog
 
-from pdd.kv.link_bench import main
+from pdd.testbed.link_bench import main
 
 
 @pytest.fixture
 def restore_logging():
-    # main() configures logging (to this test's captured stderr) when nothing else has.
+    # main() configures logging (to this test's captured stderr) when nothing else has; an
+    # earlier test in the same process may have configured structlog (to stdout) already.
+    structlog.reset_defaults()
     yield
     structlog.reset_defaults()
     structlog.contextvars.clear_contextvars()
@@ -20,8 +22,25 @@ def restore_logging():
 
 def test_bench_writes_configured_and_achieved_figures(tmp_path, capsys, restore_logging):
     out = tmp_path / "link.json"
-    assert main(["--mbps", "400", "--delay-ms", "2", "--sizes-mb", "1,2", "--fast-link-mb", "8",
-                 "--probe-s", "0.1", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "--mbps",
+                "400",
+                "--delay-ms",
+                "2",
+                "--sizes-mb",
+                "1,2",
+                "--fast-link-mb",
+                "8",
+                "--probe-s",
+                "0.1",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     result = json.loads(out.read_text())
     assert json.loads(capsys.readouterr().out) == result
     assert result["configured_mbps"] == 400 and result["configured_rtt_ms"] == 4
@@ -29,7 +48,13 @@ def test_bench_writes_configured_and_achieved_figures(tmp_path, capsys, restore_
     # Loose sanity bounds (two busy cores); the benchmark itself reports the tight targets.
     assert 200 <= result["achieved_mbps"] <= 520
     assert 300 <= result["emulator_mbps"] <= 500 and result["emulator_rtt_ms"] >= 4
-    assert all(r["attempts"] == 1 and 0 < r["per_chunk_overhead_bytes"] < 4096 for r in result["wan"])
+    assert all(
+        r["attempts"] == 1 and 0 < r["per_chunk_overhead_bytes"] < 4096 for r in result["wan"]
+    )
     assert result["fast_link_gbps"] > 0 and result["memcpy_gbps"] > 0
-    assert set(result["targets"]) == {"wan_ge_90pct_from_4mb", "emulator_bandwidth_within_5pct",
-                                      "emulator_rtt_within_5pct", "fast_link_ge_30pct_memcpy"}
+    assert set(result["targets"]) == {
+        "wan_ge_90pct_from_4mb",
+        "emulator_bandwidth_within_5pct",
+        "emulator_rtt_within_5pct",
+        "fast_link_ge_30pct_memcpy",
+    }

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from pdd.kv.link_emulator import LinkConfig, LinkEmulator
+from pdd.testbed.link_emulator import LinkConfig, LinkEmulator
 
 
 class Sink:
@@ -34,7 +34,7 @@ class Sink:
             parts.append(data)
         self.received[conn] = b"".join(parts)
         self.spans[conn] = time.monotonic() - first if first else 0.0
-        writer.write(self.received[conn][:1 << 20])  # echo (up to 1 MiB) back, then close
+        writer.write(self.received[conn][: 1 << 20])  # echo (up to 1 MiB) back, then close
         await writer.drain()
         writer.close()
 
@@ -69,7 +69,7 @@ async def test_unlimited_zero_delay_link_passes_bytes_through(sink):
     payload = os.urandom(3 << 20)
     async with LinkEmulator(LinkConfig(), upstream) as em:
         echo, _ = await _send(em.address, payload)
-    assert s.received[0] == payload and echo == payload[:1 << 20]
+    assert s.received[0] == payload and echo == payload[: 1 << 20]
     stats = em.stats()
     assert (stats.bytes_up, stats.bytes_down, stats.connections_total) == (3 << 20, 1 << 20, 1)
 
@@ -101,8 +101,9 @@ async def test_round_trip_takes_at_least_twice_the_one_way_delay(sink):
 async def test_connections_share_the_link_fairly(sink):
     s, upstream = sink
     async with LinkEmulator(LinkConfig(mbps=40), upstream) as em:
-        (_, t_a), (_, t_b) = await asyncio.gather(_send(em.address, bytes(1 << 20)),
-                                                  _send(em.address, os.urandom(1 << 20)))
+        (_, t_a), (_, t_b) = await asyncio.gather(
+            _send(em.address, bytes(1 << 20)), _send(em.address, os.urandom(1 << 20))
+        )
     # Together they move 2 MiB at 40 Mbit/s (~0.42 s); neither finishes at the other's expense.
     assert 0.33 <= max(t_a, t_b) and abs(t_a - t_b) < 0.25 * max(t_a, t_b), (t_a, t_b)
     assert sorted(len(v) for v in s.received.values()) == [1 << 20, 1 << 20]
@@ -138,10 +139,16 @@ async def test_reset_drops_open_connections(sink):
         writer.close()
 
 
-@pytest.mark.parametrize(("kwargs", "field"), [
-    ({"mbps": -1}, "mbps"), ({"delay_ms": float("nan")}, "delay_ms"), ({"stall_ms": 10}, "stall_every_s"),
-    ({"stall_every_s": 0.01, "stall_ms": 10}, "stall_ms"), ({"quantum_bytes": -1}, "quantum_bytes"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"mbps": -1}, "mbps"),
+        ({"delay_ms": float("nan")}, "delay_ms"),
+        ({"stall_ms": 10}, "stall_every_s"),
+        ({"stall_every_s": 0.01, "stall_ms": 10}, "stall_ms"),
+        ({"quantum_bytes": -1}, "quantum_bytes"),
+    ],
+)
 def test_config_validation_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=f"^{field}"):
         LinkConfig(**kwargs)

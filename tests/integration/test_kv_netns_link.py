@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from pdd.kv.netns_link import TbfConfig, TbfNamespace, tbf_available
+from pdd.testbed.netns_link import TbfConfig, TbfNamespace, tbf_available
 
 # Sends 3 MB over the namespace's loopback; prints the receiver's first→last byte rate in Mbit/s.
 _PROBE = r"""
@@ -28,8 +28,12 @@ print(out["mbps"])
 @pytest.mark.skipif(not tbf_available(), reason="needs root and a working `ip netns`")
 def test_tbf_namespace_shapes_loopback_and_is_removed():
     with TbfNamespace(TbfConfig(mbps=50)) as ns:
-        done = subprocess.run(ns.command([sys.executable, "-I", "-c", _PROBE]), capture_output=True, text=True,
-                              timeout=15)
+        done = subprocess.run(
+            ns.command([sys.executable, "-I", "-c", _PROBE]),
+            capture_output=True,
+            text=True,
+            timeout=15,
+        )
         assert done.returncode == 0, done.stderr
         name = ns.name
     assert 37.5 <= float(done.stdout) <= 62.5

@@ -13,17 +13,17 @@ import os
 import grpc
 import pytest
 
-from pdd.errors import PddError, ResourceExhaustedError
+from pdd.core.errors import PddError, ResourceExhaustedError
 from pdd.gen.main_decode.v1 import main_decode_service_pb2 as mdpb
 from pdd.gen.main_decode.v1 import main_decode_service_pb2_grpc as mdgrpc
-from pdd.kv import convert
+from pdd.kv import messages as convert
 from pdd.kv.layout import KvDtype, KvLayout
-from pdd.kv.link_emulator import LinkConfig, LinkEmulator
 from pdd.kv.receiver import KvReceiver, ReceivedKv, ReceiverConfig
 from pdd.kv.source import BytesSource
 from pdd.kv.transfer import Chunk, Compression, make_header
 from pdd.kv.wan import KvPusher, PusherConfig, StreamPool
 from pdd.server.errors import status_for
+from pdd.testbed.link_emulator import LinkConfig, LinkEmulator
 
 LAYOUT = KvLayout(KvDtype.BFLOAT16, num_layers=4, num_kv_heads=2, head_dim=64)  # 2 KiB per token
 FAST = PusherConfig(backoff_s=0.0, backoff_max_s=0.0)
@@ -45,13 +45,21 @@ class PushServicer(mdgrpc.MainDecodeServiceServicer):
     async def _items(self, requests, seen: list[int], context):
         async for item in convert.push_items_from_pb(requests):
             if isinstance(item, Chunk):
-                if self.abort_first_stream_after is not None and len(self.streams) == 1 \
-                        and len(seen) == self.abort_first_stream_after:
+                if (
+                    self.abort_first_stream_after is not None
+                    and len(self.streams) == 1
+                    and len(seen) == self.abort_first_stream_after
+                ):
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "link dropped (test)")
                 if item.index in self.corrupt_once:
                     self.corrupt_once.discard(item.index)
-                    item = Chunk(item.request_id, item.index, item.offset,
-                                 bytes([item.data[0] ^ 0xFF]) + item.data[1:], item.crc32)
+                    item = Chunk(
+                        item.request_id,
+                        item.index,
+                        item.offset,
+                        bytes([item.data[0] ^ 0xFF]) + item.data[1:],
+                        item.crc32,
+                    )
                 seen.append(item.index)
                 if len(self.streams) == 1 and len(seen) == 5:
                     self.five_chunks_in.set()
@@ -145,6 +153,7 @@ async def test_client_cancel_mid_stream_resumes_and_delivers_once(md):
                 if len(calls) == 1 and n == 6:
                     calls[0].cancel()  # the client gives up on the first stream mid-way
                     return
+
         calls.append(stub.PushKv(counted()))
         return calls[-1]
 
@@ -174,17 +183,25 @@ async def test_pool_caps_concurrent_streams_and_queues_fifo(md):
     # FIFO: queued together, the pushes got their slots one after another in the order they asked.
     waits = [r.queue_wait_s for r in reports[2:]]
     assert all(w > 0 for w in waits) and waits == sorted(waits)
-    assert {d.header.request_id: bytes(d.payload) for d in delivered} == {h.request_id: p for h, p in transfers}
+    assert {d.header.request_id: bytes(d.payload) for d in delivered} == {
+        h.request_id: p for h, p in transfers
+    }
 
 
 async def test_non_retryable_rejection_is_a_domain_error_without_retry(md):
     servicer, stub, delivered = md
-    header, payload = _transfer("big", num_tokens=40_000, chunk_bytes=1 << 20)  # 80 MiB > the 64 MiB limit
+    header, payload = _transfer(
+        "big", num_tokens=40_000, chunk_bytes=1 << 20
+    )  # 80 MiB > the 64 MiB limit
     with pytest.raises(ResourceExhaustedError, match="exceeds the limit"):
         await KvPusher.for_stub(stub, config=FAST).push(header, BytesSource(payload))
     # NOTE: when the abort races the client's writes, grpc.aio may report it as a local
     # cancellation first (a broken stream); the pusher then resumes once and gets the real status.
-    assert len(servicer.streams) in (1, 2) and all(s == [] for s in servicer.streams) and delivered == []
+    assert (
+        len(servicer.streams) in (1, 2)
+        and all(s == [] for s in servicer.streams)
+        and delivered == []
+    )
 
 
 async def test_waiter_before_the_header_wakes_on_delivery(md):

@@ -8,7 +8,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pdd.block_hash import chain_hashes
+from pdd.core.block_hash import chain_hashes
 from pdd.gen.common.v1 import common_pb2
 from pdd.gen.kvstore.v1 import kvstore_service_pb2 as pb
 from pdd.gen.kvstore.v1 import kvstore_service_pb2_grpc as pb_grpc
@@ -20,7 +20,9 @@ from services.kvstore.server import build
 
 @pytest.fixture
 async def stub(redis_url, key_prefix):
-    config = KvstoreConfig(server=ServerConfig(port=0, grace_s=0.5), redis_url=redis_url, key_prefix=key_prefix)
+    config = KvstoreConfig(
+        server=ServerConfig(port=0, grace_s=0.5), redis_url=redis_url, key_prefix=key_prefix
+    )
     server = GrpcServer(config.server, build(config))
     port = await server.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
@@ -30,12 +32,17 @@ async def stub(redis_url, key_prefix):
 
 
 def _ref(instance_id: str, role: int, cluster: str = "main") -> common_pb2.InstanceRef:
-    return common_pb2.InstanceRef(instance_id=instance_id, address="127.0.0.1:9", role=role, cluster=cluster)
+    return common_pb2.InstanceRef(
+        instance_id=instance_id, address="127.0.0.1:9", role=role, cluster=cluster
+    )
 
 
 async def _register(s, instance_id, role, block_size=4, ttl_ms=60_000):
-    await s.RegisterInstance(pb.RegisterInstanceRequest(ref=_ref(instance_id, role), block_size=block_size,
-                                                        ttl_ms=ttl_ms, model="tiny"))
+    await s.RegisterInstance(
+        pb.RegisterInstanceRequest(
+            ref=_ref(instance_id, role), block_size=block_size, ttl_ms=ttl_ms, model="tiny"
+        )
+    )
 
 
 async def test_health_is_serving(stub):
@@ -65,26 +72,50 @@ async def test_predict_counts_leading_cached_blocks_per_instance(stub):
     p_hashes = chain_hashes(prompt, 4)
     md_hashes = chain_hashes(prompt, 8)
     # p-0 holds the first 5 blocks (20 tokens); md-0 holds blocks 0,1 and 3 — only 2 lead.
-    await s.PublishCacheEvents(pb.PublishCacheEventsRequest(instance_id="p-0", events=[
-        pb.CacheEvent(kind=pb.CACHE_EVENT_KIND_STORED, block_hashes=p_hashes[:5])]))
-    await s.PublishCacheEvents(pb.PublishCacheEventsRequest(instance_id="md-0", events=[
-        pb.CacheEvent(kind=pb.CACHE_EVENT_KIND_STORED, block_hashes=[md_hashes[0], md_hashes[1], md_hashes[3]])]))
+    await s.PublishCacheEvents(
+        pb.PublishCacheEventsRequest(
+            instance_id="p-0",
+            events=[pb.CacheEvent(kind=pb.CACHE_EVENT_KIND_STORED, block_hashes=p_hashes[:5])],
+        )
+    )
+    await s.PublishCacheEvents(
+        pb.PublishCacheEventsRequest(
+            instance_id="md-0",
+            events=[
+                pb.CacheEvent(
+                    kind=pb.CACHE_EVENT_KIND_STORED,
+                    block_hashes=[md_hashes[0], md_hashes[1], md_hashes[3]],
+                )
+            ],
+        )
+    )
     resp = await s.PredictHits(pb.PredictHitsRequest(prompt_token_ids=prompt))
     got = {h.instance.ref.instance_id: (h.cached_tokens, round(h.hit_rate, 4)) for h in resp.hits}
     assert got == {"p-0": (20, round(20 / 40, 4)), "md-0": (16, round(16 / 40, 4))}
 
     # Eviction of p-0's third block cuts its leading run to 2 blocks.
-    await s.PublishCacheEvents(pb.PublishCacheEventsRequest(instance_id="p-0", events=[
-        pb.CacheEvent(kind=pb.CACHE_EVENT_KIND_EVICTED, block_hashes=[p_hashes[2]])]))
-    resp = await s.PredictHits(pb.PredictHitsRequest(prompt_token_ids=prompt, role=common_pb2.ROLE_PREFILL))
+    await s.PublishCacheEvents(
+        pb.PublishCacheEventsRequest(
+            instance_id="p-0",
+            events=[pb.CacheEvent(kind=pb.CACHE_EVENT_KIND_EVICTED, block_hashes=[p_hashes[2]])],
+        )
+    )
+    resp = await s.PredictHits(
+        pb.PredictHitsRequest(prompt_token_ids=prompt, role=common_pb2.ROLE_PREFILL)
+    )
     assert [(h.instance.ref.instance_id, h.cached_tokens) for h in resp.hits] == [("p-0", 8)]
 
     # A different salt sees nothing; a cleared instance holds nothing.
     resp = await s.PredictHits(pb.PredictHitsRequest(prompt_token_ids=prompt, cache_salt="other"))
     assert all(h.cached_tokens == 0 for h in resp.hits)
-    await s.PublishCacheEvents(pb.PublishCacheEventsRequest(instance_id="md-0", events=[
-        pb.CacheEvent(kind=pb.CACHE_EVENT_KIND_CLEARED)]))
-    resp = await s.PredictHits(pb.PredictHitsRequest(prompt_token_ids=prompt, instance_ids=["md-0"]))
+    await s.PublishCacheEvents(
+        pb.PublishCacheEventsRequest(
+            instance_id="md-0", events=[pb.CacheEvent(kind=pb.CACHE_EVENT_KIND_CLEARED)]
+        )
+    )
+    resp = await s.PredictHits(
+        pb.PredictHitsRequest(prompt_token_ids=prompt, instance_ids=["md-0"])
+    )
     assert [(h.instance.ref.instance_id, h.cached_tokens) for h in resp.hits] == [("md-0", 0)]
 
 
@@ -95,10 +126,15 @@ async def test_lease_expires_without_heartbeat_and_heartbeat_renews(stub):
     await _register(s, "rld-1", common_pb2.ROLE_RELAY, ttl_ms=800)
     for _ in range(6):
         await asyncio.sleep(0.2)
-        assert (await s.Heartbeat(pb.HeartbeatRequest(instance_id="rld-1",
-                                                      load=pb.InstanceLoad(running_requests=3)))).known
+        assert (
+            await s.Heartbeat(
+                pb.HeartbeatRequest(instance_id="rld-1", load=pb.InstanceLoad(running_requests=3))
+            )
+        ).known
     listed = await s.ListInstances(pb.ListInstancesRequest(role=common_pb2.ROLE_RELAY))
-    assert [(i.ref.instance_id, i.load.running_requests) for i in listed.instances] == [("rld-1", 3)]
+    assert [(i.ref.instance_id, i.load.running_requests) for i in listed.instances] == [
+        ("rld-1", 3)
+    ]
     assert not (await s.Heartbeat(pb.HeartbeatRequest(instance_id="rld-0"))).known
 
 
@@ -106,8 +142,14 @@ async def test_deregister_drops_instance_and_its_blocks(stub):
     s, _ = stub
     await _register(s, "md-0", common_pb2.ROLE_MAIN_DECODE)
     prompt = list(range(8))
-    await s.PublishCacheEvents(pb.PublishCacheEventsRequest(instance_id="md-0", events=[
-        pb.CacheEvent(kind=pb.CACHE_EVENT_KIND_STORED, block_hashes=chain_hashes(prompt, 4))]))
+    await s.PublishCacheEvents(
+        pb.PublishCacheEventsRequest(
+            instance_id="md-0",
+            events=[
+                pb.CacheEvent(kind=pb.CACHE_EVENT_KIND_STORED, block_hashes=chain_hashes(prompt, 4))
+            ],
+        )
+    )
     await s.DeregisterInstance(pb.DeregisterInstanceRequest(instance_id="md-0"))
     await _register(s, "md-0", common_pb2.ROLE_MAIN_DECODE)
     resp = await s.PredictHits(pb.PredictHitsRequest(prompt_token_ids=prompt))
@@ -118,10 +160,17 @@ async def test_deregister_drops_instance_and_its_blocks(stub):
     ("rpc", "request_", "field"),
     [
         ("PredictHits", pb.PredictHitsRequest(), "prompt_token_ids"),
-        ("RegisterInstance", pb.RegisterInstanceRequest(block_size=4, ttl_ms=10), "ref.instance_id"),
+        (
+            "RegisterInstance",
+            pb.RegisterInstanceRequest(block_size=4, ttl_ms=10),
+            "ref.instance_id",
+        ),
         ("Heartbeat", pb.HeartbeatRequest(), "instance_id"),
-        ("PublishCacheEvents", pb.PublishCacheEventsRequest(instance_id="x", events=[pb.CacheEvent()]),
-         "events[0].kind"),
+        (
+            "PublishCacheEvents",
+            pb.PublishCacheEventsRequest(instance_id="x", events=[pb.CacheEvent()]),
+            "events[0].kind",
+        ),
         ("ListInstances", pb.ListInstancesRequest(role=42), "role"),
     ],
 )
@@ -138,7 +187,10 @@ async def test_malformed_requests_are_invalid_argument_naming_the_field(stub, rp
 async def test_events_for_an_unregistered_instance_are_not_found(stub):
     s, _ = stub
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        await s.PublishCacheEvents(pb.PublishCacheEventsRequest(instance_id="ghost", events=[
-            pb.CacheEvent(kind=pb.CACHE_EVENT_KIND_CLEARED)]))
+        await s.PublishCacheEvents(
+            pb.PublishCacheEventsRequest(
+                instance_id="ghost", events=[pb.CacheEvent(kind=pb.CACHE_EVENT_KIND_CLEARED)]
+            )
+        )
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
     assert "ghost" in err.value.details()

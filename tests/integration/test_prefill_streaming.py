@@ -9,26 +9,25 @@ own export, and chunks must arrive before the first token is sampled.
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import grpc
 import torch
 
+from pdd.core.instance import InstanceRef, Role
+from pdd.core.pipeline import Pipeline
+from pdd.core.stage_events import FirstToken, PrefillJob, TransferDone
 from pdd.engine.config import EngineConfig
 from pdd.engine.engine import Engine
 from pdd.engine.sampling import SamplingParams
-from pdd.gen.main_decode.v1 import main_decode_service_pb2 as md_pb
 from pdd.gen.main_decode.v1 import main_decode_service_pb2_grpc as md_grpc
-from pdd.instance import InstanceRef, Role
-from pdd.kv import convert as kv_convert
+from pdd.kv import messages as kv_convert
 from pdd.kv.compression import decode_tensor
 from pdd.kv.receiver import KvReceiver
-from pdd.routing.policy import Pipeline
 from pdd.serving.channels import Channels
 from pdd.serving.engine_runner import EngineRunner
-from pdd.serving.prefill import FirstToken, Prefill, PrefillConfig, PrefillJob, TransferDone
 from pdd.serving.model_spec import load_model
+from pdd.serving.prefill import Prefill, PrefillConfig
 
 MODEL = "tiny:3,ctx=1024,layers=4,hidden=128,inter=256"
 
@@ -71,8 +70,15 @@ async def test_push_starts_before_prefill_finishes_and_delivers_exact_kv():
         prefill = Prefill(_Instance(engine, runner), channels, PrefillConfig(wan_chunk_bytes=1024))
         prompt = tuple(1 + i % 250 for i in range(300))
         md_from = 40
-        job = PrefillJob("r1", prompt, SamplingParams(max_tokens=8), "", Pipeline.P_MD,
-                         InstanceRef("md", f"127.0.0.1:{port}", Role.MAIN_DECODE), md_from)
+        job = PrefillJob(
+            "r1",
+            prompt,
+            SamplingParams(max_tokens=8),
+            "",
+            Pipeline.P_MD,
+            InstanceRef("md", f"127.0.0.1:{port}", Role.MAIN_DECODE),
+            md_from,
+        )
         events = []
         async for ev in prefill.prefill(job):
             events.append((time.perf_counter(), ev))
@@ -91,7 +97,9 @@ async def test_push_starts_before_prefill_finishes_and_delivers_exact_kv():
         ref.add_request("x", prompt, SamplingParams(max_tokens=1), keep_after_finish=True)
         while ref.step() == []:
             pass
-        expect = ref.export_kv("x", md_from, 300).to_tensor().permute(2, 0, 1, 3, 4)  # [n, L, 2, KV, D]
+        expect = (
+            ref.export_kv("x", md_from, 300).to_tensor().permute(2, 0, 1, 3, 4)
+        )  # [n, L, 2, KV, D]
         got = decode_tensor(received.payload, received.header.layout, 300 - md_from)
         torch.testing.assert_close(got, expect, rtol=1e-4, atol=1e-5)
         assert not engine.holds_request("r1")  # released right after export

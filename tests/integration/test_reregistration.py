@@ -18,12 +18,12 @@ import grpc
 import pytest
 from redis.asyncio import Redis
 
+from pdd.core.cache_event import CacheEvent
+from pdd.core.instance import InstanceRef, Role
 from pdd.engine.config import EngineConfig
-from pdd.engine.radix_cache import CacheEvent
 from pdd.engine.sampling import SamplingParams
 from pdd.gen.kvstore.v1 import kvstore_service_pb2 as pb
 from pdd.gen.kvstore.v1 import kvstore_service_pb2_grpc as pb_grpc
-from pdd.instance import InstanceRef, Role
 from pdd.prefix_index.registry import InstanceRegistry
 from pdd.server.bootstrap import GrpcServer
 from pdd.server.config import ServerConfig
@@ -40,7 +40,9 @@ PROMPT = [1 + (i * 7) % 250 for i in range(22)]  # 5 full blocks of 4 → 20 cac
 
 @pytest.fixture
 async def kvstore(redis_url, key_prefix):
-    config = KvstoreConfig(server=ServerConfig(port=0, grace_s=0.5), redis_url=redis_url, key_prefix=key_prefix)
+    config = KvstoreConfig(
+        server=ServerConfig(port=0, grace_s=0.5), redis_url=redis_url, key_prefix=key_prefix
+    )
     server = GrpcServer(config.server, build(config))
     port = await server.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
@@ -56,10 +58,19 @@ async def redis(redis_url):
     await client.aclose()
 
 
-async def _start(cls: type[EngineInstance], kvstore_address: str, instance_id: str) -> EngineInstance:
+async def _start(
+    cls: type[EngineInstance], kvstore_address: str, instance_id: str
+) -> EngineInstance:
     ref = InstanceRef(instance_id, "127.0.0.1:1", Role.MAIN_DECODE)
-    instance = cls(InstanceConfig(ref, kvstore_address, MODEL, EngineConfig(block_size=BLOCK, num_blocks=64),
-                                  lease_ttl_ms=TTL_MS))
+    instance = cls(
+        InstanceConfig(
+            ref,
+            kvstore_address,
+            MODEL,
+            EngineConfig(block_size=BLOCK, num_blocks=64),
+            lease_ttl_ms=TTL_MS,
+        )
+    )
     await instance.start()
     await instance.register(1)
     return instance
@@ -70,7 +81,9 @@ async def _run(instance: EngineInstance, request_id: str, prompt: list[int]) -> 
     runner = instance.runner
     queue = runner.open(request_id)
     try:
-        await runner.call(instance.engine.add_request, request_id, prompt, SamplingParams(max_tokens=1), salt=SALT)
+        await runner.call(
+            instance.engine.add_request, request_id, prompt, SamplingParams(max_tokens=1), salt=SALT
+        )
         while True:
             out = await asyncio.wait_for(queue.get(), 30)
             if isinstance(out, BaseException):
@@ -82,9 +95,12 @@ async def _run(instance: EngineInstance, request_id: str, prompt: list[int]) -> 
 
 
 async def _hits(stub, instance_id: str, prompt: list[int], salt: str = SALT) -> int:
-    resp = await stub.PredictHits(pb.PredictHitsRequest(prompt_token_ids=prompt, cache_salt=salt,
-                                                        instance_ids=[instance_id]))
-    assert [h.instance.ref.instance_id for h in resp.hits] == [instance_id], "instance is not registered"
+    resp = await stub.PredictHits(
+        pb.PredictHitsRequest(prompt_token_ids=prompt, cache_salt=salt, instance_ids=[instance_id])
+    )
+    assert [h.instance.ref.instance_id for h in resp.hits] == [instance_id], (
+        "instance is not registered"
+    )
     return resp.hits[0].cached_tokens
 
 
@@ -120,7 +136,9 @@ async def test_reregistered_instance_republishes_its_radix_cache(kvstore, redis,
         before = (await _hits(stub, "md-0", PROMPT), await _hits(stub, "md-0", branch))
         assert before == (20, 20)
         blocks_key = InstanceRegistry(redis, key_prefix).blocks_key("md-0")
-        assert await redis.scard(blocks_key) == 8  # PROMPT's 5 blocks + the branch's 3 past the shared 2
+        assert (
+            await redis.scard(blocks_key) == 8
+        )  # PROMPT's 5 blocks + the branch's 3 past the shared 2
 
         await _lapse(redis, key_prefix, "md-0")
         await _wait_resynced(instance, 1)

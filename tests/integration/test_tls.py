@@ -16,16 +16,16 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pdd.core.instance import Instance, InstanceRef, Role
 from pdd.gen.kvstore.v1 import kvstore_service_pb2 as pb
 from pdd.gen.kvstore.v1 import kvstore_service_pb2_grpc as pb_grpc
-from pdd.instance import Instance, InstanceRef, Role
-from pdd.kv.link_emulator import LinkConfig, LinkEmulator
 from pdd.server import tls
 from pdd.server.bootstrap import GrpcServer
 from pdd.server.config import ServerConfig
 from pdd.server.tls import TlsConfig, open_channel
 from pdd.serving.channels import Channels
 from pdd.serving.membership import Membership
+from pdd.testbed.link_emulator import LinkConfig, LinkEmulator
 from pdd.tools import certs
 from services.kvstore.config import KvstoreConfig
 from services.kvstore.server import build
@@ -42,8 +42,12 @@ def pki(tmp_path_factory):
 
 
 def identity(folder, name: str, **over) -> TlsConfig:
-    return TlsConfig(cert=str(folder / f"{name}.crt"), key=str(folder / f"{name}.key"), ca=str(folder / "ca.crt"),
-                     **over)
+    return TlsConfig(
+        cert=str(folder / f"{name}.crt"),
+        key=str(folder / f"{name}.key"),
+        ca=str(folder / "ca.crt"),
+        **over,
+    )
 
 
 @pytest.fixture
@@ -51,16 +55,23 @@ async def kvstore(redis_url, key_prefix, pki, request):
     """A kvstore server speaking TLS (mutual TLS when the test is marked with ``mtls``)."""
     mtls = getattr(request, "param", False)
     folder, _ = pki
-    config = KvstoreConfig(server=ServerConfig(port=0, grace_s=0.5), redis_url=redis_url, key_prefix=key_prefix)
-    server = GrpcServer(config.server, build(config), identity(folder, "kvstore", require_client_cert=mtls,
-                                                               health_port=free_port()))
+    config = KvstoreConfig(
+        server=ServerConfig(port=0, grace_s=0.5), redis_url=redis_url, key_prefix=key_prefix
+    )
+    server = GrpcServer(
+        config.server,
+        build(config),
+        identity(folder, "kvstore", require_client_cert=mtls, health_port=free_port()),
+    )
     port = await server.start()
     yield server, f"127.0.0.1:{port}"
     await server.stop()
 
 
 async def _list(channel: grpc.aio.Channel) -> list[str]:
-    resp = await pb_grpc.KvstoreServiceStub(channel).ListInstances(pb.ListInstancesRequest(), timeout=5)
+    resp = await pb_grpc.KvstoreServiceStub(channel).ListInstances(
+        pb.ListInstancesRequest(), timeout=5
+    )
     return [i.ref.instance_id for i in resp.instances]
 
 
@@ -105,9 +116,12 @@ async def test_mutual_tls_refuses_clients_without_a_trusted_certificate(kvstore,
     folder, other = pki
     async with open_channel(address, identity(folder, "client")) as ch:
         assert await _list(ch) == []
-    for refused in (TlsConfig(ca=str(folder / "ca.crt")),  # no certificate at all
-                    TlsConfig(cert=str(other / "client.crt"), key=str(other / "client.key"),
-                              ca=str(folder / "ca.crt"))):  # a certificate from another CA
+    for refused in (
+        TlsConfig(ca=str(folder / "ca.crt")),  # no certificate at all
+        TlsConfig(
+            cert=str(other / "client.crt"), key=str(other / "client.key"), ca=str(folder / "ca.crt")
+        ),
+    ):  # a certificate from another CA
         async with open_channel(address, refused) as ch:
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await _list(ch)
@@ -122,13 +136,19 @@ async def test_membership_registers_through_the_wan_emulator_over_mtls(kvstore, 
     emulator = LinkEmulator(LinkConfig(delay_ms=5), address)
     hop = await emulator.start()
     md = identity(folder, "main-decode", server_name="wan-link-kvstore")
-    member = Membership(hop, Instance(InstanceRef("md-tls", "wan-link:50054", Role.MAIN_DECODE, "remote"), 4,
-                                      "tiny"), ttl_ms=60_000, tls=md)
+    member = Membership(
+        hop,
+        Instance(InstanceRef("md-tls", "wan-link:50054", Role.MAIN_DECODE, "remote"), 4, "tiny"),
+        ttl_ms=60_000,
+        tls=md,
+    )
     try:
         await member.start()
         async with open_channel(address, identity(folder, "client")) as ch:
             assert await _list(ch) == ["md-tls"]
-        assert emulator.connections_total >= 1 and emulator.counter_up.bytes > 0  # it did cross the link
+        assert (
+            emulator.connections_total >= 1 and emulator.counter_up.bytes > 0
+        )  # it did cross the link
     finally:
         await member.stop()
         await emulator.stop()
@@ -149,7 +169,9 @@ async def test_channels_use_the_installed_process_tls(kvstore, pki, monkeypatch)
 async def test_health_port_is_plaintext_and_serves_health_only(kvstore):
     server, _ = kvstore
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.tls.health_port}") as ch:
-        resp = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        resp = await health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(), timeout=5
+        )
         assert resp.status == health_pb2.HealthCheckResponse.SERVING
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await _list(ch)
@@ -158,16 +180,29 @@ async def test_health_port_is_plaintext_and_serves_health_only(kvstore):
 
 def _probe(address: str, env: dict[str, str]) -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("PDD_TLS_")}
-    return subprocess.run([sys.executable, "-m", "pdd.tools.health_probe", address, "--timeout", "5"],
-                          env={**clean, **env}, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "pdd.tools.health_probe", address, "--timeout", "5"],
+        env={**clean, **env},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 async def test_health_probe_speaks_the_services_tls(kvstore, pki):
     _, address = kvstore
     folder, _ = pki
     # NOTE: in a thread: the server under test runs on this event loop.
-    ok = await asyncio.to_thread(_probe, address, {"PDD_TLS_CERT": str(folder / "kvstore.crt"), "PDD_TLS_KEY": str(folder / "kvstore.key"),
-                          "PDD_TLS_CA": str(folder / "ca.crt")})
+    ok = await asyncio.to_thread(
+        _probe,
+        address,
+        {
+            "PDD_TLS_CERT": str(folder / "kvstore.crt"),
+            "PDD_TLS_KEY": str(folder / "kvstore.key"),
+            "PDD_TLS_CA": str(folder / "ca.crt"),
+        },
+    )
     assert ok.returncode == 0 and "SERVING" in ok.stdout, ok.stdout + ok.stderr
     plain = await asyncio.to_thread(_probe, address, {})
     assert plain.returncode == 2 and "UNAVAILABLE" in plain.stderr, plain.stdout + plain.stderr

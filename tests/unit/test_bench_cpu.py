@@ -35,7 +35,9 @@ def children():
 def test_meter_tells_a_busy_process_from_an_idle_one(children):
     busy, idle = children(BUSY), children("import time; time.sleep(5)")
     time.sleep(0.3)  # let both get past interpreter start-up
-    meter = CpuMeter({"busy": busy.pid, "idle": idle.pid, "gone": 2**22 + 7}, {"busy": "main", "idle": "remote"})
+    meter = CpuMeter(
+        {"busy": busy.pid, "idle": idle.pid, "gone": 2**22 + 7}, {"busy": "main", "idle": "remote"}
+    )
     meter.start()
     time.sleep(1.0)
     out = meter.stop()
@@ -44,7 +46,9 @@ def test_meter_tells_a_busy_process_from_an_idle_one(children):
     assert out["services"]["gone"] is None  # unreadable: missing, not zero
     assert out["clusters"] == {"main": out["services"]["busy"], "remote": out["services"]["idle"]}
     assert 0.0 < out["machine_busy"] <= 1.0 and out["others_cores"] >= 0.0
-    assert out["total_cores_used"] == pytest.approx(out["services"]["busy"] + out["services"]["idle"], abs=1e-3)
+    assert out["total_cores_used"] == pytest.approx(
+        out["services"]["busy"] + out["services"]["idle"], abs=1e-3
+    )
     assert process_cpu_s(os.getpid()) > 0 and machine_cpu_s()[1] > machine_cpu_s()[0] > 0
 
 
@@ -52,8 +56,10 @@ def test_clusters_split_the_cpus():
     assert pinning.split_cpus([0]) is None
     assert pinning.split_cpus([1, 0]) == {"main": {0}, "remote": {1}}
     assert pinning.split_cpus(range(5)) == {"main": {0, 1, 2}, "remote": {3, 4}}
-    assert [pinning.cluster_of(n) for n in ("main_decode-0", "wan-1", "prefill-0", "relay-0", "gateway",
-                                            "bench_client")] == ["remote", "remote", "main", "main", "main", "main"]
+    assert [
+        pinning.cluster_of(n)
+        for n in ("main_decode-0", "wan-1", "prefill-0", "relay-0", "gateway", "bench_client")
+    ] == ["remote", "remote", "main", "main", "main", "main"]
 
 
 @linux

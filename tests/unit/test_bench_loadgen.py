@@ -47,23 +47,40 @@ class ScriptedGateway(pb_grpc.GatewayServiceServicer):
         for i in range(RELAY_TOKENS):
             if i:
                 await asyncio.sleep(STEP_S)
-            yield pb.GenerateResponse(token_ids=[out[i]], stage=cpb.STAGE_RELAY, start_position=i, request_id=rid)
+            yield pb.GenerateResponse(
+                token_ids=[out[i]], stage=cpb.STAGE_RELAY, start_position=i, request_id=rid
+            )
         await asyncio.sleep(HANDOFF_S)
         # MD's first message re-sends the last relay token (an overlap a consumer must drop).
-        yield pb.GenerateResponse(token_ids=out[RELAY_TOKENS - 1:RELAY_TOKENS + 1], stage=cpb.STAGE_MAIN_DECODE,
-                                  start_position=RELAY_TOKENS - 1, request_id=rid)
+        yield pb.GenerateResponse(
+            token_ids=out[RELAY_TOKENS - 1 : RELAY_TOKENS + 1],
+            stage=cpb.STAGE_MAIN_DECODE,
+            start_position=RELAY_TOKENS - 1,
+            request_id=rid,
+        )
         for i in range(RELAY_TOKENS + 1, n):
             await asyncio.sleep(STEP_S)
-            yield pb.GenerateResponse(token_ids=[out[i]], stage=cpb.STAGE_MAIN_DECODE, start_position=i,
-                                      request_id=rid)
-        stats = pb.GenerateStats(pipeline=cpb.PIPELINE_P_RLD_MD, handoff_mode=cpb.HANDOFF_MODE_ONE_SHOT,
-                                 prompt_tokens=len(prompt), completion_tokens=n, rld_tokens=RELAY_TOKENS,
-                                 md_tokens=n - RELAY_TOKENS, predicted_hit_rate=0.25,
-                                 md_cached_tokens=len(prompt) // 2, wan_kv_bytes=4096, handoff_at_token=RELAY_TOKENS,
-                                 ttft_ms=99.0, wan_transfer_ms=12.5)
+            yield pb.GenerateResponse(
+                token_ids=[out[i]], stage=cpb.STAGE_MAIN_DECODE, start_position=i, request_id=rid
+            )
+        stats = pb.GenerateStats(
+            pipeline=cpb.PIPELINE_P_RLD_MD,
+            handoff_mode=cpb.HANDOFF_MODE_ONE_SHOT,
+            prompt_tokens=len(prompt),
+            completion_tokens=n,
+            rld_tokens=RELAY_TOKENS,
+            md_tokens=n - RELAY_TOKENS,
+            predicted_hit_rate=0.25,
+            md_cached_tokens=len(prompt) // 2,
+            wan_kv_bytes=4096,
+            handoff_at_token=RELAY_TOKENS,
+            ttft_ms=99.0,
+            wan_transfer_ms=12.5,
+        )
         self.finished[rid] = asyncio.get_running_loop().time()
-        yield pb.GenerateResponse(finish_reason=cpb.FINISH_REASON_LENGTH, stats=stats, start_position=n,
-                                  request_id=rid)
+        yield pb.GenerateResponse(
+            finish_reason=cpb.FINISH_REASON_LENGTH, stats=stats, start_position=n, request_id=rid
+        )
 
     async def GetModelInfo(self, request, context):
         return pb.GetModelInfoResponse(model="scripted", vocab_size=1000, max_context_tokens=4096)
@@ -83,8 +100,16 @@ async def gateway():
 def session_trace() -> list[TraceRequest]:
     t0 = TraceRequest("s0-t0", "s0", 0.0, [11, 12, 13, 14], max_tokens=6, expected_hit=0.0)
     # Turn 1 = turn 0's prompt + a 6-token placeholder for its output + new text.
-    t1 = TraceRequest("s0-t1", "s0", 10.0, [11, 12, 13, 14] + [1] * 6 + [21, 22], max_tokens=5,
-                      expected_hit=10 / 12, turn=1, output_slots=(OutputSlot(4, 6, "s0-t0"),))
+    t1 = TraceRequest(
+        "s0-t1",
+        "s0",
+        10.0,
+        [11, 12, 13, 14] + [1] * 6 + [21, 22],
+        max_tokens=5,
+        expected_hit=10 / 12,
+        turn=1,
+        output_slots=(OutputSlot(4, 6, "s0-t0"),),
+    )
     bad = TraceRequest("bad", "s1", 5.0, [30, 31], max_tokens=4, expected_hit=0.0)
     return [t0, t1, bad]
 
@@ -106,8 +131,12 @@ async def test_records_timings_stages_and_stats(gateway):
     # sleeps TTFT_S after the client's clock started); a gap's is loose, since a late receipt of the
     # previous message (the loop busy elsewhere) shortens it, but still tells a step from the handoff.
     assert 1000 * TTFT_S * 0.95 <= r.ttft_ms < 1000 * TTFT_S + 250
-    assert len(r.itl_ms) == 5  # six tokens in six messages (the overlap token is dropped, not a message)
-    assert all(1000 * STEP_S * 0.5 <= x < 1000 * STEP_S + 150 for i, x in enumerate(r.itl_ms) if i != 2)
+    assert (
+        len(r.itl_ms) == 5
+    )  # six tokens in six messages (the overlap token is dropped, not a message)
+    assert all(
+        1000 * STEP_S * 0.5 <= x < 1000 * STEP_S + 150 for i, x in enumerate(r.itl_ms) if i != 2
+    )
     assert 1000 * HANDOFF_S * 0.5 <= r.handoff_gap_ms < 1000 * HANDOFF_S + 250
     assert sum(r.itl_ms) == pytest.approx(r.token_times_ms[-1] - r.token_times_ms[0])
     assert r.handoff_gap_ms == pytest.approx(r.itl_ms[2])
@@ -124,7 +153,9 @@ async def test_next_turn_waits_and_carries_the_real_output(gateway):
     recs = {r.request_id: r for r in run.records}
     assert recs["s0-t1"].prompt_tokens == 12 and recs["s0-t1"].turn == 1
     # Without splicing the placeholder goes out as it is.
-    await run_load(session_trace()[:2], LoadConfig(target=target, progress=False, fill_outputs=False))
+    await run_load(
+        session_trace()[:2], LoadConfig(target=target, progress=False, fill_outputs=False)
+    )
     assert servicer.prompts["s0-t1"] == [11, 12, 13, 14] + [1] * 6 + [21, 22]
 
 
@@ -142,8 +173,10 @@ async def test_errors_keep_code_and_message(gateway):
 
 async def test_bounded_by_count_and_wall_time(gateway):
     _, target = gateway
-    trace = [TraceRequest(f"r{i}", f"r{i}", ts, [40 + i], max_tokens=4, expected_hit=0.0)
-             for i, ts in enumerate([0.0, 100.0, 3000.0])]
+    trace = [
+        TraceRequest(f"r{i}", f"r{i}", ts, [40 + i], max_tokens=4, expected_hit=0.0)
+        for i, ts in enumerate([0.0, 100.0, 3000.0])
+    ]
     run = await run_load(trace, LoadConfig(target=target, progress=False, max_requests=2))
     assert sorted(r.request_id for r in run.records) == ["r0", "r1"]
     run = await run_load(trace, LoadConfig(target=target, progress=False, max_duration_s=1.0))
@@ -162,8 +195,20 @@ async def test_cli_writes_result_and_records(gateway, tmp_path):
     _, target = gateway
     write_trace(session_trace()[:2], tmp_path / "trace.jsonl")
     out = tmp_path / "pdd.json"
-    argv = ["run", "--target", target, "--trace", str(tmp_path / "trace.jsonl"), "--mode", "pdd", "--out", str(out),
-            "--link", "mbps=100,delay_ms=20,name=wan", "--quiet"]
+    argv = [
+        "run",
+        "--target",
+        target,
+        "--trace",
+        str(tmp_path / "trace.jsonl"),
+        "--mode",
+        "pdd",
+        "--out",
+        str(out),
+        "--link",
+        "mbps=100,delay_ms=20,name=wan",
+        "--quiet",
+    ]
     assert await asyncio.to_thread(main, argv) == 0
     result = json.loads(out.read_text())
     assert tuple(result) == metrics.RESULT_KEYS

@@ -15,12 +15,25 @@ def records(ttfts: list[float], outputs: list[list[int]], relay: bool) -> list[R
         n = len(toks)
         times = [t + 20.0 * k + (100.0 if relay and k >= 2 else 0.0) for k in range(n)]
         stages = (["relay"] * 2 + ["main_decode"] * (n - 2)) if relay else ["main_decode"] * n
-        out.append(RequestResult(
-            request_id=f"r{i}", ttft_ms=t, e2el_ms=times[-1], tpot_ms=(times[-1] - t) / (n - 1),
-            itl_ms=[b - a for a, b in zip(times, times[1:])], output_token_ids=toks, token_times_ms=times,
-            token_stages=stages, pipeline="p-rld-md" if relay else "p-md", handoff_mode="one-shot" if relay else "",
-            handoff_at_token=2 if relay else 0, handoff_gap_ms=120.0 if relay else None,
-            rld_tokens=2 if relay else 0, md_tokens=n - 2 if relay else n, wan_bytes=2_500_000))
+        out.append(
+            RequestResult(
+                request_id=f"r{i}",
+                ttft_ms=t,
+                e2el_ms=times[-1],
+                tpot_ms=(times[-1] - t) / (n - 1),
+                itl_ms=[b - a for a, b in zip(times, times[1:])],
+                output_token_ids=toks,
+                token_times_ms=times,
+                token_stages=stages,
+                pipeline="p-rld-md" if relay else "p-md",
+                handoff_mode="one-shot" if relay else "",
+                handoff_at_token=2 if relay else 0,
+                handoff_gap_ms=120.0 if relay else None,
+                rld_tokens=2 if relay else 0,
+                md_tokens=n - 2 if relay else n,
+                wan_bytes=2_500_000,
+            )
+        )
     return out
 
 
@@ -30,7 +43,9 @@ RECS = {
     "cdc-pd": records([5000.0, 18300.0, 29700.0], OUTS[:2] + [[9, 10, 11, 99]], relay=False),
     "pdd": records([4200.0, 9800.0, 14400.0], OUTS, relay=True),
 }
-RESULTS = [build_result(m, r, 10.0, slo="ttft_ms:10000", link={"mbps": 20000.0}) for m, r in RECS.items()]
+RESULTS = [
+    build_result(m, r, 10.0, slo="ttft_ms:10000", link={"mbps": 20000.0}) for m, r in RECS.items()
+]
 
 
 def test_compare_prints_the_numbers_and_ratios():
@@ -39,8 +54,11 @@ def test_compare_prints_the_numbers_and_ratios():
     assert lines[0].split() == ["idc-pd", "cdc-pd", "pdd"]
     row = {line[:20].strip(): line[20:].split() for line in lines[2:] if line[:20].strip()}
     # P90 of three values is the linear interpolation between the 2nd and 3rd.
-    assert row["TTFT P90 (ms)"] == [f"{10400 + 0.8 * 6800:.0f}", f"{18300 + 0.8 * 11400:.0f}",
-                                    f"{9800 + 0.8 * 4600:.0f}"]
+    assert row["TTFT P90 (ms)"] == [
+        f"{10400 + 0.8 * 6800:.0f}",
+        f"{18300 + 0.8 * 11400:.0f}",
+        f"{9800 + 0.8 * 4600:.0f}",
+    ]
     assert row["TTFT P50 (ms)"] == ["10400", "18300", "9800"]
     assert row["goodput (req/s)"] == ["0.100", "0.100", "0.200"]
     assert row["RLD token share"] == ["0.0%", "0.0%", "50.0%"]
@@ -82,4 +100,6 @@ def test_cli_compares_files_and_finds_records(tmp_path, capsys):
     assert main(["compare", *paths, "--report", str(tmp_path / "out")]) == 0
     out = capsys.readouterr().out
     assert "TTFT P90 (ms)" in out and "identical outputs across modes: 2/3" in out
-    assert (tmp_path / "out" / "timeline.png").exists() and (tmp_path / "out" / "report.md").exists()
+    assert (tmp_path / "out" / "timeline.png").exists() and (
+        tmp_path / "out" / "report.md"
+    ).exists()

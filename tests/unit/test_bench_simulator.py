@@ -8,9 +8,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from pdd.bench.sim_link import EventLoop, SimLink
 from pdd.bench.economics import cost_per_hour, economics
 from pdd.bench.sim_command import main
+from pdd.bench.sim_link import EventLoop, SimLink
 from pdd.bench.simulator import MODES, SimConfig, _Run, simulate, workload
 
 GB = 1e9
@@ -22,8 +22,12 @@ def run_link(transfers, **kw):
     link = SimLink(loop, bytes_per_s=GB, **kw)
     done = {}
     for i, (t, n, urgent) in enumerate(transfers):
-        loop.at(t, lambda i=i, n=n, u=urgent: link.submit(
-            n, lambda q, f, i=i: done.__setitem__(i, (q, f, loop.now)), urgent=u))
+        loop.at(
+            t,
+            lambda i=i, n=n, u=urgent: link.submit(
+                n, lambda q, f, i=i: done.__setitem__(i, (q, f, loop.now)), urgent=u
+            ),
+        )
     loop.run()
     return done, link
 
@@ -41,7 +45,9 @@ def test_link_pool_queues_beyond_its_streams():
 
 
 def test_link_per_stream_cap():
-    done, _ = run_link([(0.0, 1 * GB, True)], streams=4, stream_cap_bps=4 * GB)  # 0.5 GB/s per stream
+    done, _ = run_link(
+        [(0.0, 1 * GB, True)], streams=4, stream_cap_bps=4 * GB
+    )  # 0.5 GB/s per stream
     assert done[0] == pytest.approx((0.0, 2.0, 2.0))
 
 
@@ -110,7 +116,8 @@ def test_local_prefill_off_is_the_design_router():
     assert off["pipelines"] == {"md": 0, "p-md": 575, "p-rld-md": 225}
     # Recorded before pipeline MD existed: the off switch leaves the random draws and events alone.
     assert [off["ttft_s"][q] for q in ("p50", "p90", "p99")] == pytest.approx(
-        [0.6505493218668645, 1.930283096686333, 2.588797837700116], rel=1e-12)
+        [0.6505493218668645, 1.930283096686333, 2.588797837700116], rel=1e-12
+    )
     assert off["rld_token_share"] == pytest.approx(0.05583448971868298, rel=1e-12)
     # Only PDD's router has pipeline MD.
     cdc = SimConfig(requests=800, seed=5, local_prefill_tokens=4096)
@@ -123,8 +130,12 @@ def test_local_prefill_takes_short_misses_off_prefill_and_the_wan():
     off = simulate(base, "pdd")
     on, reqs = run_requests(replace(base, local_prefill_tokens=4096))
     md = [r for r in reqs if r.pipeline == "md"]
-    assert on["pipelines"]["md"] == len(md) > 0.7 * len(reqs)  # every high-hit request, and a few others
-    assert all(miss(r) <= 4096 for r in md) and all(miss(r) > 4096 for r in reqs if r.pipeline != "md")
+    assert (
+        on["pipelines"]["md"] == len(md) > 0.7 * len(reqs)
+    )  # every high-hit request, and a few others
+    assert all(miss(r) <= 4096 for r in md) and all(
+        miss(r) > 4096 for r in reqs if r.pipeline != "md"
+    )
     assert all(r.transfer == 0 and r.queue == 0 and r.rld_tokens == 0 for r in md)
     assert on["wan_transfers"] == len(reqs) - len(md) < off["wan_transfers"] == len(reqs)
     assert on["wan_gb"] < off["wan_gb"]
@@ -132,7 +143,9 @@ def test_local_prefill_takes_short_misses_off_prefill_and_the_wan():
     sent = [r.transfer * 1000 for r in reqs if r.pipeline != "md"]
     assert on["kv_transfer_ms"]["p50"] == pytest.approx(float(np.percentile(sent, 50)))
     assert on["kv_transfer_ms"]["p50"] > 0
-    assert on["ttft_s"]["p90"] <= off["ttft_s"]["p90"] and on["ttft_s"]["p50"] < off["ttft_s"]["p50"]
+    assert (
+        on["ttft_s"]["p90"] <= off["ttft_s"]["p90"] and on["ttft_s"]["p50"] < off["ttft_s"]["p50"]
+    )
 
 
 def test_local_prefill_beyond_maindecode_capacity_costs_ttft():
@@ -150,7 +163,9 @@ def test_maindecode_prefill_queues_and_costs_its_ttft():
         _, reqs = run_requests(replace(cfg, md_instances=n))
         md = [r for r in reqs if r.pipeline == "md"]
         for r in md:  # to MainDecode and back, its queue, its prefill, one step
-            assert r.ttft == pytest.approx(2 * 0.020 + r.prefill_wait + 0.050 + miss(r) / 14_580 + 0.030)
+            assert r.ttft == pytest.approx(
+                2 * 0.020 + r.prefill_wait + 0.050 + miss(r) / 14_580 + 0.030
+            )
         ttft[n] = np.mean([r.ttft for r in md])
     assert ttft[8] < 0.3 and ttft[1] > 10 * ttft[8]
 
@@ -159,21 +174,50 @@ def test_economics_searches_goodput_and_prices():
     cfg = SimConfig(requests=1500, rps=80)
     e = economics(cfg, steps=5)
     assert set(e["goodput_rps"]) == set(MODES) and all(g > 0 for g in e["goodput_rps"].values())
-    assert e["cost_per_hour"]["pdd"] == cost_per_hour(cfg, "pdd") == 40 + 0.5 * (8 + 4) + 40 * 20 * 0.002
+    assert (
+        e["cost_per_hour"]["pdd"]
+        == cost_per_hour(cfg, "pdd")
+        == 40 + 0.5 * (8 + 4) + 40 * 20 * 0.002
+    )
     per = {m: e["goodput_rps"][m] / e["cost_per_hour"][m] for m in MODES}
     assert e["benefit_cost_ratio"]["vs_cdc-pd"] == pytest.approx(per["pdd"] / per["cdc-pd"] - 1)
 
 
 def test_cli_prints_a_table_and_writes_json(tmp_path, capsys):
     out = tmp_path / "sim.json"
-    assert main(["sim", "--dist", "uniform", "--requests", "500", "--modes", "cdc-pd,pdd", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "sim",
+                "--dist",
+                "uniform",
+                "--requests",
+                "500",
+                "--modes",
+                "cdc-pd,pdd",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert "cdc-pd   uniform" in capsys.readouterr().out
     assert [r["mode"] for r in json.loads(out.read_text())["runs"]] == ["cdc-pd", "pdd"]
 
 
-@pytest.mark.parametrize("field,value", [("dist", "zipf"), ("rps", 0.0), ("pool_streams", 0),
-                                         ("urgent_streams", 4), ("hit_threshold", 1.5), ("output_scale", 0.5),
-                                         ("local_prefill_tokens", -1), ("md_prefill_tokens_per_s", 0.0)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("dist", "zipf"),
+        ("rps", 0.0),
+        ("pool_streams", 0),
+        ("urgent_streams", 4),
+        ("hit_threshold", 1.5),
+        ("output_scale", 0.5),
+        ("local_prefill_tokens", -1),
+        ("md_prefill_tokens_per_s", 0.0),
+    ],
+)
 def test_config_rejects_bad_fields(field, value):
     with pytest.raises(ValueError, match=field):
         SimConfig(**{field: value})
@@ -182,4 +226,6 @@ def test_config_rejects_bad_fields(field, value):
 def test_local_prefill_needs_maindecode():
     with pytest.raises(ValueError, match="md_instances"):
         SimConfig(local_prefill_tokens=256, md_instances=0)
-    assert SimConfig(md_instances=0).local_prefill_tokens == 0  # off: MainDecode's count is only its cost
+    assert (
+        SimConfig(md_instances=0).local_prefill_tokens == 0
+    )  # off: MainDecode's count is only its cost

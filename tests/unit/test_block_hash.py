@@ -1,6 +1,6 @@
-from pdd.block_hash import ROOT_HASH, block_hash, chain_hashes
-
 import pytest
+
+from pdd.core.block_hash import ROOT_HASH, block_hash, chain_hashes
 
 
 def test_chain_covers_full_blocks_only():

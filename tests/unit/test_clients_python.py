@@ -26,12 +26,16 @@ sys.path.insert(0, {str(CLIENT)!r})
 
 
 def run_isolated(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-I", "-c", GUARD + code], capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-I", "-c", GUARD + code], capture_output=True, text=True, timeout=60
+    )
 
 
 def test_guard_really_blocks_torch():
     out = run_isolated("import torch")
-    assert out.returncode != 0 and ("ModuleNotFoundError" in out.stderr or "ImportError" in out.stderr)
+    assert out.returncode != 0 and (
+        "ModuleNotFoundError" in out.stderr or "ImportError" in out.stderr
+    )
 
 
 def test_imports_and_builds_requests_without_torch_or_the_server_package():
@@ -45,8 +49,14 @@ assert not [m for m in loaded if sys.modules[m] is not None], loaded
 sys.stdout.write(req.SerializeToString().hex())
 """)
     assert out.returncode == 0, out.stderr
-    expected = server_pb.GenerateRequest(prompt_token_ids=server_pb.PromptTokenIds(token_ids=[1, 2, 3]),
-                                         max_tokens=8, seed=42, ignore_eos=True, cache_salt="t", force_pipeline=2)
+    expected = server_pb.GenerateRequest(
+        prompt_token_ids=server_pb.PromptTokenIds(token_ids=[1, 2, 3]),
+        max_tokens=8,
+        seed=42,
+        ignore_eos=True,
+        cache_salt="t",
+        force_pipeline=2,
+    )
     assert server_pb.GenerateRequest.FromString(bytes.fromhex(out.stdout)) == expected
 
 
@@ -72,19 +82,49 @@ def test_requirements_are_grpcio_and_protobuf_only():
 
 def test_builds_a_wheel_with_its_stubs(tmp_path):
     # NOTE: built from a copy: setuptools leaves build/ and *.egg-info beside the sources.
-    src = shutil.copytree(CLIENT, tmp_path / "src", ignore=shutil.ignore_patterns("__pycache__", "build", "*.egg-info"))
-    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                          "-w", str(tmp_path), str(src)], capture_output=True, text=True, timeout=300)
+    src = shutil.copytree(
+        CLIENT,
+        tmp_path / "src",
+        ignore=shutil.ignore_patterns("__pycache__", "build", "*.egg-info"),
+    )
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(src),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if out.returncode != 0 and "No module named setuptools" in out.stderr + out.stdout:
         pytest.skip("setuptools is not installed in this venv")
     assert out.returncode == 0, out.stdout + out.stderr
     (wheel,) = tmp_path.glob("pdd_client-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert {"pdd_client/client.py", "pdd_client/gen/gateway/v1/gateway_service_pb2.py",
-            "pdd_client/gen/gateway/v1/gateway_service_pb2_grpc.py", "pdd_client/gen/common/v1/common_pb2.py",
-            "pdd_client/gen/gateway/v1/gateway_service_pb2.pyi", "pdd_client/py.typed"} <= names
+    assert {
+        "pdd_client/client.py",
+        "pdd_client/gen/gateway/v1/gateway_service_pb2.py",
+        "pdd_client/gen/gateway/v1/gateway_service_pb2_grpc.py",
+        "pdd_client/gen/common/v1/common_pb2.py",
+        "pdd_client/gen/gateway/v1/gateway_service_pb2.pyi",
+        "pdd_client/py.typed",
+    } <= names
     assert not any(n.startswith("pdd/") for n in names)
     (meta,) = [n for n in names if n.endswith("METADATA")]
-    requires = [line for line in zipfile.ZipFile(wheel).read(meta).decode().splitlines()
-                if line.startswith("Requires-Dist:")]
-    assert sorted(requires) == ["Requires-Dist: grpcio>=1.85.1", "Requires-Dist: protobuf<8,>=7.35.1"]
+    requires = [
+        line
+        for line in zipfile.ZipFile(wheel).read(meta).decode().splitlines()
+        if line.startswith("Requires-Dist:")
+    ]
+    assert sorted(requires) == [
+        "Requires-Dist: grpcio>=1.85.1",
+        "Requires-Dist: protobuf<8,>=7.35.1",
+    ]

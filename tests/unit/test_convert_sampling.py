@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from pdd.convert.common import logprob_from_pb, logprob_to_pb, sampling_from_pb, sampling_to_pb
-from pdd.convert.gateway import ModelInfo, generate_from_pb
+from pdd.core.errors import InvalidArgumentError
+from pdd.core.model_info import ModelInfo
+from pdd.core.request import TokenEvent
+from pdd.core.sampling_params import Logprob, SamplingParams
 from pdd.engine import grammar
-from pdd.engine.sampling_params import Logprob, SamplingParams
-from pdd.errors import InvalidArgumentError
 from pdd.gen.common.v1 import common_pb2
 from pdd.gen.gateway.v1 import gateway_service_pb2 as pb
-from pdd.serving.gateway import TokenEvent, _Merge
+from pdd.serving.gateway import _Merge
+from pdd.wire.common import logprob_from_pb, logprob_to_pb, sampling_from_pb, sampling_to_pb
+from pdd.wire.gateway import generate_from_pb
 
 INFO = ModelInfo("m", vocab_size=100, max_context_tokens=64)
 
@@ -23,13 +25,17 @@ def request(**fields) -> pb.GenerateRequest:
 
 
 def test_penalties_cross_the_gateway_and_every_stage_hop():
-    job = generate_from_pb(request(presence_penalty=0.5, frequency_penalty=-1.25, repetition_penalty=1.5), INFO)
+    job = generate_from_pb(
+        request(presence_penalty=0.5, frequency_penalty=-1.25, repetition_penalty=1.5), INFO
+    )
     sp = job.sampling
     assert (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty) == (0.5, -1.25, 1.5)
     assert sampling_from_pb(sampling_to_pb(sp)) == sp
     # float32 on the wire: what the gateway accepted is what every stage's engine gets
     odd = generate_from_pb(request(repetition_penalty=1.3), INFO).sampling
-    assert sampling_from_pb(sampling_to_pb(odd)) == odd and odd.repetition_penalty == pytest.approx(1.3)
+    assert sampling_from_pb(sampling_to_pb(odd)) == odd and odd.repetition_penalty == pytest.approx(
+        1.3
+    )
 
 
 def test_unset_penalties_are_off():
@@ -39,14 +45,17 @@ def test_unset_penalties_are_off():
     assert sampling_from_pb(common_pb2.SamplingParams(max_tokens=3)).repetition_penalty == 1.0
 
 
-@pytest.mark.parametrize(("fields", "field"), [
-    (dict(presence_penalty=2.5), "presence_penalty"),
-    (dict(frequency_penalty=-3.0), "frequency_penalty"),
-    (dict(frequency_penalty=float("nan")), "frequency_penalty"),
-    (dict(repetition_penalty=-0.5), "repetition_penalty"),
-    (dict(repetition_penalty=float("inf")), "repetition_penalty"),
-    (dict(logit_bias={7: 101.0}), "logit_bias[7]"),
-])
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [
+        (dict(presence_penalty=2.5), "presence_penalty"),
+        (dict(frequency_penalty=-3.0), "frequency_penalty"),
+        (dict(frequency_penalty=float("nan")), "frequency_penalty"),
+        (dict(repetition_penalty=-0.5), "repetition_penalty"),
+        (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+        (dict(logit_bias={7: 101.0}), "logit_bias[7]"),
+    ],
+)
 def test_bad_penalties_name_their_field(fields, field):
     with pytest.raises(InvalidArgumentError) as err:
         generate_from_pb(request(**fields), INFO)
@@ -58,9 +67,19 @@ def test_bad_penalties_name_their_field(fields, field):
 
 
 def test_sampling_params_round_trip_keeps_every_field():
-    sp = SamplingParams(max_tokens=9, temperature=0.5, top_p=0.75, top_k=7, seed=3, stop_token_ids=(4, 5),
-                        ignore_eos=True, presence_penalty=0.25, frequency_penalty=0.5, repetition_penalty=1.25,
-                        logit_bias={8: -100.0, 3: 2.5})
+    sp = SamplingParams(
+        max_tokens=9,
+        temperature=0.5,
+        top_p=0.75,
+        top_k=7,
+        seed=3,
+        stop_token_ids=(4, 5),
+        ignore_eos=True,
+        presence_penalty=0.25,
+        frequency_penalty=0.5,
+        repetition_penalty=1.25,
+        logit_bias={8: -100.0, 3: 2.5},
+    )
     assert sampling_from_pb(sampling_to_pb(sp)) == sp
 
 
@@ -83,7 +102,9 @@ def test_logprobs_request_and_values_on_the_wire():
         generate_from_pb(request(logprobs=21), INFO)
     assert err.value.field == "logprobs"
     lp = Logprob(-0.5, ((3, -0.5), (9, -1.25)))
-    assert logprob_from_pb(logprob_to_pb(lp)) == lp and logprob_from_pb(logprob_to_pb(Logprob(-2.0))) == Logprob(-2.0)
+    assert logprob_from_pb(logprob_to_pb(lp)) == lp and logprob_from_pb(
+        logprob_to_pb(Logprob(-2.0))
+    ) == Logprob(-2.0)
 
 
 def test_merged_stream_keeps_each_tokens_logprob_whichever_stage_sent_it():
@@ -92,8 +113,13 @@ def test_merged_stream_keeps_each_tokens_logprob_whichever_stage_sent_it():
     merge = _Merge()
     assert merge.add(0, [10], 1, [lp[0]]) == [TokenEvent(0, (10,), 1, (lp[0],))]
     assert merge.add(3, [13, 14], 3, [lp[3], lp[4]]) == []  # ahead of the relay: held
-    out = merge.add(1, [11, 12, 99], 2, [lp[1], lp[2], Logprob(-9.0)])  # 99 at 3: MainDecode's 13 came first
-    assert out == [TokenEvent(1, (11, 12), 2, (lp[1], lp[2])), TokenEvent(3, (13, 14), 3, (lp[3], lp[4]))]
+    out = merge.add(
+        1, [11, 12, 99], 2, [lp[1], lp[2], Logprob(-9.0)]
+    )  # 99 at 3: MainDecode's 13 came first
+    assert out == [
+        TokenEvent(1, (11, 12), 2, (lp[1], lp[2])),
+        TokenEvent(3, (13, 14), 3, (lp[3], lp[4])),
+    ]
     assert merge.add(5, [15], 3) == [TokenEvent(5, (15,), 3)]  # not asked for: none
 
 
@@ -103,8 +129,10 @@ def test_grammar_is_checked_by_the_gateway_and_crosses_every_hop():
     sp = generate_from_pb(request(grammar=g), with_tokenizer).sampling
     assert sp.grammar == g and sampling_from_pb(sampling_to_pb(sp)) == sp
     assert generate_from_pb(request(), with_tokenizer).sampling.grammar is None
-    for info, bad, says in ((with_tokenizer, '{"grammars": [{"json_schema": {"type": 7}}]}', "does not compile"),
-                            (INFO, g, "no tokenizer")):
+    for info, bad, says in (
+        (with_tokenizer, '{"grammars": [{"json_schema": {"type": 7}}]}', "does not compile"),
+        (INFO, g, "no tokenizer"),
+    ):
         with pytest.raises(InvalidArgumentError) as err:
             generate_from_pb(request(grammar=bad), info)
         assert err.value.field == "grammar" and says in err.value.description

@@ -1,7 +1,7 @@
 """docker-compose.yml and the Dockerfile, checked offline (no Docker engine here or in CI).
 
 ``docker-compose config -q`` validates the file; the rest reads it as data: every PDD service
-runs an entry point that ``pdd up`` (``pdd.stack``) starts, main-decode sits only on the
+runs an entry point that ``pdd up`` (``pdd.testbed.stack``) starts, main-decode sits only on the
 ``remote`` network behind the WAN emulators, every hop is TLS with the certificates
 ``make certs`` writes, and every ``PDD_*`` name is one the code reads.
 """
@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pdd import stack as stack_module
-from pdd.launcher import Process
+from pdd.testbed import stack as stack_module
+from pdd.testbed.launcher import Process
 from pdd.tools import certs
 from tests.conftest import ROOT
 
@@ -54,13 +54,25 @@ def test_docker_compose_config_validates():
             pytest.fail("docker-compose is not installed (make tools installs it)")
         pytest.skip("docker-compose is not installed; `make tools` installs it")
     env = {**os.environ, "PDD_API_KEYS": "test-key"}
-    out = subprocess.run([*cli, "-f", str(COMPOSE), "config", "-q"], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [*cli, "-f", str(COMPOSE), "config", "-q"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     # API keys are on: without PDD_API_KEYS the file does not even validate.
     env.pop("PDD_API_KEYS")
-    out = subprocess.run([*cli, "-f", str(COMPOSE), "config", "-q"], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [*cli, "-f", str(COMPOSE), "config", "-q"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode != 0 and "PDD_API_KEYS" in out.stderr, out.stdout + out.stderr
 
 
@@ -80,8 +92,11 @@ def modules_pdd_up_starts(tmp_path, monkeypatch) -> dict[str, set[str]]:
         return Process(name, _FakeProc(), "127.0.0.1:1")
 
     monkeypatch.setattr(stack_module, "start_module", fake_start)
-    stack_module.Stack(stack_module.StackConfig(model="tiny:7", redis_url="redis://127.0.0.1:1/0",
-                                                log_dir=tmp_path)).start()
+    stack_module.Stack(
+        stack_module.StackConfig(
+            model="tiny:7", redis_url="redis://127.0.0.1:1/0", log_dir=tmp_path
+        )
+    ).start()
     return started
 
 
@@ -91,7 +106,9 @@ def test_every_service_runs_an_entry_point_pdd_up_starts(compose, tmp_path, monk
     for name, command in commands.items():
         assert command[:2] == ["python", "-m"], f"{name}: {command}"
     modules = {command[2] for command in commands.values()}
-    assert modules == set(expected), f"compose runs {sorted(modules)}, pdd up starts {sorted(expected)}"
+    assert modules == set(expected), (
+        f"compose runs {sorted(modules)}, pdd up starts {sorted(expected)}"
+    )
     for name, command in commands.items():
         source = (ROOT / Path(*command[2].split(".")) / "__main__.py").read_text()
         for flag in (a for a in command[3:] if a.startswith("--")):
@@ -128,7 +145,10 @@ def test_every_hop_is_tls_with_make_certs_files(compose):
             continue  # a TCP proxy: TLS passes through it
         env = env_of(svc)
         assert env["PDD_TLS_CA"] == "/certs/ca.crt"
-        assert env["PDD_TLS_CERT"] == f"/certs/{name}.crt" and env["PDD_TLS_KEY"] == f"/certs/{name}.key"
+        assert (
+            env["PDD_TLS_CERT"] == f"/certs/{name}.crt"
+            and env["PDD_TLS_KEY"] == f"/certs/{name}.key"
+        )
         assert name in certs.SERVICES, f"make certs writes no certificate for {name}"
         # Internal services demand client certificates; the public gateway does not.
         assert env["PDD_TLS_CLIENT_AUTH"] == ("false" if name == "gateway" else "true"), name
@@ -161,14 +181,22 @@ def test_gateway_publishes_grpc_and_http_with_api_keys_on(compose):
 
 
 def _code_text() -> str:
-    return "\n".join(p.read_text() for folder in ("pdd", "services") for p in (ROOT / folder).rglob("*.py")
-                     if "gen" not in p.relative_to(ROOT).parts)
+    return "\n".join(
+        p.read_text()
+        for folder in ("pdd", "services")
+        for p in (ROOT / folder).rglob("*.py")
+        if "gen" not in p.relative_to(ROOT).parts
+    )
 
 
 def test_every_pdd_env_name_is_read_by_the_code(compose):
     code = _code_text()
-    names = {k for svc in compose["services"].values() for k in (svc.get("environment") or {})
-             if k.startswith("PDD_")}
+    names = {
+        k
+        for svc in compose["services"].values()
+        for k in (svc.get("environment") or {})
+        if k.startswith("PDD_")
+    }
     assert names, "no PDD_* settings found"
     unknown = sorted(n for n in names if f'"{n}"' not in code)
     assert not unknown, f"no code reads {unknown}"
@@ -177,13 +205,19 @@ def test_every_pdd_env_name_is_read_by_the_code(compose):
 def test_dockerfile_builds_the_project_with_the_pinned_cpu_torch():
     text = (ROOT / "Dockerfile").read_text()
     assert re.search(r"^FROM python:3\.11-slim\b", text, re.MULTILINE)
-    pin = next(d for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-               if d.startswith("torch"))
+    pin = next(
+        d
+        for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+        if d.startswith("torch")
+    )
     assert f"ARG TORCH_VERSION={pin.split('==')[1]}" in text
     assert "download.pytorch.org/whl/cpu" in text
     copied = re.findall(r"^COPY (\S+)", text, re.MULTILINE)
-    ignored = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
-               if line.strip() and not line.startswith("#")]
+    ignored = [
+        line.strip()
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
     for path in copied:
         assert (ROOT / path).exists(), f"Dockerfile copies {path}, which does not exist"
         assert path not in ignored, f".dockerignore drops {path}, which the Dockerfile copies"

@@ -26,13 +26,22 @@ K8S_VERSION = "1.32"
 MAIN = {"redis", "kvstore", "prefill", "relay", "gateway"}
 REMOTE = {"main-decode"}
 # services/<module> each PDD Deployment runs (the entry points `pdd up` starts).
-MODULES = {"kvstore": "services.kvstore", "prefill": "services.prefill", "relay": "services.relay",
-           "gateway": "services.gateway", "main-decode": "services.main_decode"}
+MODULES = {
+    "kvstore": "services.kvstore",
+    "prefill": "services.prefill",
+    "relay": "services.relay",
+    "gateway": "services.gateway",
+    "main-decode": "services.main_decode",
+}
 
 
 def _code_text() -> str:
-    return "\n".join(p.read_text() for folder in ("pdd", "services") for p in (ROOT / folder).rglob("*.py")
-                     if "gen" not in p.relative_to(ROOT).parts)
+    return "\n".join(
+        p.read_text()
+        for folder in ("pdd", "services")
+        for p in (ROOT / folder).rglob("*.py")
+        if "gen" not in p.relative_to(ROOT).parts
+    )
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +90,10 @@ def test_every_manifest_validates_against_the_api_schema(path, validate):
         validate(doc)
 
 
-@pytest.mark.parametrize(("overlay", "expected"), [("base", MAIN | REMOTE), ("overlays/main", MAIN),
-                                                   ("overlays/remote", REMOTE)])
+@pytest.mark.parametrize(
+    ("overlay", "expected"),
+    [("base", MAIN | REMOTE), ("overlays/main", MAIN), ("overlays/remote", REMOTE)],
+)
 def test_each_cluster_gets_its_half(overlay, expected):
     docs = load_tree(K8S / overlay)
     deployments, services = components(docs, "Deployment"), components(docs, "Service")
@@ -93,7 +104,9 @@ def test_each_cluster_gets_its_half(overlay, expected):
         assert selector == {"pdd/cluster": "main" if name in MAIN else "remote"}, name
         labels = dep["spec"]["template"]["metadata"]["labels"]
         assert dep["spec"]["selector"]["matchLabels"].items() <= labels.items()
-        assert services[name]["spec"]["selector"].items() <= labels.items(), f"Service {name} selects no pod"
+        assert services[name]["spec"]["selector"].items() <= labels.items(), (
+            f"Service {name} selects no pod"
+        )
 
 
 def test_pdd_deployments_run_the_entry_points_with_native_grpc_probes():
@@ -126,12 +139,21 @@ def test_tls_everywhere_with_each_service_mounting_only_its_own_key():
         spec = dep["spec"]["template"]["spec"]
         (container,) = spec["containers"]
         env = {e["name"]: e.get("value") for e in container["env"]}
-        assert env["PDD_TLS_CERT"] == f"{mount}/{name}.crt" and env["PDD_TLS_KEY"] == f"{mount}/{name}.key"
+        assert (
+            env["PDD_TLS_CERT"] == f"{mount}/{name}.crt"
+            and env["PDD_TLS_KEY"] == f"{mount}/{name}.key"
+        )
         assert name in certs.SERVICES
         (volume,) = [v for v in spec["volumes"] if "secret" in v]
         assert volume["secret"]["secretName"] == "pdd-tls"
-        assert {i["key"] for i in volume["secret"]["items"]} == {"ca.crt", f"{name}.crt", f"{name}.key"}
-        assert {"name": volume["name"], "mountPath": str(mount), "readOnly": True} in container["volumeMounts"]
+        assert {i["key"] for i in volume["secret"]["items"]} == {
+            "ca.crt",
+            f"{name}.crt",
+            f"{name}.key",
+        }
+        assert {"name": volume["name"], "mountPath": str(mount), "readOnly": True} in container[
+            "volumeMounts"
+        ]
         assert spec["securityContext"]["runAsNonRoot"] is True
 
 
@@ -154,9 +176,16 @@ def _kubectl() -> str | None:
 def test_kustomize_renders_and_the_output_validates(overlay, validate):
     kubectl = _kubectl()
     if kubectl is None:
-        pytest.skip("kubectl is not installed: the kustomizations were checked as trees, not rendered")
-    out = subprocess.run([kubectl, "kustomize", str(K8S / overlay)], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "KUBECONFIG": os.devnull})
+        pytest.skip(
+            "kubectl is not installed: the kustomizations were checked as trees, not rendered"
+        )
+    out = subprocess.run(
+        [kubectl, "kustomize", str(K8S / overlay)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "KUBECONFIG": os.devnull},
+    )
     assert out.returncode == 0, out.stderr
     docs = [d for d in yaml.safe_load_all(out.stdout) if d]
     for doc in docs:
@@ -165,10 +194,18 @@ def test_kustomize_renders_and_the_output_validates(overlay, validate):
     services, deployments = components(docs, "Service"), components(docs, "Deployment")
     config = components(docs, "ConfigMap")["config"]["data"]
     if overlay == "overlays/main":
-        assert services["kvstore"]["spec"]["type"] == "LoadBalancer"  # main-decode dials it across the WAN
+        assert (
+            services["kvstore"]["spec"]["type"] == "LoadBalancer"
+        )  # main-decode dials it across the WAN
     if overlay == "overlays/remote":
         assert services["main-decode"]["spec"]["type"] == "LoadBalancer"
-        assert config["PDD_KVSTORE"].endswith(":50051") and config["PDD_KVSTORE"] != "pdd-kvstore:50051"
+        assert (
+            config["PDD_KVSTORE"].endswith(":50051")
+            and config["PDD_KVSTORE"] != "pdd-kvstore:50051"
+        )
         (container,) = deployments["main-decode"]["spec"]["template"]["spec"]["containers"]
         env = {e["name"]: e.get("value") for e in container["env"]}
-        assert env["PDD_ADVERTISE_ADDRESS"].endswith(":50054") and "pdd-main-decode" not in env["PDD_ADVERTISE_ADDRESS"]
+        assert (
+            env["PDD_ADVERTISE_ADDRESS"].endswith(":50054")
+            and "pdd-main-decode" not in env["PDD_ADVERTISE_ADDRESS"]
+        )

@@ -15,12 +15,15 @@ def engine() -> Engine:
     return Engine(CKPT, EngineConfig(num_blocks=32, block_size=4))
 
 
-@pytest.mark.parametrize("prompt, sp, match", [
-    ([], SamplingParams(), "prompt_token_ids"),
-    ([1, 256], SamplingParams(), "prompt_token_ids"),
-    ([1, -1], SamplingParams(), "prompt_token_ids"),
-    ([1] * 60, SamplingParams(max_tokens=5), "max_tokens"),
-])
+@pytest.mark.parametrize(
+    "prompt, sp, match",
+    [
+        ([], SamplingParams(), "prompt_token_ids"),
+        ([1, 256], SamplingParams(), "prompt_token_ids"),
+        ([1, -1], SamplingParams(), "prompt_token_ids"),
+        ([1] * 60, SamplingParams(max_tokens=5), "max_tokens"),
+    ],
+)
 def test_add_request_rejects_bad_input_naming_the_field(engine, prompt, sp, match):
     with pytest.raises(ValueError, match=match):
         engine.add_request("r", prompt, sp)
@@ -40,7 +43,10 @@ def test_step_outputs_positions_and_finish(engine):
     engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=3))
     outs = [o for _ in range(3) for o in engine.step()]
     assert [(o.request_id, o.position, o.finished, o.finish_reason) for o in outs] == [
-        ("r", 0, False, None), ("r", 1, False, None), ("r", 2, True, "length")]
+        ("r", 0, False, None),
+        ("r", 1, False, None),
+        ("r", 2, True, "length"),
+    ]
     assert not engine.has_unfinished() and not engine.holds_request("r") and engine.step() == []
 
 
@@ -69,7 +75,9 @@ def test_abort_frees_everything_and_keeps_full_blocks_cached(engine):
     assert not engine.holds_request("a") and not engine.has_unfinished()
     engine.blocks.cache.check_integrity()
     used, total = engine.kv_usage()
-    assert used == engine.blocks.cache.evictable_blocks == 2  # 11 computed tokens → 2 full blocks cached
+    assert (
+        used == engine.blocks.cache.evictable_blocks == 2
+    )  # 11 computed tokens → 2 full blocks cached
     assert engine.prefix_match_len(list(range(10))) == 8
 
 
@@ -90,9 +98,18 @@ def test_keep_after_finish_holds_kv_until_release(engine):
         engine.release("q")
 
 
-@pytest.mark.parametrize("bad", [dict(block_size=0), dict(num_blocks=0), dict(max_num_batched_tokens=0),
-                                 dict(max_num_seqs=0), dict(dtype="float64"), dict(device="tpu"),
-                                 dict(max_model_len=-1)])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(block_size=0),
+        dict(num_blocks=0),
+        dict(max_num_batched_tokens=0),
+        dict(max_num_seqs=0),
+        dict(dtype="float64"),
+        dict(device="tpu"),
+        dict(max_model_len=-1),
+    ],
+)
 def test_engine_config_validation(bad):
     with pytest.raises(ValueError):
         EngineConfig(**bad)

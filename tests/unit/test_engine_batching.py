@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from pdd.block_hash import chain_hashes
+from pdd.core.block_hash import chain_hashes
 from pdd.engine import Engine, EngineConfig, SamplingParams, tiny_model
 
 CKPT = tiny_model(11, num_layers=2, num_heads=4, num_kv_heads=2)
@@ -17,7 +17,9 @@ def ragged_prompts(n: int, seed: int = 0, lo: int = 1, hi: int = 60) -> list[lis
     return [[rng.randrange(256) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
-def run_continuous(engine: Engine, arrivals: dict[int, list[tuple[str, list[int], int]]]) -> dict[str, list[int]]:
+def run_continuous(
+    engine: Engine, arrivals: dict[int, list[tuple[str, list[int], int]]]
+) -> dict[str, list[int]]:
     """Step the engine, adding ``arrivals[step]`` requests mid-flight; collect every output stream."""
     outputs: dict[str, list[int]] = {}
     step = 0
@@ -92,7 +94,9 @@ def test_batched_equals_single_request_runs(llama_oracle):
     """32 requests decoding together give each request's single-run tokens (near-ties excepted)."""
     oracle = llama_oracle(CKPT)
     prompts = ragged_prompts(32, seed=4, hi=30)
-    batched = Engine(CKPT, EngineConfig(num_blocks=256)).generate(prompts, SamplingParams(max_tokens=10))
+    batched = Engine(CKPT, EngineConfig(num_blocks=256)).generate(
+        prompts, SamplingParams(max_tokens=10)
+    )
     single = Engine(CKPT, EngineConfig(num_blocks=256))
     for p, got in zip(prompts, batched):
         (ref,) = single.generate([p], SamplingParams(max_tokens=10))
@@ -133,4 +137,3 @@ def test_prefix_caching_can_be_disabled(llama_oracle):
     assert engine.prefix_match_len(prompts[0]) == 0 and engine.kv_usage() == (0, 32)
     for p, o in zip(prompts, outs):
         llama_oracle(CKPT).assert_greedy_equal(p, o)
-

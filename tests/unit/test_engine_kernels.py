@@ -25,7 +25,9 @@ def test_rotary_is_bit_identical_to_transformers():
     x = torch.randn(5, 6, config.head_dim)  # [N, H, D]
     cos, signed_sin = table.lookup(positions)
     half = config.head_dim // 2
-    sin = torch.cat([-signed_sin[..., :half], signed_sin[..., half:]], dim=-1)  # the plain sin table
+    sin = torch.cat(
+        [-signed_sin[..., :half], signed_sin[..., half:]], dim=-1
+    )  # the plain sin table
     expected = x * cos + rotate_half(x) * sin
     assert torch.equal(apply_rotary(x, cos, signed_sin), expected)
     inplace = x.clone()

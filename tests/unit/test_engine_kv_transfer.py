@@ -7,7 +7,15 @@ import random
 import pytest
 import torch
 
-from pdd.engine import Engine, EngineConfig, KvPayload, SamplingParams, from_bytes, tiny_model, to_bytes
+from pdd.engine import (
+    Engine,
+    EngineConfig,
+    KvPayload,
+    SamplingParams,
+    from_bytes,
+    tiny_model,
+    to_bytes,
+)
 
 CKPT = tiny_model(31, num_layers=2, num_heads=4, num_kv_heads=2)
 PEAKED = tiny_model(32, num_layers=2, num_heads=4, num_kv_heads=2, tie_word_embeddings=True)
@@ -45,7 +53,9 @@ def decode_with(md: Engine, prompt, first_token, payloads) -> list[int]:
 
 
 def reference(ckpt, prompt) -> list[int]:
-    return Engine(ckpt, EngineConfig(num_blocks=32)).generate([prompt], SamplingParams(max_tokens=N))[0]
+    return Engine(ckpt, EngineConfig(num_blocks=32)).generate(
+        [prompt], SamplingParams(max_tokens=N)
+    )[0]
 
 
 def test_fp32_transfer_is_token_identical():
@@ -57,7 +67,9 @@ def test_fp32_transfer_is_token_identical():
 def test_receiver_with_another_block_size(llama_oracle):
     first, payloads = prefill(CKPT, PROMPT, EngineConfig(num_blocks=32, block_size=16))
     assert payloads[0].descriptor.block_size == 16
-    out = decode_with(Engine(CKPT, EngineConfig(num_blocks=64, block_size=4)), PROMPT, first, payloads)
+    out = decode_with(
+        Engine(CKPT, EngineConfig(num_blocks=64, block_size=4)), PROMPT, first, payloads
+    )
     # same float32 numbers, only padded to another key length: equal up to a near-tie
     llama_oracle(CKPT).assert_greedy_equal(PROMPT, out, reference=reference(CKPT, PROMPT))
 
@@ -112,8 +124,15 @@ def test_only_the_delta_is_sent_to_a_receiver_holding_the_prefix():
 def test_wire_format_round_trip_and_validation():
     first, (payload,) = prefill(CKPT, PROMPT)
     d = payload.descriptor
-    assert (d.layout, d.dtype, d.num_layers, d.num_kv_heads, d.head_dim, d.start_token, d.num_tokens) == (
-        "layer,kv,token,head,dim", "float32", 2, 2, 16, 0, len(PROMPT))
+    assert (
+        d.layout,
+        d.dtype,
+        d.num_layers,
+        d.num_kv_heads,
+        d.head_dim,
+        d.start_token,
+        d.num_tokens,
+    ) == ("layer,kv,token,head,dim", "float32", 2, 2, 16, 0, len(PROMPT))
     blob = to_bytes(payload)
     assert from_bytes(blob) == payload
     with pytest.raises(ValueError, match="magic"):

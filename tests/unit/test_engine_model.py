@@ -6,7 +6,14 @@ import numpy as np
 import pytest
 import torch
 
-from pdd.engine import Engine, EngineConfig, ModelConfig, SamplingParams, load_checkpoint, tiny_model
+from pdd.engine import (
+    Engine,
+    EngineConfig,
+    ModelConfig,
+    SamplingParams,
+    load_checkpoint,
+    tiny_model,
+)
 from pdd.engine.gguf_checkpoint import unpermute_rope_rows
 
 PROMPTS = [[3, 17, 99, 4, 250, 8, 61], list(range(40, 77)), [5]]
@@ -16,9 +23,16 @@ CONFIGS = {
     "mha": dict(num_heads=4, num_kv_heads=4),
     "mqa_tied": dict(num_heads=4, num_kv_heads=1, tie_word_embeddings=True),
     "qwen2_qkv_bias": dict(qkv_bias=True),
-    "llama3_rope": dict(rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0,
-                                                           "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                                           "original_max_position_embeddings": 64}),
+    "llama3_rope": dict(
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
     "linear_rope": dict(rope_scaling={"rope_type": "linear", "factor": 2.0}),
     "head_dim_32": dict(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=32),
 }
@@ -58,22 +72,56 @@ def test_hf_directory_round_trip(tmp_path, llama_oracle):
 
 
 def test_model_config_reads_transformers_4_rope_fields():
-    cfg = ModelConfig.from_hf_dict({
-        "model_type": "llama", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
-        "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "rope_theta": 5e5,
-        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 8192},
-        "eos_token_id": [3, 4], "torch_dtype": "bfloat16"})
-    assert (cfg.rope_theta, cfg.rope_type, cfg.eos_token_ids, cfg.torch_dtype) == (5e5, "llama3", (3, 4), "bfloat16")
+    cfg = ModelConfig.from_hf_dict(
+        {
+            "model_type": "llama",
+            "vocab_size": 10,
+            "hidden_size": 8,
+            "intermediate_size": 16,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "rope_theta": 5e5,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+            "eos_token_id": [3, 4],
+            "torch_dtype": "bfloat16",
+        }
+    )
+    assert (cfg.rope_theta, cfg.rope_type, cfg.eos_token_ids, cfg.torch_dtype) == (
+        5e5,
+        "llama3",
+        (3, 4),
+        "bfloat16",
+    )
     assert cfg.head_dim == 4 and cfg.num_kv_heads == 1
 
 
-@pytest.mark.parametrize("bad", [dict(num_heads=3, num_kv_heads=2), dict(hidden_size=0),
-                                 dict(rope_scaling={"rope_type": "yarn", "factor": 2.0}),
-                                 dict(torch_dtype="float64"), dict(model_type="gpt2")])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(num_heads=3, num_kv_heads=2),
+        dict(hidden_size=0),
+        dict(rope_scaling={"rope_type": "yarn", "factor": 2.0}),
+        dict(torch_dtype="float64"),
+        dict(model_type="gpt2"),
+    ],
+)
 def test_model_config_rejects_bad_values(bad):
-    base = dict(vocab_size=10, hidden_size=8, intermediate_size=16, num_layers=1, num_heads=2,
-                num_kv_heads=1, head_dim=4)
+    base = dict(
+        vocab_size=10,
+        hidden_size=8,
+        intermediate_size=16,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=4,
+    )
     with pytest.raises(ValueError):
         ModelConfig(**{**base, **bad})
 
@@ -88,8 +136,13 @@ def test_tiny_model_is_deterministic_and_peaked():
 
 def test_unpermute_inverts_llama_cpp_permutation():
     """llama.cpp's convert_hf_to_gguf ``permute`` followed by ours is the identity (q and GQA k)."""
+
     def llama_cpp_permute(w, n_head):
-        return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+        return (
+            w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+            .swapaxes(1, 2)
+            .reshape(w.shape)
+        )
 
     rng = np.random.default_rng(0)
     for heads in (9, 3):

@@ -15,13 +15,14 @@ import sys
 import pytest
 import torch
 
-from pdd.engine import Engine, EngineConfig, SamplingParams, tiny_model
-from pdd.engine import paged_decode
+from pdd.engine import Engine, EngineConfig, SamplingParams, paged_decode, tiny_model
 from pdd.engine.attention import AttentionMetadata, _decode
 from pdd.engine.kv_cache import KvCache
 
-pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None,
-                                reason="no C++ compiler: the engine falls back to gather + SDPA")
+pytestmark = pytest.mark.skipif(
+    shutil.which(os.environ.get("CXX", "c++")) is None,
+    reason="no C++ compiler: the engine falls back to gather + SDPA",
+)
 
 CKPT = tiny_model(11, num_layers=2, num_heads=8, num_kv_heads=2)
 
@@ -37,17 +38,30 @@ def _reference(q, cache, table, lens) -> torch.Tensor:
     length = mb * cache.block_size
     mask = torch.arange(length)[None, :] < lens[:, None]  # [B, L]
     buffer = torch.empty(b * mb, *cache.layer(0).shape[1:])  # [B * MB, bs, 2, KV, D]
-    meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), num_decode=b,
-                             decode_block_tables=table, decode_mask=mask[:, None, None, :],
-                             decode_gather_buffer=buffer)
+    meta = AttentionMetadata(
+        slot_mapping=torch.empty(0, dtype=torch.long),
+        num_decode=b,
+        decode_block_tables=table,
+        decode_mask=mask[:, None, None, :],
+        decode_gather_buffer=buffer,
+    )
     return _decode(q, cache, 0, meta)
 
 
-def _random_case(gen: torch.Generator, rng: random.Random, batch: int, kv: int, group: int, head_dim: int,
-                 block_size: int):
+def _random_case(
+    gen: torch.Generator,
+    rng: random.Random,
+    batch: int,
+    kv: int,
+    group: int,
+    head_dim: int,
+    block_size: int,
+):
     """A pool full of random K/V, ``batch`` sequences on disjoint shuffled blocks, ragged lengths."""
-    lens = [rng.choice([1, block_size, 2 * block_size, 3 * block_size - 1, rng.randint(1, 70)])
-            for _ in range(batch)]
+    lens = [
+        rng.choice([1, block_size, 2 * block_size, 3 * block_size - 1, rng.randint(1, 70)])
+        for _ in range(batch)
+    ]
     need = [-(-n // block_size) for n in lens]
     num_blocks = sum(need) + 3
     cache = KvCache(1, num_blocks, block_size, kv, head_dim, torch.float32)
@@ -58,7 +72,9 @@ def _random_case(gen: torch.Generator, rng: random.Random, batch: int, kv: int, 
     rows = []
     for n in need:
         own, ids = ids[:n], ids[n:]
-        rows.append(own + [rng.randrange(num_blocks + 1) for _ in range(mb - n)])  # padding → any block
+        rows.append(
+            own + [rng.randrange(num_blocks + 1) for _ in range(mb - n)]
+        )  # padding → any block
     q = torch.randn(batch, kv * group, head_dim, generator=gen)  # [B, H, D]
     return q, cache, torch.tensor(rows), torch.tensor(lens)
 
@@ -111,16 +127,22 @@ def test_strided_query_is_read_in_place():
     q, cache, table, lens = _random_case(gen, random.Random(2), 5, 2, 2, 32, 16)
     qkv = torch.cat([q, torch.randn(5, 4, 32, generator=gen)], dim=1)  # [B, H + 2KV, D]
     strided = paged_decode.paged_decode(qkv[:, :4], cache.layer(0), table, lens)
-    assert torch.equal(strided, paged_decode.paged_decode(q.contiguous(), cache.layer(0), table, lens))
+    assert torch.equal(
+        strided, paged_decode.paged_decode(q.contiguous(), cache.layer(0), table, lens)
+    )
 
 
 def test_out_of_range_block_or_length_is_an_error():
     gen = torch.Generator().manual_seed(3)
     q, cache, table, lens = _random_case(gen, random.Random(3), 2, 2, 1, 32, 4)
     with pytest.raises(RuntimeError, match="block id"):
-        paged_decode.paged_decode(q, cache.layer(0), torch.full_like(table, cache.num_blocks + 1), lens)
+        paged_decode.paged_decode(
+            q, cache.layer(0), torch.full_like(table, cache.num_blocks + 1), lens
+        )
     with pytest.raises(RuntimeError, match="context length"):
-        paged_decode.paged_decode(q, cache.layer(0), table, torch.full_like(lens, table.shape[1] * 4 + 1))
+        paged_decode.paged_decode(
+            q, cache.layer(0), table, torch.full_like(lens, table.shape[1] * 4 + 1)
+        )
 
 
 def test_engine_decodes_the_same_with_and_without_the_kernel(llama_oracle):
@@ -133,8 +155,9 @@ def test_engine_decodes_the_same_with_and_without_the_kernel(llama_oracle):
     without = Engine(CKPT, EngineConfig(**config, paged_decode_kernel=False))
     assert with_kernel.runner.paged_kernel and not without.runner.paged_kernel
     params = SamplingParams(max_tokens=24)
-    for prompt, ours, reference in zip(prompts, with_kernel.generate(prompts, params),
-                                       without.generate(prompts, params)):
+    for prompt, ours, reference in zip(
+        prompts, with_kernel.generate(prompts, params), without.generate(prompts, params)
+    ):
         oracle.assert_greedy_equal(prompt, ours, reference)
 
 
@@ -168,20 +191,35 @@ def test_a_stale_build_lock_does_not_hang_the_next_build(tmp_path):
     shutil.copytree(built, tmp_path / built.name)  # an up-to-date build: ninja has nothing to do
     (tmp_path / built.name / "lock").touch()
     code = "from pdd.engine import paged_decode; paged_decode.load(); import torch; print(torch.ops.pdd.paged_decode)"
-    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)},
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     assert not (tmp_path / built.name / "lock").exists()
 
 
 def test_a_failed_build_falls_back_to_gather_and_sdpa(tmp_path):
     """A compiler that fails: the engine still serves, on the old path, and says why."""
-    code = ("from pdd.engine import Engine, EngineConfig, SamplingParams, tiny_model\n"
-            "engine = Engine(tiny_model(11, num_layers=2, num_heads=8, num_kv_heads=2), EngineConfig(num_blocks=16))\n"
-            "assert not engine.runner.paged_kernel\n"
-            "print('tokens', len(engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4))[0]))\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path), "CXX": "false"})
+    code = (
+        "from pdd.engine import Engine, EngineConfig, SamplingParams, tiny_model\n"
+        "engine = Engine(tiny_model(11, num_layers=2, num_heads=8, num_kv_heads=2), EngineConfig(num_blocks=16))\n"
+        "assert not engine.runner.paged_kernel\n"
+        "print('tokens', len(engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4))[0]))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path), "CXX": "false"},
+    )
     assert done.returncode == 0, done.stderr
-    assert "paged_decode_fallback" in done.stdout + done.stderr and "build_failed" in done.stdout + done.stderr
+    assert (
+        "paged_decode_fallback" in done.stdout + done.stderr
+        and "build_failed" in done.stdout + done.stderr
+    )
     assert "tokens 4" in done.stdout

@@ -17,11 +17,21 @@ CKPT = tiny_model(43, num_layers=2, num_heads=4, num_kv_heads=2, std=0.05)
 PROMPTS = [[12, 200, 3, 45, 6, 78, 9], [5, 5, 5, 7, 100, 101, 102, 5, 7]]
 
 
-@pytest.mark.parametrize("bad", [dict(presence_penalty=2.5), dict(presence_penalty=float("nan")),
-                                 dict(frequency_penalty=-2.01), dict(repetition_penalty=0.0),
-                                 dict(repetition_penalty=-1.0), dict(repetition_penalty=float("inf")),
-                                 dict(logit_bias={3: 100.5}), dict(logit_bias={-1: 1.0}),
-                                 dict(logit_bias=((3, 1.0), (3, 2.0))), dict(logit_bias={2: float("nan")})])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(presence_penalty=2.5),
+        dict(presence_penalty=float("nan")),
+        dict(frequency_penalty=-2.01),
+        dict(repetition_penalty=0.0),
+        dict(repetition_penalty=-1.0),
+        dict(repetition_penalty=float("inf")),
+        dict(logit_bias={3: 100.5}),
+        dict(logit_bias={-1: 1.0}),
+        dict(logit_bias=((3, 1.0), (3, 2.0))),
+        dict(logit_bias={2: float("nan")}),
+    ],
+)
 def test_penalty_validation(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         SamplingParams(**bad)
@@ -35,7 +45,10 @@ def test_logit_bias_is_normalised_to_sorted_pairs():
 
 def test_penalized_is_off_only_at_the_neutral_values():
     assert not SamplingParams().adjusts_logits
-    assert SamplingParams(presence_penalty=0.1).adjusts_logits and SamplingParams(frequency_penalty=-0.1).adjusts_logits
+    assert (
+        SamplingParams(presence_penalty=0.1).adjusts_logits
+        and SamplingParams(frequency_penalty=-0.1).adjusts_logits
+    )
     assert SamplingParams(repetition_penalty=1.1).adjusts_logits
 
 
@@ -79,45 +92,84 @@ def test_repetition_penalty_matches_transformers(llama_oracle, penalty):
     for prompt in PROMPTS:
         ids = torch.tensor([prompt])
         with torch.inference_mode():
-            want = oracle.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20,
-                                         min_new_tokens=20, do_sample=False, pad_token_id=0,
-                                         repetition_penalty=penalty)[0, len(prompt):].tolist()
+            want = oracle.model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=20,
+                min_new_tokens=20,
+                do_sample=False,
+                pad_token_id=0,
+                repetition_penalty=penalty,
+            )[0, len(prompt) :].tolist()
         ours = run(Engine(CKPT, EngineConfig(num_blocks=64)), prompt, sp)
         oracle.assert_greedy_equal(prompt, ours, want)
 
 
 def test_presence_and_frequency_match_the_oracle_penalized_by_hand(llama_oracle):
     oracle = llama_oracle(CKPT)
-    sp = SamplingParams(max_tokens=20, presence_penalty=0.8, frequency_penalty=0.6, repetition_penalty=1.2,
-                        ignore_eos=True)
+    sp = SamplingParams(
+        max_tokens=20,
+        presence_penalty=0.8,
+        frequency_penalty=0.6,
+        repetition_penalty=1.2,
+        ignore_eos=True,
+    )
     for prompt in PROMPTS:
         outputs: list[int] = []
         for _ in range(20):
             row = oracle.next_logits(prompt + outputs)[None]
             outputs.append(int(adjust_logits(row, [(sp, prompt, outputs)])[0].argmax()))
-        plain = run(Engine(CKPT, EngineConfig(num_blocks=64)), prompt, SamplingParams(max_tokens=20, ignore_eos=True))
+        plain = run(
+            Engine(CKPT, EngineConfig(num_blocks=64)),
+            prompt,
+            SamplingParams(max_tokens=20, ignore_eos=True),
+        )
         assert outputs != plain, "the penalties should change this greedy output"
-        oracle.assert_greedy_equal(prompt, run(Engine(CKPT, EngineConfig(num_blocks=64)), prompt, sp), outputs)
+        oracle.assert_greedy_equal(
+            prompt, run(Engine(CKPT, EngineConfig(num_blocks=64)), prompt, sp), outputs
+        )
 
 
 def test_logit_bias_bans_and_forces_tokens():
-    plain = run(Engine(CKPT, EngineConfig(num_blocks=64)), PROMPTS[0], SamplingParams(max_tokens=12, ignore_eos=True))
+    plain = run(
+        Engine(CKPT, EngineConfig(num_blocks=64)),
+        PROMPTS[0],
+        SamplingParams(max_tokens=12, ignore_eos=True),
+    )
     banned = {t: -100.0 for t in set(plain)}
-    ours = run(Engine(CKPT, EngineConfig(num_blocks=64)), PROMPTS[0],
-               SamplingParams(max_tokens=12, ignore_eos=True, logit_bias=banned))
+    ours = run(
+        Engine(CKPT, EngineConfig(num_blocks=64)),
+        PROMPTS[0],
+        SamplingParams(max_tokens=12, ignore_eos=True, logit_bias=banned),
+    )
     assert not set(ours) & set(plain)
-    forced = run(Engine(CKPT, EngineConfig(num_blocks=64)), PROMPTS[0],
-                 SamplingParams(max_tokens=5, ignore_eos=True, temperature=1.0, seed=1, logit_bias={77: 100.0}))
+    forced = run(
+        Engine(CKPT, EngineConfig(num_blocks=64)),
+        PROMPTS[0],
+        SamplingParams(
+            max_tokens=5, ignore_eos=True, temperature=1.0, seed=1, logit_bias={77: 100.0}
+        ),
+    )
     assert forced == [77] * 5
     engine = Engine(CKPT, EngineConfig(num_blocks=64))
     with pytest.raises(ValueError, match="logit_bias"):
-        engine.add_request("r", PROMPTS[0], SamplingParams(logit_bias={engine.model_config.vocab_size: 1.0}))
+        engine.add_request(
+            "r", PROMPTS[0], SamplingParams(logit_bias={engine.model_config.vocab_size: 1.0})
+        )
 
 
 def test_penalties_survive_a_handoff_and_a_busy_batch():
     """Relay → MainDecode as in the service: tokens appended on the second engine count as outputs."""
-    sp = SamplingParams(max_tokens=24, presence_penalty=0.5, frequency_penalty=0.4, repetition_penalty=1.3,
-                        temperature=0.9, seed=77, ignore_eos=True, logit_bias={5: -5.0, 100: 2.0})
+    sp = SamplingParams(
+        max_tokens=24,
+        presence_penalty=0.5,
+        frequency_penalty=0.4,
+        repetition_penalty=1.3,
+        temperature=0.9,
+        seed=77,
+        ignore_eos=True,
+        logit_bias={5: -5.0, 100: 2.0},
+    )
     prompt = PROMPTS[1]
     (reference,) = Engine(CKPT, EngineConfig(num_blocks=64)).generate([prompt], sp)
     relay = Engine(CKPT, EngineConfig(num_blocks=64))
@@ -155,10 +207,21 @@ def test_logprobs_are_the_models_raw_log_softmax(llama_oracle):
     penalties and temperature did to the draw (vLLM's raw logprobs)."""
     oracle = llama_oracle(CKPT)
     prompt = PROMPTS[1]
-    sp = SamplingParams(max_tokens=10, temperature=0.8, seed=3, logprobs=4, ignore_eos=True, logit_bias={5: 3.0},
-                        repetition_penalty=1.2)
-    engine = Engine(CKPT, EngineConfig(num_blocks=64, max_num_batched_tokens=4))  # chunked prefill too
-    engine.add_request("other", [9] * 13, SamplingParams(max_tokens=10))  # a batch mate without logprobs
+    sp = SamplingParams(
+        max_tokens=10,
+        temperature=0.8,
+        seed=3,
+        logprobs=4,
+        ignore_eos=True,
+        logit_bias={5: 3.0},
+        repetition_penalty=1.2,
+    )
+    engine = Engine(
+        CKPT, EngineConfig(num_blocks=64, max_num_batched_tokens=4)
+    )  # chunked prefill too
+    engine.add_request(
+        "other", [9] * 13, SamplingParams(max_tokens=10)
+    )  # a batch mate without logprobs
     outs = run_logprobs(engine, prompt, sp)
     tokens = [t for t, _ in outs]
     for i, (token, lp) in enumerate(outs):
@@ -167,7 +230,13 @@ def test_logprobs_are_the_models_raw_log_softmax(llama_oracle):
         values, ids = want.topk(4)
         assert [t for t, _ in lp.top] == ids.tolist()
         assert [v for _, v in lp.top] == pytest.approx(values.tolist(), abs=1e-4)
-    assert all(lp is None for _, lp in run_logprobs(Engine(CKPT, EngineConfig(num_blocks=64)), prompt,
-                                                    SamplingParams(max_tokens=3)))
-    only = run_logprobs(Engine(CKPT, EngineConfig(num_blocks=64)), prompt, SamplingParams(max_tokens=3, logprobs=0))
+    assert all(
+        lp is None
+        for _, lp in run_logprobs(
+            Engine(CKPT, EngineConfig(num_blocks=64)), prompt, SamplingParams(max_tokens=3)
+        )
+    )
+    only = run_logprobs(
+        Engine(CKPT, EngineConfig(num_blocks=64)), prompt, SamplingParams(max_tokens=3, logprobs=0)
+    )
     assert all(lp is not None and lp.top == () and lp.logprob <= 0 for _, lp in only)

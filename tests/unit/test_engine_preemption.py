@@ -6,7 +6,14 @@ import random
 
 import pytest
 
-from pdd.engine import Engine, EngineConfig, EngineStalledError, KvCapacityError, SamplingParams, tiny_model
+from pdd.engine import (
+    Engine,
+    EngineConfig,
+    EngineStalledError,
+    KvCapacityError,
+    SamplingParams,
+    tiny_model,
+)
 
 CKPT = tiny_model(5, num_layers=2, num_heads=4, num_kv_heads=2)
 
@@ -24,7 +31,9 @@ def test_preemption_keeps_outputs_correct(llama_oracle):
         oracle.assert_greedy_equal(p, o)
     engine.blocks.cache.check_integrity()
     used, total = engine.kv_usage()
-    assert used == engine.blocks.cache.cached_blocks and engine.blocks.cache.evictable_blocks == used
+    assert (
+        used == engine.blocks.cache.cached_blocks and engine.blocks.cache.evictable_blocks == used
+    )
 
 
 def test_preemption_without_prefix_caching(llama_oracle):
@@ -51,7 +60,9 @@ def test_a_request_that_can_never_fit_raises_the_dedicated_error():
 
 def test_stall_is_reported_when_kept_requests_pin_the_pool():
     engine = Engine(CKPT, EngineConfig(num_blocks=4, block_size=4))
-    engine.add_request("kept", list(range(12)), SamplingParams(max_tokens=1), keep_after_finish=True)
+    engine.add_request(
+        "kept", list(range(12)), SamplingParams(max_tokens=1), keep_after_finish=True
+    )
     engine.step()
     assert engine.holds_request("kept")
     with pytest.raises(EngineStalledError):

@@ -17,7 +17,9 @@ _reference: dict[tuple[int, ...], list[int]] = {}
 def reference(prompt: list[int], n: int) -> list[int]:
     key = tuple(prompt)
     if key not in _reference or len(_reference[key]) < n:
-        (_reference[key],) = Engine(CKPT, EngineConfig(num_blocks=64)).generate([prompt], SamplingParams(max_tokens=24))
+        (_reference[key],) = Engine(CKPT, EngineConfig(num_blocks=64)).generate(
+            [prompt], SamplingParams(max_tokens=24)
+        )
     return _reference[key][:n]
 
 
@@ -30,19 +32,30 @@ def record(step_outputs, outputs: dict[str, list[int]]) -> None:
             outputs[o.request_id].append(o.token_id)
 
 
-@settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
 @given(st.integers(0, 2**32 - 1))
 def test_random_operation_sequences_keep_invariants_and_outputs(llama_oracle, seed):
     rng = random.Random(seed)
-    engine = Engine(CKPT, EngineConfig(num_blocks=rng.randint(9, 14), block_size=4,
-                                       max_num_batched_tokens=rng.choice([3, 8, 64]), max_num_seqs=rng.randint(1, 4)))
+    engine = Engine(
+        CKPT,
+        EngineConfig(
+            num_blocks=rng.randint(9, 14),
+            block_size=4,
+            max_num_batched_tokens=rng.choice([3, 8, 64]),
+            max_num_seqs=rng.randint(1, 4),
+        ),
+    )
     prompts, outputs, aborted, paused, max_tokens = {}, {}, set(), set(), {}
     for op in range(40):
         kind = rng.random()
         live = [r for r in prompts if engine.holds_request(r) and r not in aborted]
         if kind < 0.25 and len(prompts) < 8:
             rid = f"r{op}"
-            prompts[rid] = BASE[:rng.randint(1, len(BASE))] + [rng.randrange(256) for _ in range(rng.randint(0, 6))]
+            prompts[rid] = BASE[: rng.randint(1, len(BASE))] + [
+                rng.randrange(256) for _ in range(rng.randint(0, 6))
+            ]
             outputs[rid] = []
             max_tokens[rid] = rng.randint(1, 20)
             engine.add_request(rid, prompts[rid], SamplingParams(max_tokens=max_tokens[rid]))
@@ -59,10 +72,12 @@ def test_random_operation_sequences_keep_invariants_and_outputs(llama_oracle, se
             rid = rng.choice(live)
             m = len(outputs[rid])
             start = rng.choice([m, max(0, m - 1)])  # at the end, or overlapping the last output
-            tokens = reference(prompts[rid], max_tokens[rid])[start:start + rng.randint(1, 5)]
+            tokens = reference(prompts[rid], max_tokens[rid])[start : start + rng.randint(1, 5)]
             if tokens:
                 engine.append_tokens(rid, tokens, start=start)
-                outputs[rid] = outputs[rid][:start] + tokens if start + len(tokens) > m else outputs[rid]
+                outputs[rid] = (
+                    outputs[rid][:start] + tokens if start + len(tokens) > m else outputs[rid]
+                )
         else:
             if kind > 0.9:
                 for rid in list(paused):
@@ -78,7 +93,8 @@ def test_random_operation_sequences_keep_invariants_and_outputs(llama_oracle, se
     oracle = llama_oracle(CKPT)
     for rid, out in outputs.items():
         if rid not in aborted:
-            oracle.assert_greedy_equal(prompts[rid], out, reference=reference(prompts[rid], len(out)))
+            oracle.assert_greedy_equal(
+                prompts[rid], out, reference=reference(prompts[rid], len(out))
+            )
     used, total = engine.kv_usage()
     assert used == engine.blocks.cache.cached_blocks == engine.blocks.cache.evictable_blocks
-

@@ -82,7 +82,9 @@ async def test_interval_follows_busy_steps_and_ignores_idle_gaps():
 
 
 async def test_interval_measured_on_a_real_engine():
-    engine = Engine(load_model("tiny:3,ctx=256,layers=2,hidden=64,inter=128"), EngineConfig(block_size=4))
+    engine = Engine(
+        load_model("tiny:3,ctx=256,layers=2,hidden=64,inter=128"), EngineConfig(block_size=4)
+    )
     runner = EngineRunner(engine)
     await runner.start()
     try:

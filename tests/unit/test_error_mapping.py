@@ -1,22 +1,23 @@
-import asyncio
-
 import grpc
 import pytest
 
-from pdd import errors
+from pdd.core import errors
 from pdd.server.errors import is_domain_error, status_for
 
 
 @pytest.mark.parametrize(
     ("exc", "code"),
     [
-        (errors.InvalidArgumentError("sampling.top_p", "must be in (0, 1]"), grpc.StatusCode.INVALID_ARGUMENT),
+        (
+            errors.InvalidArgumentError("sampling.top_p", "must be in (0, 1]"),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
         (errors.NotFoundError("request 'r1' is unknown"), grpc.StatusCode.NOT_FOUND),
         (errors.ResourceExhaustedError("KV pool full"), grpc.StatusCode.RESOURCE_EXHAUSTED),
         (errors.UnavailableError("no main_decode registered"), grpc.StatusCode.UNAVAILABLE),
         (errors.FailedPreconditionError("KV incomplete"), grpc.StatusCode.FAILED_PRECONDITION),
         (errors.DeadlineExceededError("handoff timed out"), grpc.StatusCode.DEADLINE_EXCEEDED),
-        (asyncio.TimeoutError(), grpc.StatusCode.DEADLINE_EXCEEDED),
+        (TimeoutError(), grpc.StatusCode.DEADLINE_EXCEEDED),
         (ValueError("port: must be in 0..65535"), grpc.StatusCode.INVALID_ARGUMENT),
     ],
 )
@@ -50,4 +51,6 @@ def test_engine_capacity_errors():
 
     code, message = status_for(KvCapacityError("r1", 900, 64))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and message.startswith("max_tokens:")
-    assert status_for(PoolExhaustedError(requested=5, free=1))[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert (
+        status_for(PoolExhaustedError(requested=5, free=1))[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+    )

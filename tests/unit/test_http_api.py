@@ -14,15 +14,21 @@ from dataclasses import replace
 import aiohttp
 import pytest
 
-from pdd.convert.gateway import ModelInfo
-from pdd.engine.sampling_params import Logprob
-from pdd.errors import UnavailableError
+from pdd.core.errors import UnavailableError
+from pdd.core.instance import Instance, InstanceRef, Role
+from pdd.core.model_info import ModelInfo
+from pdd.core.request import FinalEvent, RequestStats, TokenEvent
+from pdd.core.sampling_params import Logprob
 from pdd.http.config import HttpConfig
 from pdd.http.openai_api import OpenAIServer
-from pdd.instance import Instance, InstanceRef, Role
-from pdd.serving.gateway import FinalEvent, RequestStats, TokenEvent
 
-INFO = ModelInfo(name="m", vocab_size=300, max_context_tokens=100, chat_template="", encode=lambda s: [ord(c) for c in s])
+INFO = ModelInfo(
+    name="m",
+    vocab_size=300,
+    max_context_tokens=100,
+    chat_template="",
+    encode=lambda s: [ord(c) for c in s],
+)
 
 
 def decode(ids):
@@ -30,11 +36,24 @@ def decode(ids):
 
 
 class ScriptedGateway:
-    def __init__(self, text: str = "Hello world", *, fail_before: BaseException | None = None,
-                 fail_after: int | None = None, delay_s: float = 0.0,
-                 roles: tuple[Role, ...] = (Role.PREFILL, Role.RELAY, Role.MAIN_DECODE),
-                 texts: dict[str, str] | None = None, fail_ids: tuple[str, ...] | None = None) -> None:
-        self.text, self.fail_before, self.fail_after, self.delay_s, self.roles = text, fail_before, fail_after, delay_s, roles
+    def __init__(
+        self,
+        text: str = "Hello world",
+        *,
+        fail_before: BaseException | None = None,
+        fail_after: int | None = None,
+        delay_s: float = 0.0,
+        roles: tuple[Role, ...] = (Role.PREFILL, Role.RELAY, Role.MAIN_DECODE),
+        texts: dict[str, str] | None = None,
+        fail_ids: tuple[str, ...] | None = None,
+    ) -> None:
+        self.text, self.fail_before, self.fail_after, self.delay_s, self.roles = (
+            text,
+            fail_before,
+            fail_after,
+            delay_s,
+            roles,
+        )
         self.texts = texts or {}  # request_id → its text, instead of ``text``
         self.fail_ids = fail_ids  # which requests ``fail_before`` hits (None: every one)
         self.jobs, self.ends = [], []
@@ -44,19 +63,27 @@ class ScriptedGateway:
         end = "cancelled"
         text = self.texts.get(job.request_id, self.text)
         try:
-            if self.fail_before is not None and (self.fail_ids is None or job.request_id in self.fail_ids):
+            if self.fail_before is not None and (
+                self.fail_ids is None or job.request_id in self.fail_ids
+            ):
                 raise self.fail_before
-            for i, ch in enumerate(text[:job.sampling.max_tokens]):
+            for i, ch in enumerate(text[: job.sampling.max_tokens]):
                 if i == self.fail_after:
                     raise UnavailableError("relay went away")
                 await asyncio.sleep(self.delay_s)
                 k = job.sampling.logprobs
-                lps = () if k is None else (Logprob(-i / 8, ((ord(ch), -i / 8), (ord("?"), -5.0))[:k]),)
+                lps = (
+                    ()
+                    if k is None
+                    else (Logprob(-i / 8, ((ord(ch), -i / 8), (ord("?"), -5.0))[:k]),)
+                )
                 yield TokenEvent(i, (ord(ch),), 2, lps)
             n = min(len(text), job.sampling.max_tokens)
             end = "finished"
-            yield FinalEvent("length" if n == job.sampling.max_tokens else "stop",
-                             RequestStats(prompt_tokens=len(job.prompt_token_ids), completion_tokens=n))
+            yield FinalEvent(
+                "length" if n == job.sampling.max_tokens else "stop",
+                RequestStats(prompt_tokens=len(job.prompt_token_ids), completion_tokens=n),
+            )
         finally:
             self.ends.append(end)
 
@@ -81,7 +108,9 @@ async def serve():
 
 async def post(url, body, headers=None, raw=None):
     async with aiohttp.ClientSession() as s:
-        async with s.post(url, data=raw if raw is not None else json.dumps(body), headers=headers or {}) as r:
+        async with s.post(
+            url, data=raw if raw is not None else json.dumps(body), headers=headers or {}
+        ) as r:
             return r.status, r.headers, await r.text()
 
 
@@ -89,15 +118,18 @@ def events(text: str) -> list:
     out = []
     for block in text.strip().split("\n\n"):
         assert block.startswith("data: "), block
-        payload = block[len("data: "):]
+        payload = block[len("data: ") :]
         out.append(payload if payload == "[DONE]" else json.loads(payload))
     return out
 
 
 async def test_completion_whole_and_request_id_header(serve):
     url = await serve(ScriptedGateway())
-    status, headers, text = await post(f"{url}/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 5},
-                                       {"X-Request-Id": "my-req-1"})
+    status, headers, text = await post(
+        f"{url}/v1/completions",
+        {"model": "m", "prompt": "hi", "max_tokens": 5},
+        {"X-Request-Id": "my-req-1"},
+    )
     body = json.loads(text)
     assert status == 200 and headers["x-request-id"] == "my-req-1"
     assert body["id"] == "cmpl-my-req-1" and body["choices"][0]["text"] == "Hello"
@@ -108,8 +140,16 @@ async def test_completion_whole_and_request_id_header(serve):
 async def test_completion_stream_ends_with_usage_and_done(serve):
     gw = ScriptedGateway()
     url = await serve(gw)
-    status, headers, text = await post(f"{url}/v1/completions", {
-        "model": "m", "prompt": "hi", "max_tokens": 50, "stream": True, "stream_options": {"include_usage": True}})
+    status, headers, text = await post(
+        f"{url}/v1/completions",
+        {
+            "model": "m",
+            "prompt": "hi",
+            "max_tokens": 50,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
     assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
     evs = events(text)
     assert evs[-1] == "[DONE]"
@@ -122,25 +162,50 @@ async def test_completion_stream_ends_with_usage_and_done(serve):
 async def test_n_choices_whole(serve):
     gw = ScriptedGateway(texts={"r-0": "Red", "r-1": "Green!", "r-2": "Blue"}, delay_s=0.001)
     url = await serve(gw)
-    status, _, text = await post(f"{url}/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 5, "n": 3,
-                                                           "seed": 10}, {"X-Request-Id": "r"})
+    status, _, text = await post(
+        f"{url}/v1/completions",
+        {"model": "m", "prompt": "hi", "max_tokens": 5, "n": 3, "seed": 10},
+        {"X-Request-Id": "r"},
+    )
     body = json.loads(text)
     assert status == 200 and body["id"] == "cmpl-r"
-    assert [(c["index"], c["text"], c["finish_reason"]) for c in body["choices"]] == \
-        [(0, "Red", "stop"), (1, "Green", "length"), (2, "Blue", "stop")]
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in body["choices"]] == [
+        (0, "Red", "stop"),
+        (1, "Green", "length"),
+        (2, "Blue", "stop"),
+    ]
     assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 12, "total_tokens": 14}
-    assert sorted((j.request_id, j.sampling.seed) for j in gw.jobs) == [("r-0", 10), ("r-1", 11), ("r-2", 12)]
+    assert sorted((j.request_id, j.sampling.seed) for j in gw.jobs) == [
+        ("r-0", 10),
+        ("r-1", 11),
+        ("r-2", 12),
+    ]
     assert gw.ends == ["finished"] * 3
 
 
 async def test_n_choices_streamed_chat(serve):
     gw = ScriptedGateway(texts={"c-0": "abc", "c-1": "defgh"}, delay_s=0.002)
-    url = await serve(gw, replace(INFO, chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}"))
-    _, _, text = await post(f"{url}/v1/chat/completions", {
-        "model": "m", "messages": [{"role": "user", "content": "q"}], "max_tokens": 8, "n": 2, "stream": True,
-        "stream_options": {"include_usage": True}}, {"X-Request-Id": "c"})
+    url = await serve(
+        gw, replace(INFO, chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    )
+    _, _, text = await post(
+        f"{url}/v1/chat/completions",
+        {
+            "model": "m",
+            "messages": [{"role": "user", "content": "q"}],
+            "max_tokens": 8,
+            "n": 2,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+        {"X-Request-Id": "c"},
+    )
     evs = events(text)
-    assert evs[-1] == "[DONE]" and evs[-2]["choices"] == [] and evs[-2]["usage"]["completion_tokens"] == 8
+    assert (
+        evs[-1] == "[DONE]"
+        and evs[-2]["choices"] == []
+        and evs[-2]["usage"]["completion_tokens"] == 8
+    )
     chunks = [e["choices"][0] for e in evs[:-2]]
     assert [c["delta"] for c in chunks[:2]] == [{"role": "assistant", "content": ""}] * 2
     assert [c["index"] for c in chunks[:2]] == [0, 1]
@@ -153,10 +218,15 @@ async def test_n_choices_streamed_chat(serve):
 
 
 async def test_a_failing_choice_fails_the_request_and_cancels_the_others(serve):
-    gw = ScriptedGateway(fail_ids=("f-1",), fail_before=UnavailableError("no prefill"), delay_s=0.01)
+    gw = ScriptedGateway(
+        fail_ids=("f-1",), fail_before=UnavailableError("no prefill"), delay_s=0.01
+    )
     url = await serve(gw)
-    status, _, text = await post(f"{url}/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 50, "n": 3},
-                                 {"X-Request-Id": "f"})
+    status, _, text = await post(
+        f"{url}/v1/completions",
+        {"model": "m", "prompt": "hi", "max_tokens": 50, "n": 3},
+        {"X-Request-Id": "f"},
+    )
     assert status == 503 and "no prefill" in json.loads(text)["error"]["message"]
     for _ in range(500):
         if len(gw.ends) == 3:
@@ -167,24 +237,35 @@ async def test_a_failing_choice_fails_the_request_and_cancels_the_others(serve):
 
 async def test_logprobs_whole_and_streamed(serve):
     url = await serve(ScriptedGateway(text="Hey"))
-    _, _, text = await post(f"{url}/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 3, "logprobs": 1})
+    _, _, text = await post(
+        f"{url}/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 3, "logprobs": 1}
+    )
     lp = json.loads(text)["choices"][0]["logprobs"]
-    assert lp == {"tokens": ["H", "e", "y"], "token_logprobs": [0.0, -0.125, -0.25],
-                  "top_logprobs": [{"H": 0.0}, {"e": -0.125}, {"y": -0.25}], "text_offset": [0, 1, 2]}
-    _, _, text = await post(f"{url}/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 3, "logprobs": 2,
-                                                      "stream": True})
+    assert lp == {
+        "tokens": ["H", "e", "y"],
+        "token_logprobs": [0.0, -0.125, -0.25],
+        "top_logprobs": [{"H": 0.0}, {"e": -0.125}, {"y": -0.25}],
+        "text_offset": [0, 1, 2],
+    }
+    _, _, text = await post(
+        f"{url}/v1/completions",
+        {"model": "m", "prompt": "hi", "max_tokens": 3, "logprobs": 2, "stream": True},
+    )
     chunks = [e["choices"][0]["logprobs"] for e in events(text)[:-1] if e["choices"][0]["text"]]
     assert [c["text_offset"] for c in chunks] == [[0], [1], [2]]  # offsets run on over the chunks
     assert chunks[1]["top_logprobs"] == [{"e": -0.125, "?": -5.0}]
-    _, _, text = await post(f"{url}/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 3})
+    _, _, text = await post(
+        f"{url}/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 3}
+    )
     assert json.loads(text)["choices"][0]["logprobs"] is None
 
 
 async def test_stop_string_cuts_the_text_and_ends_the_request_early(serve):
     gw = ScriptedGateway()
     url = await serve(gw)
-    _, _, text = await post(f"{url}/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 50,
-                                                      "stop": [" wor"]})
+    _, _, text = await post(
+        f"{url}/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 50, "stop": [" wor"]}
+    )
     body = json.loads(text)
     assert body["choices"][0]["text"] == "Hello" and body["choices"][0]["finish_reason"] == "stop"
     assert body["usage"]["completion_tokens"] == 9  # tokens produced until " wor" was seen
@@ -246,15 +327,23 @@ async def test_unknown_route_and_method_are_json_errors(serve):
 
 async def test_failure_before_the_first_token_keeps_its_status_even_when_streaming(serve):
     url = await serve(ScriptedGateway(fail_before=UnavailableError("no main_decode registered")))
-    status, _, text = await post(f"{url}/v1/completions", {"model": "m", "prompt": "hi", "stream": True})
+    status, _, text = await post(
+        f"{url}/v1/completions", {"model": "m", "prompt": "hi", "stream": True}
+    )
     assert status == 503
-    assert json.loads(text)["error"] == {"message": "no main_decode registered", "type": "service_unavailable_error",
-                                         "param": None, "code": None}
+    assert json.loads(text)["error"] == {
+        "message": "no main_decode registered",
+        "type": "service_unavailable_error",
+        "param": None,
+        "code": None,
+    }
 
 
 async def test_failure_mid_stream_is_an_error_event_then_done(serve):
     url = await serve(ScriptedGateway(fail_after=3))
-    status, _, text = await post(f"{url}/v1/completions", {"model": "m", "prompt": "hi", "stream": True})
+    status, _, text = await post(
+        f"{url}/v1/completions", {"model": "m", "prompt": "hi", "stream": True}
+    )
     evs = events(text)
     assert status == 200
     assert "".join(e["choices"][0]["text"] for e in evs[:3]) == "Hel"
@@ -266,10 +355,14 @@ async def test_client_going_away_cancels_the_request(serve, n):
     gw = ScriptedGateway(text="x" * 50, delay_s=0.02)
     url = await serve(gw)
     async with aiohttp.ClientSession() as s:
-        async with s.post(f"{url}/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 50,
-                                                         "stream": True, "n": n}) as r:
+        async with s.post(
+            f"{url}/v1/completions",
+            json={"model": "m", "prompt": "hi", "max_tokens": 50, "stream": True, "n": n},
+        ) as r:
             await r.content.readline()
-    for _ in range(500):  # the server notices on its next write (every 20 ms); 10 s for a loaded machine
+    for _ in range(
+        500
+    ):  # the server notices on its next write (every 20 ms); 10 s for a loaded machine
         if len(gw.ends) == n:
             break
         await asyncio.sleep(0.02)

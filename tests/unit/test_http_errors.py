@@ -1,9 +1,7 @@
-import asyncio
-
 import grpc
 import pytest
 
-from pdd import errors
+from pdd.core import errors
 from pdd.http.errors import ApiError, http_error_for, is_expected
 
 
@@ -16,7 +14,7 @@ from pdd.http.errors import ApiError, http_error_for, is_expected
         (errors.UnavailableError("no main_decode registered"), 503, "service_unavailable_error"),
         (errors.FailedPreconditionError("token stream has a gap"), 500, "server_error"),
         (errors.DeadlineExceededError("handoff timed out"), 504, "timeout_error"),
-        (asyncio.TimeoutError(), 504, "timeout_error"),
+        (TimeoutError(), 504, "timeout_error"),
         (ValueError("bad"), 400, "invalid_request_error"),
     ],
 )
@@ -35,18 +33,33 @@ def test_invalid_argument_names_its_param():
 
 
 def test_api_errors_carry_their_own_terms():
-    status, body = http_error_for(ApiError(401, "Incorrect API key provided.", code="invalid_api_key"))
+    status, body = http_error_for(
+        ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
+    )
     assert status == 401
-    assert body == {"error": {"message": "Incorrect API key provided.", "type": "invalid_request_error",
-                              "param": None, "code": "invalid_api_key"}}
+    assert body == {
+        "error": {
+            "message": "Incorrect API key provided.",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "invalid_api_key",
+        }
+    }
 
 
-@pytest.mark.parametrize(("code", "status"), [(grpc.StatusCode.UNAVAILABLE, 503),
-                                              (grpc.StatusCode.INVALID_ARGUMENT, 400),
-                                              (grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
-                                              (grpc.StatusCode.INTERNAL, 500)])
+@pytest.mark.parametrize(
+    ("code", "status"),
+    [
+        (grpc.StatusCode.UNAVAILABLE, 503),
+        (grpc.StatusCode.INVALID_ARGUMENT, 400),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
+        (grpc.StatusCode.INTERNAL, 500),
+    ],
+)
 def test_a_stage_services_status_maps_by_code(code, status):
-    exc = grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details="relay-0 is gone")
+    exc = grpc.aio.AioRpcError(
+        code, grpc.aio.Metadata(), grpc.aio.Metadata(), details="relay-0 is gone"
+    )
     got, body = http_error_for(exc)
     assert got == status and "relay-0 is gone" in body["error"]["message"]
 

@@ -31,8 +31,12 @@ def folder(tmp_path_factory):
 
 
 def server_tls(folder, *, mutual: bool) -> TlsConfig:
-    return TlsConfig(cert=str(folder / "gateway.crt"), key=str(folder / "gateway.key"), ca=str(folder / "ca.crt"),
-                     require_client_cert=mutual)
+    return TlsConfig(
+        cert=str(folder / "gateway.crt"),
+        key=str(folder / "gateway.key"),
+        ca=str(folder / "ca.crt"),
+        require_client_cert=mutual,
+    )
 
 
 def client_context(folder, *, with_cert: bool) -> ssl.SSLContext:
@@ -44,7 +48,9 @@ def client_context(folder, *, with_cert: bool) -> ssl.SSLContext:
 
 def test_plaintext_without_a_certificate_and_a_clear_error_for_unreadable_files(tmp_path):
     assert TlsConfig().server_ssl_context() is None
-    assert TlsConfig(ca="/etc/ssl/certs/ca-certificates.crt").server_ssl_context() is None  # a client-only config
+    assert (
+        TlsConfig(ca="/etc/ssl/certs/ca-certificates.crt").server_ssl_context() is None
+    )  # a client-only config
     missing = TlsConfig(cert=str(tmp_path / "no.crt"), key=str(tmp_path / "no.key"))
     with pytest.raises(ValueError, match="no.crt"):
         missing.server_ssl_context()
@@ -52,26 +58,42 @@ def test_plaintext_without_a_certificate_and_a_clear_error_for_unreadable_files(
 
 async def _completion(url: str, ctx: ssl.SSLContext | bool) -> int:
     async with aiohttp.ClientSession() as s:
-        async with s.post(f"{url}/v1/completions", ssl=ctx,
-                          data=json.dumps({"model": "m", "prompt": "hi", "max_tokens": 3})) as r:
+        async with s.post(
+            f"{url}/v1/completions",
+            ssl=ctx,
+            data=json.dumps({"model": "m", "prompt": "hi", "max_tokens": 3}),
+        ) as r:
             await r.read()
             return r.status
 
 
 @pytest.mark.parametrize("mutual", [False, True], ids=["tls", "mutual-tls"])
 async def test_openai_api_is_https_only_with_a_certificate(folder, mutual):
-    server = OpenAIServer(ScriptedGateway(), INFO, decode, HttpConfig(port=0, tls=server_tls(folder, mutual=mutual)))
+    server = OpenAIServer(
+        ScriptedGateway(), INFO, decode, HttpConfig(port=0, tls=server_tls(folder, mutual=mutual))
+    )
     await server.start()
     try:
-        assert await _completion(f"https://127.0.0.1:{server.port}", client_context(folder, with_cert=True)) == 200
+        assert (
+            await _completion(
+                f"https://127.0.0.1:{server.port}", client_context(folder, with_cert=True)
+            )
+            == 200
+        )
         with pytest.raises(aiohttp.ClientError):  # a plaintext client gets no HTTP answer
             await _completion(f"http://127.0.0.1:{server.port}", False)
         if mutual:
             with pytest.raises(aiohttp.ClientError):  # no client certificate: the handshake fails
-                await _completion(f"https://127.0.0.1:{server.port}", client_context(folder, with_cert=False))
+                await _completion(
+                    f"https://127.0.0.1:{server.port}", client_context(folder, with_cert=False)
+                )
         else:
-            assert await _completion(f"https://127.0.0.1:{server.port}",
-                                     client_context(folder, with_cert=False)) == 200
+            assert (
+                await _completion(
+                    f"https://127.0.0.1:{server.port}", client_context(folder, with_cert=False)
+                )
+                == 200
+            )
     finally:
         await server.stop()
 
@@ -85,14 +107,18 @@ def _scrape(url: str, ctx: ssl.SSLContext | None = None) -> str:
 def test_metrics_are_https_only_with_a_certificate(folder, mutual):
     server, port = start_metrics_server("127.0.0.1", 0, server_tls(folder, mutual=mutual))
     try:
-        assert "pdd_" in _scrape(f"https://127.0.0.1:{port}", client_context(folder, with_cert=True))
+        assert "pdd_" in _scrape(
+            f"https://127.0.0.1:{port}", client_context(folder, with_cert=True)
+        )
         with pytest.raises((urllib.error.URLError, ConnectionError)):
             _scrape(f"http://127.0.0.1:{port}")
         if mutual:
             with pytest.raises((urllib.error.URLError, ConnectionError, ssl.SSLError)):
                 _scrape(f"https://127.0.0.1:{port}", client_context(folder, with_cert=False))
         else:
-            assert "pdd_" in _scrape(f"https://127.0.0.1:{port}", client_context(folder, with_cert=False))
+            assert "pdd_" in _scrape(
+                f"https://127.0.0.1:{port}", client_context(folder, with_cert=False)
+            )
     finally:
         server.shutdown()
 

@@ -29,11 +29,13 @@ async def test_large_buffers_and_chunked_regions_match_zlib(monkeypatch, acceler
     if accelerated and not checksum.ACCELERATED:
         pytest.skip("isal is not installed")
     monkeypatch.setattr(checksum, "ACCELERATED", accelerated)
-    monkeypatch.setattr(checksum, "_PARALLEL_MIN", 1 << 16)  # force the threaded split on the fallback
+    monkeypatch.setattr(
+        checksum, "_PARALLEL_MIN", 1 << 16
+    )  # force the threaded split on the fallback
     data = memoryview(os.urandom((3 << 20) + 12345))
     assert checksum.crc32(data) == zlib.crc32(data)
     assert await checksum.crc32_async(data) == zlib.crc32(data)
     chunked = checksum.ChunkedCrc()
     for i in range(0, data.nbytes, 1 << 20):
-        chunked.add(data[i:i + (1 << 20)])
+        chunked.add(data[i : i + (1 << 20)])
     assert await chunked.value() == zlib.crc32(data)

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdd.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
+from pdd.core.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
 from pdd.kv.chunking import ChunkVerdict, Reassembler, encode_chunk, split
 from pdd.kv.layout import KvDtype, KvLayout
 from pdd.kv.transfer import Compression, TransferHeader, chunk_span, make_header
@@ -19,8 +19,12 @@ from pdd.kv.transfer import Compression, TransferHeader, chunk_span, make_header
 LAYOUT = KvLayout(KvDtype.FLOAT32, num_layers=2, num_kv_heads=2, head_dim=8)  # 256 bytes per token
 
 
-def _header(num_tokens: int, chunk_bytes: int, compression: Compression = Compression.NONE) -> TransferHeader:
-    return make_header("r1", LAYOUT, 0, num_tokens, chunk_bytes=chunk_bytes, compression=compression)
+def _header(
+    num_tokens: int, chunk_bytes: int, compression: Compression = Compression.NONE
+) -> TransferHeader:
+    return make_header(
+        "r1", LAYOUT, 0, num_tokens, chunk_bytes=chunk_bytes, compression=compression
+    )
 
 
 @given(num_tokens=st.integers(0, 300), chunk_bytes=st.integers(1, 70_000))
@@ -57,7 +61,9 @@ def test_shuffled_chunks_with_duplicates_reassemble_to_the_payload(compression):
     random.Random(7).shuffle(order)
     r = Reassembler(h)
     verdicts = [r.accept(c) for c in order]
-    assert verdicts.count(ChunkVerdict.ACCEPTED) == 9 and verdicts.count(ChunkVerdict.DUPLICATE) == 4
+    assert (
+        verdicts.count(ChunkVerdict.ACCEPTED) == 9 and verdicts.count(ChunkVerdict.DUPLICATE) == 4
+    )
     assert r.complete and r.missing() == []
     assert bytes(r.take()) == payload
     with pytest.raises(FailedPreconditionError, match="already taken"):

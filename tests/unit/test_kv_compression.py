@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdd.errors import InvalidArgumentError
+from pdd.core.errors import InvalidArgumentError
 from pdd.kv.compression import cast_for_wire, decode_tensor, encode_tensor
 from pdd.kv.layout import KvDtype, KvLayout
 
@@ -26,8 +26,10 @@ def test_float32_round_trip_is_exact_and_zero_copy():
     assert decode_tensor(payload, LAYOUT, 5)[0, 0, 0, 0, 0] == 42.0
 
 
-@pytest.mark.parametrize(("wire", "rel_tol"), [(KvDtype.BFLOAT16, 2 ** -8), (KvDtype.FLOAT16, 2 ** -11),
-                                               (KvDtype.FLOAT8_E4M3, 2 ** -4)])
+@pytest.mark.parametrize(
+    ("wire", "rel_tol"),
+    [(KvDtype.BFLOAT16, 2**-8), (KvDtype.FLOAT16, 2**-11), (KvDtype.FLOAT8_E4M3, 2**-4)],
+)
 def test_cast_on_the_wire_halves_or_quarters_bytes_within_its_precision(wire, rel_tol):
     kv = _kv()
     payload = encode_tensor(kv, wire)

@@ -15,7 +15,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-from pdd.errors import DeadlineExceededError, FailedPreconditionError, ResourceExhaustedError, UnavailableError
+from pdd.core.errors import (
+    DeadlineExceededError,
+    FailedPreconditionError,
+    ResourceExhaustedError,
+    UnavailableError,
+)
 from pdd.kv.compression import decode_tensor
 from pdd.kv.fast_link.rdma import pyverbs_available, rdma_devices
 from pdd.kv.fast_link.receiver import FastLinkConfig, FastLinkReceiver
@@ -56,7 +61,9 @@ def clock():
 
 @pytest.fixture
 def relay(clock):
-    rx = FastLinkReceiver([ShmReceiverBackend(), TcpReceiverBackend()], FastLinkConfig(lease_s=5), clock=clock)
+    rx = FastLinkReceiver(
+        [ShmReceiverBackend(), TcpReceiverBackend()], FastLinkConfig(lease_s=5), clock=clock
+    )
     yield rx
     rx.cancel("r")  # free what a failing test left behind
 
@@ -66,9 +73,13 @@ async def test_shm_round_trip_hands_the_relay_a_zero_copy_view(relay):
     reservation = await relay.prepare(_prepare_request())
     assert reservation.transport is Transport.SHM and segment_exists(reservation.shm_name)
     waiter = asyncio.create_task(relay.wait_complete("r", 5))
-    report = await FastLinkSender([ShmSenderBackend()]).send(reservation, _header(), BytesSource(payload),
-                                                             relay.complete, [11])
-    assert report.state is TransferState.COMPLETED and relay.state(reservation.transfer_id) is TransferState.COMPLETED
+    report = await FastLinkSender([ShmSenderBackend()]).send(
+        reservation, _header(), BytesSource(payload), relay.complete, [11]
+    )
+    assert (
+        report.state is TransferState.COMPLETED
+        and relay.state(reservation.transfer_id) is TransferState.COMPLETED
+    )
     got = await waiter
     assert bytes(got.view) == payload and got.output_token_ids == (11,)
     kv = decode_tensor(got.view, LAYOUT, TOKENS)  # [L, 2, T, H, D] over the segment itself
@@ -89,12 +100,15 @@ def _child_write(name: str, nbytes: int, payload: bytes) -> None:
 async def test_a_writer_in_another_process_fills_the_segment(relay):
     payload = os.urandom(LAYOUT.nbytes(TOKENS))
     reservation = await relay.prepare(_prepare_request())
-    child = multiprocessing.get_context("fork").Process(target=_child_write,
-                                                         args=(reservation.shm_name, len(payload), payload))
+    child = multiprocessing.get_context("fork").Process(
+        target=_child_write, args=(reservation.shm_name, len(payload), payload)
+    )
     child.start()
     await asyncio.to_thread(child.join, 30)
     assert child.exitcode == 0
-    state = await relay.complete(Completion(reservation.transfer_id, _header(), zlib.crc32(payload)))
+    state = await relay.complete(
+        Completion(reservation.transfer_id, _header(), zlib.crc32(payload))
+    )
     assert state is TransferState.COMPLETED
     assert bytes((await relay.wait_complete("r", 1)).view) == payload
 
@@ -109,7 +123,9 @@ async def test_producer_still_computing_streams_into_the_segment(relay):
             yield bytes([i]) * layer_bytes
 
     source = StreamedSource(LAYOUT.nbytes(TOKENS), layers())
-    report = await FastLinkSender([ShmSenderBackend()]).send(reservation, _header(), source, relay.complete)
+    report = await FastLinkSender([ShmSenderBackend()]).send(
+        reservation, _header(), source, relay.complete
+    )
     assert report.state is TransferState.COMPLETED
     view = (await relay.wait_complete("r", 1)).view
     assert [view[i * layer_bytes] for i in range(4)] == [0, 1, 2, 3]
@@ -125,8 +141,9 @@ async def test_lease_expiry_frees_the_segment_and_refuses_completion(relay, cloc
     assert relay.state(reservation.transfer_id) is TransferState.EXPIRED
     assert not segment_exists(reservation.shm_name) and relay.reserved_bytes == 0
     with pytest.raises(UnavailableError, match="not found"):
-        await FastLinkSender([ShmSenderBackend()]).send(reservation, _header(),
-                                                        BytesSource(bytes(reservation.total_bytes)), relay.complete)
+        await FastLinkSender([ShmSenderBackend()]).send(
+            reservation, _header(), BytesSource(bytes(reservation.total_bytes)), relay.complete
+        )
     with pytest.raises(FailedPreconditionError, match="lease expired"):
         await relay.complete(Completion(reservation.transfer_id, _header(), 0))
 
@@ -136,13 +153,16 @@ async def test_bytes_damaged_in_the_region_fail_the_crc_check(relay):
     reservation = await relay.prepare(_prepare_request())
 
     async def damage_then_complete(completion):
-        other = ShmWriter(reservation.shm_name, reservation.total_bytes)  # a second mapping of the segment
+        other = ShmWriter(
+            reservation.shm_name, reservation.total_bytes
+        )  # a second mapping of the segment
         other.view[12345] ^= 0x10  # a bit flips after the sender wrote it
         other.close()
         return await relay.complete(completion) is TransferState.COMPLETED
 
-    report = await FastLinkSender([ShmSenderBackend()]).send(reservation, _header(), BytesSource(payload),
-                                                             damage_then_complete)
+    report = await FastLinkSender([ShmSenderBackend()]).send(
+        reservation, _header(), BytesSource(payload), damage_then_complete
+    )
     assert report.state is TransferState.FAILED
     assert relay.state(reservation.transfer_id) is TransferState.FAILED
     assert not segment_exists(reservation.shm_name)
@@ -157,7 +177,9 @@ async def test_a_wrong_crc_from_the_sender_fails_the_transfer(relay):
     async def lie(c):
         return await relay.complete(replace(c, crc32=c.crc32 ^ 1))
 
-    report = await FastLinkSender([ShmSenderBackend()]).send(reservation, _header(), BytesSource(payload), lie)
+    report = await FastLinkSender([ShmSenderBackend()]).send(
+        reservation, _header(), BytesSource(payload), lie
+    )
     assert report.state is TransferState.FAILED and relay.reserved_bytes == 0
 
 
@@ -175,9 +197,11 @@ async def test_negotiation_and_limits(relay):
 
 def test_state_machine_refuses_illegal_transitions():
     assert advance(TransferState.REGISTERED, TransferState.WRITTEN, "t") is TransferState.WRITTEN
-    for current, new in [(TransferState.COMPLETED, TransferState.FAILED),
-                         (TransferState.WRITTEN, TransferState.EXPIRED),
-                         (TransferState.PENDING, TransferState.COMPLETED)]:
+    for current, new in [
+        (TransferState.COMPLETED, TransferState.FAILED),
+        (TransferState.WRITTEN, TransferState.EXPIRED),
+        (TransferState.PENDING, TransferState.COMPLETED),
+    ]:
         with pytest.raises(FailedPreconditionError, match="cannot go from"):
             advance(current, new, "t")
 
@@ -191,7 +215,10 @@ def test_selection_falls_back_when_pyverbs_finds_no_device():
     assert select_transport("auto", same_host=True, probe=none) is Transport.SHM
     assert select_transport("auto", same_host=False, probe=none) is Transport.TCP
     assert select_transport("rdma,tcp", same_host=True, probe=none) is Transport.TCP
-    assert select_transport("auto", same_host=True, probe=HostProbe(("mlx5_0",), True)) is Transport.RDMA
+    assert (
+        select_transport("auto", same_host=True, probe=HostProbe(("mlx5_0",), True))
+        is Transport.RDMA
+    )
     with pytest.raises(UnavailableError, match="not usable here"):
         select_transport("rdma", probe=none)
     with pytest.raises(UnavailableError):
@@ -216,8 +243,12 @@ async def test_rdma_round_trip_on_a_real_device():  # pragma: no cover - needs a
     relay = FastLinkReceiver([rx_backend])
     payload = os.urandom(LAYOUT.nbytes(TOKENS))
     reservation = await relay.prepare(_prepare_request(transports=(Transport.RDMA,)))
-    report = await FastLinkSender([tx_backend]).send(reservation, _header(), BytesSource(payload), relay.complete)
+    report = await FastLinkSender([tx_backend]).send(
+        reservation, _header(), BytesSource(payload), relay.complete
+    )
     assert report.state is TransferState.COMPLETED
     assert bytes((await relay.wait_complete("r", 5)).view) == payload
-    assert torch.equal(decode_tensor(bytearray(payload), LAYOUT, TOKENS),
-                       decode_tensor(bytearray((await relay.wait_complete("r", 5)).view), LAYOUT, TOKENS))
+    assert torch.equal(
+        decode_tensor(bytearray(payload), LAYOUT, TOKENS),
+        decode_tensor(bytearray((await relay.wait_complete("r", 5)).view), LAYOUT, TOKENS),
+    )

@@ -11,14 +11,16 @@ import asyncio
 import grpc
 import pytest
 
-from pdd.errors import FailedPreconditionError, UnavailableError
+from pdd.core.errors import FailedPreconditionError, UnavailableError
 from pdd.gen.main_decode.v1 import main_decode_service_pb2 as mdpb
 from pdd.kv.layout import KvDtype, KvLayout
 from pdd.kv.source import BytesSource, StreamedSource
 from pdd.kv.transfer import make_header
 from pdd.kv.wan import KvPusher, PusherConfig, StreamPool
 
-LAYOUT = KvLayout(KvDtype.FLOAT16, num_layers=1, num_kv_heads=1, head_dim=256, axes="layer,token,head,dim")
+LAYOUT = KvLayout(
+    KvDtype.FLOAT16, num_layers=1, num_kv_heads=1, head_dim=256, axes="layer,token,head,dim"
+)
 CHUNK = 4 * LAYOUT.bytes_per_token  # 2 KiB: 4 tokens per chunk
 
 
@@ -54,7 +56,9 @@ async def test_producer_is_pulled_at_most_a_bounded_number_of_chunks_ahead(buffe
             leads.append(source.produced // CHUNK - sent)
         return _complete("r", sent)
 
-    await KvPusher(slow_wire, _never_asked, config=PusherConfig(max_buffered_chunks=buffered)).push(header, source)
+    await KvPusher(slow_wire, _never_asked, config=PusherConfig(max_buffered_chunks=buffered)).push(
+        header, source
+    )
     # Queue of `buffered`, plus the one the encoder holds while waiting to enqueue it.
     assert max(leads) == buffered + 1
 
@@ -101,7 +105,9 @@ async def test_a_failing_producer_fails_the_push_without_retrying():
         return _complete("r", 0)
 
     with pytest.raises(FailedPreconditionError, match="producer stopped"):
-        await KvPusher(wire, _never_asked).push(header, StreamedSource(header.total_bytes, producer()))
+        await KvPusher(wire, _never_asked).push(
+            header, StreamedSource(header.total_bytes, producer())
+        )
     assert streams == [1]
 
 
@@ -112,18 +118,25 @@ async def test_retry_budget_is_bounded_and_resumes_ask_what_is_missing():
     async def broken_wire(requests):
         async for msg in requests:
             if msg.HasField("chunk"):
-                raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                           "connection reset")
+                raise grpc.aio.AioRpcError(
+                    grpc.StatusCode.UNAVAILABLE,
+                    grpc.aio.Metadata(),
+                    grpc.aio.Metadata(),
+                    "connection reset",
+                )
         raise AssertionError("unreachable")
 
     async def get_transfer(rid):
         asked.append(rid)
-        return mdpb.GetKvTransferResponse(known=True, num_chunks=header.num_chunks,
-                                          missing_chunk_indices=range(header.num_chunks))
+        return mdpb.GetKvTransferResponse(
+            known=True, num_chunks=header.num_chunks, missing_chunk_indices=range(header.num_chunks)
+        )
 
     config = PusherConfig(max_retries=2, backoff_s=0.0, backoff_max_s=0.0)
     with pytest.raises(UnavailableError, match="after 3 streams"):
-        await KvPusher(broken_wire, get_transfer, config=config).push(header, BytesSource(bytes(header.total_bytes)))
+        await KvPusher(broken_wire, get_transfer, config=config).push(
+            header, BytesSource(bytes(header.total_bytes))
+        )
     assert asked == ["r", "r"]
 
 

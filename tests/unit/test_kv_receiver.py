@@ -7,8 +7,12 @@ import os
 
 import pytest
 
-from pdd.errors import (DeadlineExceededError, FailedPreconditionError, InvalidArgumentError,
-                        ResourceExhaustedError)
+from pdd.core.errors import (
+    DeadlineExceededError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    ResourceExhaustedError,
+)
 from pdd.kv.chunking import ChunkVerdict, split
 from pdd.kv.layout import KvDtype, KvLayout
 from pdd.kv.receiver import KvReceiver, ReceiverConfig

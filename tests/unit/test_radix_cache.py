@@ -7,9 +7,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from pdd.block_hash import ROOT_HASH, block_hash, chain_hashes
+from pdd.core.block_hash import ROOT_HASH, block_hash, chain_hashes
+from pdd.core.cache_event import CacheEvent
 from pdd.engine.block_pool import BlockPool, PoolExhaustedError
-from pdd.engine.radix_cache import CacheEvent, RadixCache
+from pdd.engine.radix_cache import RadixCache
 
 BS = 4
 
@@ -118,8 +119,10 @@ def test_eviction_is_lru_and_parents_go_after_children(cache, events):
     events.clear()
     assert cache.evict(100) == 5
     order = [e.block_hashes for e in events]
-    assert order[:2] == [(chain_hashes([5] * 4 + [6] * 4, BS)[1],),
-                         (chain_hashes([5] * 4 + [7] * 4, BS)[1],)]
+    assert order[:2] == [
+        (chain_hashes([5] * 4 + [6] * 4, BS)[1],),
+        (chain_hashes([5] * 4 + [7] * 4, BS)[1],),
+    ]
     assert order[2:] == [tuple(chain_hashes([5] * 4, BS)), tuple(chain_hashes(a, BS))]
     assert cache.cached_blocks == 0 and cache.pool.num_free == 64
     cache.check_integrity()
@@ -168,8 +171,9 @@ def test_stored_events_carry_chained_hashes_and_tokens(cache, events):
     longer = base + list(range(20, 28))
     put(cache, longer, salt="t")
     full = chain_hashes(longer, BS, "t")
-    assert events[0] == CacheEvent("stored", tuple(chain_hashes(base, BS, "t")), ROOT_HASH, "t",
-                                   BS, tuple(base))
+    assert events[0] == CacheEvent(
+        "stored", tuple(chain_hashes(base, BS, "t")), ROOT_HASH, "t", BS, tuple(base)
+    )
     assert events[1] == CacheEvent("stored", tuple(full[2:]), full[1], "t", BS, tuple(longer[8:]))
     assert cache.all_block_hashes() == full
 
@@ -316,7 +320,9 @@ class CacheMachine(RuleBasedStateMachine):
 
 
 CacheMachine.TestCase.settings = settings(
-    max_examples=150, stateful_step_count=40, deadline=None,
+    max_examples=150,
+    stateful_step_count=40,
+    deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestCacheMachine = CacheMachine.TestCase

@@ -80,7 +80,9 @@ def _stream(p: StreamPacer, clock: Clock, computed: list[float]) -> list[float]:
     """When each token leaves if the relay holds each one as the pacer says (fake clock)."""
     left = []
     for c in computed:
-        clock.now = max(c, left[-1] if left else c)  # NOTE: one token at a time, as the relay streams
+        clock.now = max(
+            c, left[-1] if left else c
+        )  # NOTE: one token at a time, as the relay streams
         clock.now += p.delay(c)
         p.sent(c)
         left.append(clock.now)
@@ -150,8 +152,14 @@ def test_switch_times_prior_then_longest_recent_per_key():
     assert times.lead_s("md-a") == pytest.approx(0.0075)
 
 
-@pytest.mark.parametrize("kwargs, match", [(dict(prior_s=-0.1), "prior_s"), (dict(prior_s=0.0, window=0), "window"),
-                                           (dict(prior_s=0.0, margin=0.5), "margin")])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(prior_s=-0.1), "prior_s"),
+        (dict(prior_s=0.0, window=0), "window"),
+        (dict(prior_s=0.0, margin=0.5), "margin"),
+    ],
+)
 def test_switch_times_rejects_bad_settings(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SwitchTimes(**kwargs)

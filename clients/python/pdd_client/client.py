@@ -43,8 +43,14 @@ class TlsOptions:
         return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
 
 
-def generate_request(prompt: str | Sequence[int], *, max_tokens: int = 64, temperature: float = 0.0,
-                     seed: int | None = None, **fields) -> pb.GenerateRequest:
+def generate_request(
+    prompt: str | Sequence[int],
+    *,
+    max_tokens: int = 64,
+    temperature: float = 0.0,
+    seed: int | None = None,
+    **fields,
+) -> pb.GenerateRequest:
     """A ``GenerateRequest``: ``prompt`` is text or token ids; extra fields go in as they are."""
     request = pb.GenerateRequest(max_tokens=max_tokens, temperature=temperature, **fields)
     if isinstance(prompt, str):
@@ -66,8 +72,9 @@ class Client:
             self._channel = grpc.secure_channel(address, tls.credentials(), options=tls.options())
         self._stub = pb_grpc.GatewayServiceStub(self._channel)
 
-    def generate(self, prompt: str | Sequence[int], *, timeout: float | None = None,
-                 **fields) -> Iterator[pb.GenerateResponse]:
+    def generate(
+        self, prompt: str | Sequence[int], *, timeout: float | None = None, **fields
+    ) -> Iterator[pb.GenerateResponse]:
         yield from self._stub.Generate(generate_request(prompt, **fields), timeout=timeout)
 
     def model_info(self, *, timeout: float | None = 10.0) -> pb.GetModelInfoResponse:
@@ -90,11 +97,14 @@ class AsyncClient:
         if tls is None:
             self._channel = grpc.aio.insecure_channel(address)
         else:
-            self._channel = grpc.aio.secure_channel(address, tls.credentials(), options=tls.options())
+            self._channel = grpc.aio.secure_channel(
+                address, tls.credentials(), options=tls.options()
+            )
         self._stub = pb_grpc.GatewayServiceStub(self._channel)
 
-    async def generate(self, prompt: str | Sequence[int], *, timeout: float | None = None,
-                       **fields) -> AsyncIterator[pb.GenerateResponse]:
+    async def generate(
+        self, prompt: str | Sequence[int], *, timeout: float | None = None, **fields
+    ) -> AsyncIterator[pb.GenerateResponse]:
         async for resp in self._stub.Generate(generate_request(prompt, **fields), timeout=timeout):
             yield resp
 

@@ -9,5 +9,5 @@
 - ``select``    — probe the host and choose a transport at start-up.
 
 Modules are imported directly (``from pdd.kv.fast_link.receiver import ...``);
-this package imports nothing, so ``pdd.kv.convert`` can use its records.
+this package imports nothing, so ``pdd.kv.messages`` can use its records.
 """

@@ -25,7 +25,7 @@ import ctypes
 import mmap
 import random
 
-from pdd.errors import UnavailableError
+from pdd.core.errors import UnavailableError
 from pdd.kv.fast_link.region import RdmaEndpointInfo, Reservation
 from pdd.kv.fast_link.state import Transport
 from pdd.kv.transfer import TransferHeader
@@ -79,8 +79,14 @@ class _Verbs:  # pragma: no cover - needs an RDMA device
         self.gid = self.ctx.query_gid(_PORT, _GID_INDEX)
 
     def endpoint(self, remote_addr: int = 0, rkey: int = 0) -> RdmaEndpointInfo:
-        return RdmaEndpointInfo(remote_addr, rkey, self.qp.qp_num, self.lid, bytes.fromhex(
-            self.gid.gid.replace(":", "")), self.psn)
+        return RdmaEndpointInfo(
+            remote_addr,
+            rkey,
+            self.qp.qp_num,
+            self.lid,
+            bytes.fromhex(self.gid.gid.replace(":", "")),
+            self.psn,
+        )
 
     def connect(self, peer: RdmaEndpointInfo) -> None:
         """INIT → RTR (towards ``peer``) → RTS."""
@@ -99,8 +105,9 @@ class _Verbs:  # pragma: no cover - needs an RDMA device
 
 def _gid_from_bytes(raw: bytes):  # pragma: no cover - needs pyverbs
     from pyverbs.addr import GID
+
     text = raw.hex()
-    return GID(":".join(text[i:i + 4] for i in range(0, 32, 4)))
+    return GID(":".join(text[i : i + 4] for i in range(0, 32, 4)))
 
 
 class RdmaRegion:  # pragma: no cover - needs an RDMA device
@@ -109,14 +116,18 @@ class RdmaRegion:  # pragma: no cover - needs an RDMA device
     def __init__(self, verbs: _Verbs, nbytes: int) -> None:
         self._buffer = mmap.mmap(-1, max(nbytes, 1))
         address = ctypes.addressof(ctypes.c_char.from_buffer(self._buffer))
-        self._mr = MR(verbs.pd, max(nbytes, 1), _e.IBV_ACCESS_LOCAL_WRITE | _e.IBV_ACCESS_REMOTE_WRITE,
-                      address=address)
+        self._mr = MR(
+            verbs.pd,
+            max(nbytes, 1),
+            _e.IBV_ACCESS_LOCAL_WRITE | _e.IBV_ACCESS_REMOTE_WRITE,
+            address=address,
+        )
         self._nbytes = nbytes
         self.rdma = verbs.endpoint(address, self._mr.rkey)
 
     @property
     def view(self) -> memoryview:
-        return memoryview(self._buffer)[:self._nbytes]
+        return memoryview(self._buffer)[: self._nbytes]
 
     def close(self) -> None:
         if self._mr is not None:
@@ -152,9 +163,12 @@ class RdmaWriter:  # pragma: no cover - needs an RDMA device
 
     async def write(self, index: int, offset: int, data: memoryview) -> None:
         self._staging.write(bytes(data), data.nbytes, offset)
-        wr = SendWR(opcode=_e.IBV_WR_RDMA_WRITE, num_sge=1,
-                    sg=[SGE(self._staging.buf + offset, data.nbytes, self._staging.lkey)],
-                    send_flags=_e.IBV_SEND_SIGNALED)
+        wr = SendWR(
+            opcode=_e.IBV_WR_RDMA_WRITE,
+            num_sge=1,
+            sg=[SGE(self._staging.buf + offset, data.nbytes, self._staging.lkey)],
+            send_flags=_e.IBV_SEND_SIGNALED,
+        )
         wr.set_wr_rdma(self._remote.rkey, self._remote.remote_addr + offset)
         while self._posted >= _MAX_WR:
             await self._reap()

@@ -34,8 +34,13 @@ from dataclasses import dataclass
 
 import structlog
 
-from pdd.errors import (FailedPreconditionError, InvalidArgumentError, NotFoundError,
-                        ResourceExhaustedError, UnavailableError)
+from pdd.core.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    ResourceExhaustedError,
+    UnavailableError,
+)
 from pdd.kv.checksum import crc32_async
 from pdd.kv.chunking import Reassembler
 from pdd.kv.fast_link.region import Completion, PrepareRequest, ReceiverBackend, Region, Reservation
@@ -73,7 +78,9 @@ class ReceivedRegion:
 
 
 class _Entry:
-    def __init__(self, transfer_id: str, request: PrepareRequest, transport: Transport, deadline: float) -> None:
+    def __init__(
+        self, transfer_id: str, request: PrepareRequest, transport: Transport, deadline: float
+    ) -> None:
         self.transfer_id = transfer_id
         self.request = request
         self.transport = transport
@@ -85,8 +92,13 @@ class _Entry:
 
 
 class FastLinkReceiver:
-    def __init__(self, backends: Sequence[ReceiverBackend], config: FastLinkConfig = FastLinkConfig(), *,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        backends: Sequence[ReceiverBackend],
+        config: FastLinkConfig = FastLinkConfig(),
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if not backends:
             raise ValueError("backends: at least one transport is needed")
         self._backends = {b.transport: b for b in backends}
@@ -110,53 +122,95 @@ class FastLinkReceiver:
         return ended if ended is not None else self._entry(transfer_id).state
 
     async def prepare(self, request: PrepareRequest) -> Reservation:
-        transport = next((t for t in request.transports or self.transports if t in self._backends), None)
+        transport = next(
+            (t for t in request.transports or self.transports if t in self._backends), None
+        )
         if transport is None:
-            offered, have = [t.value for t in request.transports], [t.value for t in self.transports]
-            raise UnavailableError(f"no common fast-link transport: sender offers {offered}, relay has {have}")
+            offered, have = (
+                [t.value for t in request.transports],
+                [t.value for t in self.transports],
+            )
+            raise UnavailableError(
+                f"no common fast-link transport: sender offers {offered}, relay has {have}"
+            )
         if request.total_bytes > self.config.max_region_bytes:
-            raise ResourceExhaustedError(f"fast-link region of {request.total_bytes} bytes exceeds the limit of "
-                                         f"{self.config.max_region_bytes}")
+            raise ResourceExhaustedError(
+                f"fast-link region of {request.total_bytes} bytes exceeds the limit of "
+                f"{self.config.max_region_bytes}"
+            )
         self.expire()
         if self.reserved_bytes + request.total_bytes > self.config.max_reserved_bytes:
-            raise ResourceExhaustedError(f"fast link holds {self.reserved_bytes} bytes; limit "
-                                         f"{self.config.max_reserved_bytes}")
+            raise ResourceExhaustedError(
+                f"fast link holds {self.reserved_bytes} bytes; limit "
+                f"{self.config.max_reserved_bytes}"
+            )
         entry = _Entry(uuid.uuid4().hex, request, transport, self._clock() + self.config.lease_s)
         self._entries[entry.transfer_id] = entry
         try:
-            entry.region = await asyncio.to_thread(self._backends[transport].allocate, entry.transfer_id,
-                                                   request.total_bytes)
+            entry.region = await asyncio.to_thread(
+                self._backends[transport].allocate, entry.transfer_id, request.total_bytes
+            )
         except OSError as e:
             self._finish(entry, TransferState.FAILED)
-            raise ResourceExhaustedError(f"cannot allocate a {transport.value} region of "
-                                         f"{request.total_bytes} bytes: {e}") from e
-        if self._entries.get(entry.transfer_id) is not entry or entry.state is not TransferState.PENDING:
+            raise ResourceExhaustedError(
+                f"cannot allocate a {transport.value} region of {request.total_bytes} bytes: {e}"
+            ) from e
+        if (
+            self._entries.get(entry.transfer_id) is not entry
+            or entry.state is not TransferState.PENDING
+        ):
             entry.region.close()  # cancelled or expired while allocating
-            raise FailedPreconditionError(f"fast-link transfer of {request.request_id} ended while allocating")
+            raise FailedPreconditionError(
+                f"fast-link transfer of {request.request_id} ended while allocating"
+            )
         entry.state = advance(entry.state, TransferState.REGISTERED, entry.transfer_id)
-        log.info("fast_link_prepared", request_id=request.request_id, transfer_id=entry.transfer_id,
-                 transport=transport.value, bytes=request.total_bytes)
-        return Reservation(entry.transfer_id, request.request_id, transport, request.total_bytes,
-                           int(self.config.lease_s * 1000), entry.region.shm_name, entry.region.rdma)
+        log.info(
+            "fast_link_prepared",
+            request_id=request.request_id,
+            transfer_id=entry.transfer_id,
+            transport=transport.value,
+            bytes=request.total_bytes,
+        )
+        return Reservation(
+            entry.transfer_id,
+            request.request_id,
+            transport,
+            request.total_bytes,
+            int(self.config.lease_s * 1000),
+            entry.region.shm_name,
+            entry.region.rdma,
+        )
 
-    async def receive_chunks(self, items: AsyncIterable[tuple[str, TransferHeader | Chunk]]) -> tuple[int, int]:
+    async def receive_chunks(
+        self, items: AsyncIterable[tuple[str, TransferHeader | Chunk]]
+    ) -> tuple[int, int]:
         """A TCP ``PushKv`` stream into its region; returns (bytes, chunks) landed so far."""
         entry: _Entry | None = None
         async for transfer_id, item in items:
             if entry is None:
                 entry = self._entry(transfer_id)
                 if entry.transport is not Transport.TCP or not isinstance(item, TransferHeader):
-                    raise InvalidArgumentError("header", "a TCP fast-link push starts with the header of a "
-                                                         "transfer prepared for TCP")
+                    raise InvalidArgumentError(
+                        "header",
+                        "a TCP fast-link push starts with the header of a "
+                        "transfer prepared for TCP",
+                    )
                 self._check_header(entry, item)
                 if entry.reassembler is None:
                     entry.state = advance(entry.state, TransferState.WRITING, transfer_id)
-                    entry.reassembler = Reassembler(item, max_total_bytes=self.config.max_region_bytes,
-                                                    buffer=entry.region.view if entry.region else None)
+                    entry.reassembler = Reassembler(
+                        item,
+                        max_total_bytes=self.config.max_region_bytes,
+                        buffer=entry.region.view if entry.region else None,
+                    )
             elif transfer_id != entry.transfer_id or not isinstance(item, Chunk):
-                raise InvalidArgumentError("chunk", "a push carries one header, then chunks of its transfer")
+                raise InvalidArgumentError(
+                    "chunk", "a push carries one header, then chunks of its transfer"
+                )
             elif entry.state is not TransferState.WRITING:
-                raise FailedPreconditionError(f"fast-link transfer {transfer_id} is {entry.state.value}")
+                raise FailedPreconditionError(
+                    f"fast-link transfer {transfer_id} is {entry.state.value}"
+                )
             else:
                 entry.reassembler.accept(item)
         if entry is None or entry.reassembler is None:
@@ -167,7 +221,9 @@ class FastLinkReceiver:
         """Check the region's CRC; COMPLETED (start decoding) or FAILED."""
         ended = self._ended.get(completion.transfer_id)
         if ended is TransferState.EXPIRED:
-            raise FailedPreconditionError(f"fast-link transfer {completion.transfer_id}: lease expired")
+            raise FailedPreconditionError(
+                f"fast-link transfer {completion.transfer_id}: lease expired"
+            )
         if ended is not None:
             return ended
         entry = self._entry(completion.transfer_id)
@@ -176,21 +232,38 @@ class FastLinkReceiver:
         self._check_header(entry, completion.header)
         entry.state = advance(entry.state, TransferState.WRITTEN, entry.transfer_id)
         if entry.reassembler is not None and not entry.reassembler.complete:
-            log.warning("fast_link_chunks_missing", transfer_id=entry.transfer_id,
-                        missing=len(entry.reassembler.missing()))
+            log.warning(
+                "fast_link_chunks_missing",
+                transfer_id=entry.transfer_id,
+                missing=len(entry.reassembler.missing()),
+            )
             return self._finish(entry, TransferState.FAILED)
         if entry.region is None:
             raise FailedPreconditionError(f"fast-link transfer {entry.transfer_id} has no region")
         crc = await crc32_async(entry.region.view)
         if crc != completion.crc32:
-            log.warning("fast_link_crc_mismatch", transfer_id=entry.transfer_id, expected=completion.crc32, got=crc)
+            log.warning(
+                "fast_link_crc_mismatch",
+                transfer_id=entry.transfer_id,
+                expected=completion.crc32,
+                got=crc,
+            )
             return self._finish(entry, TransferState.FAILED)
-        entry.result = ReceivedRegion(entry.transfer_id, entry.transport, completion.header,
-                                      completion.output_token_ids, entry.region.view)
+        entry.result = ReceivedRegion(
+            entry.transfer_id,
+            entry.transport,
+            completion.header,
+            completion.output_token_ids,
+            entry.region.view,
+        )
         entry.state = advance(entry.state, TransferState.COMPLETED, entry.transfer_id)
         self._waiters.resolve(entry.request.request_id, entry.result)
-        log.info("fast_link_completed", request_id=entry.request.request_id, transfer_id=entry.transfer_id,
-                 transport=entry.transport.value)
+        log.info(
+            "fast_link_completed",
+            request_id=entry.request.request_id,
+            transfer_id=entry.transfer_id,
+            transport=entry.transport.value,
+        )
         return entry.state
 
     async def wait_complete(self, request_id: str, timeout_s: float) -> ReceivedRegion:
@@ -210,18 +283,27 @@ class FastLinkReceiver:
         ids = [e.transfer_id for e in self._entries.values() if e.request.request_id == request_id]
         for tid in ids:
             self.release(tid)
-        self._waiters.fail(request_id, FailedPreconditionError(f"fast-link transfer of {request_id} was cancelled"))
+        self._waiters.fail(
+            request_id, FailedPreconditionError(f"fast-link transfer of {request_id} was cancelled")
+        )
         return len(ids)
 
     def expire(self) -> list[str]:
         """Expire transfers whose lease ran out before completion; returns their transfer ids."""
         now = self._clock()
-        stale = [e for e in self._entries.values()
-                 if e.state in (TransferState.PENDING, TransferState.REGISTERED, TransferState.WRITING)
-                 and now >= e.deadline]
+        stale = [
+            e
+            for e in self._entries.values()
+            if e.state in (TransferState.PENDING, TransferState.REGISTERED, TransferState.WRITING)
+            and now >= e.deadline
+        ]
         for entry in stale:
-            log.warning("fast_link_lease_expired", transfer_id=entry.transfer_id,
-                        request_id=entry.request.request_id, state=entry.state.value)
+            log.warning(
+                "fast_link_lease_expired",
+                transfer_id=entry.transfer_id,
+                request_id=entry.request.request_id,
+                state=entry.state.value,
+            )
             self._finish(entry, TransferState.EXPIRED)
         return [e.transfer_id for e in stale]
 
@@ -241,8 +323,10 @@ class FastLinkReceiver:
     def _check_header(entry: _Entry, header: TransferHeader) -> None:
         req = entry.request
         if header.request_id != req.request_id or header.total_bytes != req.total_bytes:
-            raise InvalidArgumentError("header", f"does not match the prepared transfer ({req.request_id}, "
-                                                 f"{req.total_bytes} bytes)")
+            raise InvalidArgumentError(
+                "header",
+                f"does not match the prepared transfer ({req.request_id}, {req.total_bytes} bytes)",
+            )
 
     def _finish(self, entry: _Entry, state: TransferState) -> TransferState:
         """End a transfer unsuccessfully and free its region.

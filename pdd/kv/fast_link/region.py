@@ -52,8 +52,10 @@ class PrepareRequest:
         if not self.request_id:
             raise ValueError("request_id: must not be empty")
         if self.total_bytes != self.layout.nbytes(self.num_tokens):
-            raise ValueError(f"total_bytes: {self.total_bytes} != {self.num_tokens} tokens x "
-                             f"{self.layout.bytes_per_token} bytes per token")
+            raise ValueError(
+                f"total_bytes: {self.total_bytes} != {self.num_tokens} tokens x "
+                f"{self.layout.bytes_per_token} bytes per token"
+            )
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from pdd.errors import UnavailableError
+from pdd.core.errors import UnavailableError
 from pdd.kv.fast_link.rdma import rdma_devices
 from pdd.kv.fast_link.state import Transport
 
@@ -49,8 +49,10 @@ def _parse(preference: str | Sequence[str | Transport]) -> tuple[tuple[Transport
         try:
             out.append(name if isinstance(name, Transport) else Transport(name))
         except ValueError:
-            raise ValueError(f"fast_link_transport: unknown transport {name!r} "
-                             f"(auto, rdma, shm, tcp or a comma list)") from None
+            raise ValueError(
+                f"fast_link_transport: unknown transport {name!r} "
+                f"(auto, rdma, shm, tcp or a comma list)"
+            ) from None
     if not out:
         raise ValueError("fast_link_transport: empty preference")
     return tuple(out), len(out) == 1
@@ -68,29 +70,44 @@ def usable_transports(same_host: bool, probe: HostProbe | None = None) -> tuple[
     return tuple(usable)
 
 
-def usable_candidates(preference: str | Sequence[str | Transport], same_host: bool, *,
-                      probe: HostProbe | None = None) -> tuple[Transport, ...]:
+def usable_candidates(
+    preference: str | Sequence[str | Transport], same_host: bool, *, probe: HostProbe | None = None
+) -> tuple[Transport, ...]:
     """Every transport of ``preference`` this host can use towards a peer, in preference order."""
     candidates, _ = _parse(preference)
     usable = usable_transports(same_host, probe)
     out = tuple(t for t in candidates if t in usable)
     if not out:
-        raise ValueError(f"fast_link_transport: none of {[c.value for c in candidates]} is usable here "
-                         f"(usable: {[t.value for t in usable]})")
+        raise ValueError(
+            f"fast_link_transport: none of {[c.value for c in candidates]} is usable here "
+            f"(usable: {[t.value for t in usable]})"
+        )
     return out
 
 
-def select_transport(preference: str | Sequence[str | Transport] = "auto", same_host: bool = False, *,
-                     probe: HostProbe | None = None) -> Transport:
+def select_transport(
+    preference: str | Sequence[str | Transport] = "auto",
+    same_host: bool = False,
+    *,
+    probe: HostProbe | None = None,
+) -> Transport:
     candidates, forced = _parse(preference)
     probe = probe or probe_host()
     usable = usable_transports(same_host, probe)
     for t in candidates:
         if t in usable:
             reason = "forced" if forced else f"first usable of {[c.value for c in candidates]}"
-            log.info("fast_link_transport_selected", transport=t.value, reason=reason, same_host=same_host,
-                     rdma_devices=list(probe.rdma_devices), shm=probe.shm)
+            log.info(
+                "fast_link_transport_selected",
+                transport=t.value,
+                reason=reason,
+                same_host=same_host,
+                rdma_devices=list(probe.rdma_devices),
+                shm=probe.shm,
+            )
             return t
-    raise UnavailableError(f"fast-link transport {[c.value for c in candidates]} not usable here "
-                           f"(rdma devices: {list(probe.rdma_devices) or 'none'}, same host: {same_host}, "
-                           f"/dev/shm: {probe.shm})")
+    raise UnavailableError(
+        f"fast-link transport {[c.value for c in candidates]} not usable here "
+        f"(rdma devices: {list(probe.rdma_devices) or 'none'}, same host: {same_host}, "
+        f"/dev/shm: {probe.shm})"
+    )

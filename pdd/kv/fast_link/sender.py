@@ -16,14 +16,13 @@ A transport error while writing also ends FAILED and raises the domain error.
 from __future__ import annotations
 
 import asyncio
-
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import structlog
 
-from pdd.errors import InvalidArgumentError, UnavailableError
+from pdd.core.errors import InvalidArgumentError, UnavailableError
 from pdd.kv.checksum import ChunkedCrc
 from pdd.kv.fast_link.region import Completion, Reservation, SenderBackend
 from pdd.kv.fast_link.state import TransferState, Transport, advance
@@ -60,14 +59,23 @@ class FastLinkSender:
     def transports(self) -> tuple[Transport, ...]:
         return tuple(self._backends)
 
-    async def send(self, reservation: Reservation, header: TransferHeader, source: KvSource,
-                   complete: CompleteFn, output_token_ids: Sequence[int] | asyncio.Future = ()) -> SendReport:
+    async def send(
+        self,
+        reservation: Reservation,
+        header: TransferHeader,
+        source: KvSource,
+        complete: CompleteFn,
+        output_token_ids: Sequence[int] | asyncio.Future = (),
+    ) -> SendReport:
         backend = self._backends.get(reservation.transport)
         if backend is None:
             raise UnavailableError(f"this sender has no {reservation.transport.value} transport")
         if not (header.total_bytes == reservation.total_bytes == source.total_bytes):
-            raise InvalidArgumentError("header.total_bytes", f"header {header.total_bytes}, reservation "
-                                                             f"{reservation.total_bytes}, source {source.total_bytes}")
+            raise InvalidArgumentError(
+                "header.total_bytes",
+                f"header {header.total_bytes}, reservation "
+                f"{reservation.total_bytes}, source {source.total_bytes}",
+            )
         state = TransferState.REGISTERED
         start = time.monotonic()
         writer = await backend.open(reservation, header)
@@ -83,19 +91,41 @@ class FastLinkSender:
             state = advance(state, TransferState.WRITTEN, reservation.transfer_id)
             value = await crc.value()
         except BaseException:
-            log.warning("fast_link_send_failed", transfer_id=reservation.transfer_id, state=state.value)
+            log.warning(
+                "fast_link_send_failed", transfer_id=reservation.transfer_id, state=state.value
+            )
             raise
         finally:
             writer.close()
         written = time.monotonic()
-        if isinstance(output_token_ids, asyncio.Future):  # NOTE: known only once the producer finished
+        if isinstance(
+            output_token_ids, asyncio.Future
+        ):  # NOTE: known only once the producer finished
             output_token_ids = await output_token_ids
-        outcome = await complete(Completion(reservation.transfer_id, header, value, tuple(output_token_ids)))
+        outcome = await complete(
+            Completion(reservation.transfer_id, header, value, tuple(output_token_ids))
+        )
         accepted = outcome is True or outcome is TransferState.COMPLETED
-        state = advance(state, TransferState.COMPLETED if accepted else TransferState.FAILED,
-                        reservation.transfer_id)
-        report = SendReport(reservation.transfer_id, reservation.transport, state, header.total_bytes, value,
-                            written - start, time.monotonic() - written)
-        log.info("fast_link_sent", transfer_id=reservation.transfer_id, transport=reservation.transport.value,
-                 state=state.value, bytes=header.total_bytes, write_s=round(report.write_s, 4))
+        state = advance(
+            state,
+            TransferState.COMPLETED if accepted else TransferState.FAILED,
+            reservation.transfer_id,
+        )
+        report = SendReport(
+            reservation.transfer_id,
+            reservation.transport,
+            state,
+            header.total_bytes,
+            value,
+            written - start,
+            time.monotonic() - written,
+        )
+        log.info(
+            "fast_link_sent",
+            transfer_id=reservation.transfer_id,
+            transport=reservation.transport.value,
+            state=state.value,
+            bytes=header.total_bytes,
+            write_s=round(report.write_s, 4),
+        )
         return report

@@ -23,7 +23,7 @@ from multiprocessing import resource_tracker, shared_memory
 
 import structlog
 
-from pdd.errors import UnavailableError
+from pdd.core.errors import UnavailableError
 from pdd.kv.fast_link.region import RdmaEndpointInfo, Reservation
 from pdd.kv.fast_link.state import Transport
 from pdd.kv.transfer import TransferHeader
@@ -52,8 +52,9 @@ def _map_segment(name: str, nbytes: int) -> mmap.mmap | None:
     try:
         fd = os.open(os.path.join(_DEV_SHM, name), os.O_RDWR)
     except FileNotFoundError:
-        raise UnavailableError(f"shared-memory segment {name} not found (not on this host, "
-                               f"or its lease expired)") from None
+        raise UnavailableError(
+            f"shared-memory segment {name} not found (not on this host, or its lease expired)"
+        ) from None
     try:
         if os.fstat(fd).st_size < nbytes:
             raise UnavailableError(f"shared-memory segment {name} is smaller than {nbytes} bytes")
@@ -88,7 +89,7 @@ class ShmRegion:
     def view(self) -> memoryview:
         if self._closed:
             raise UnavailableError(f"shared-memory region {self.shm_name} is closed")
-        return (memoryview(self._map) if self._map is not None else self._shm.buf)[:self._nbytes]
+        return (memoryview(self._map) if self._map is not None else self._shm.buf)[: self._nbytes]
 
     def close(self) -> None:
         if self._closed:
@@ -140,7 +141,7 @@ class ShmWriter:
         return self._view
 
     async def write(self, index: int, offset: int, data: memoryview) -> None:
-        self.view[offset:offset + data.nbytes] = data
+        self.view[offset : offset + data.nbytes] = data
 
     async def finish(self) -> None:
         """Stores to a shared mapping are visible to the relay once written; nothing to flush."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import enum
 
-from pdd.errors import FailedPreconditionError
+from pdd.core.errors import FailedPreconditionError
 
 
 class Transport(enum.Enum):
@@ -43,10 +43,15 @@ class TransferState(enum.Enum):
 
 
 _NEXT: dict[TransferState, frozenset[TransferState]] = {
-    TransferState.PENDING: frozenset({TransferState.REGISTERED, TransferState.FAILED, TransferState.EXPIRED}),
-    TransferState.REGISTERED: frozenset({TransferState.WRITING, TransferState.WRITTEN, TransferState.FAILED,
-                                         TransferState.EXPIRED}),
-    TransferState.WRITING: frozenset({TransferState.WRITTEN, TransferState.FAILED, TransferState.EXPIRED}),
+    TransferState.PENDING: frozenset(
+        {TransferState.REGISTERED, TransferState.FAILED, TransferState.EXPIRED}
+    ),
+    TransferState.REGISTERED: frozenset(
+        {TransferState.WRITING, TransferState.WRITTEN, TransferState.FAILED, TransferState.EXPIRED}
+    ),
+    TransferState.WRITING: frozenset(
+        {TransferState.WRITTEN, TransferState.FAILED, TransferState.EXPIRED}
+    ),
     TransferState.WRITTEN: frozenset({TransferState.COMPLETED, TransferState.FAILED}),
     TransferState.COMPLETED: frozenset(),
     TransferState.FAILED: frozenset(),

@@ -16,9 +16,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import grpc
 
-from pdd.errors import UnavailableError
+from pdd.core.errors import UnavailableError
 from pdd.gen.relay.v1 import relay_service_pb2 as rpb
-from pdd.kv import convert
+from pdd.kv import messages as convert
 from pdd.kv.chunking import encode_chunk
 from pdd.kv.fast_link.region import MemoryRegion, Reservation
 from pdd.kv.fast_link.state import Transport
@@ -35,8 +35,13 @@ class TcpReceiverBackend:
 
 
 class TcpWriter:
-    def __init__(self, push: RelayPushFn, reservation: Reservation, header: TransferHeader,
-                 max_buffered_chunks: int) -> None:
+    def __init__(
+        self,
+        push: RelayPushFn,
+        reservation: Reservation,
+        header: TransferHeader,
+        max_buffered_chunks: int,
+    ) -> None:
         self._header = header
         self._transfer_id = reservation.transfer_id
         self._queue: asyncio.Queue[Chunk | None] = asyncio.Queue(maxsize=max_buffered_chunks)
@@ -59,7 +64,9 @@ class TcpWriter:
         try:
             return await self._call
         except grpc.aio.AioRpcError as e:
-            raise UnavailableError(f"fast-link TCP stream failed: {e.code().name}: {e.details()}") from e
+            raise UnavailableError(
+                f"fast-link TCP stream failed: {e.code().name}: {e.details()}"
+            ) from e
 
     async def write(self, index: int, offset: int, data: memoryview) -> None:
         await self._enqueue(encode_chunk(self._header, index, data))
@@ -68,8 +75,9 @@ class TcpWriter:
         await self._enqueue(None)
         response = await self._result()
         if response.chunks_received != self._header.num_chunks:
-            raise UnavailableError(f"relay received {response.chunks_received} of "
-                                   f"{self._header.num_chunks} chunks")
+            raise UnavailableError(
+                f"relay received {response.chunks_received} of {self._header.num_chunks} chunks"
+            )
 
     def close(self) -> None:
         if not self._call.done():
@@ -88,11 +96,18 @@ class TcpSenderBackend:
         self._max_buffered = max_buffered_chunks
 
     @classmethod
-    def for_stub(cls, stub: object, *, metadata: Sequence[tuple[str, str]] | None = None,
-                 max_buffered_chunks: int = 4) -> TcpSenderBackend:
+    def for_stub(
+        cls,
+        stub: object,
+        *,
+        metadata: Sequence[tuple[str, str]] | None = None,
+        max_buffered_chunks: int = 4,
+    ) -> TcpSenderBackend:
         """Over a ``RelayServiceStub`` (``grpc.aio``)."""
-        return cls(lambda requests: stub.PushKv(requests, metadata=metadata),  # type: ignore[attr-defined]
-                   max_buffered_chunks=max_buffered_chunks)
+        return cls(
+            lambda requests: stub.PushKv(requests, metadata=metadata),  # type: ignore[attr-defined]
+            max_buffered_chunks=max_buffered_chunks,
+        )
 
     async def open(self, reservation: Reservation, header: TransferHeader) -> TcpWriter:
         return TcpWriter(self._push, reservation, header, self._max_buffered)

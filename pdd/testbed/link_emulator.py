@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from pdd.kv.link_shaper import Flow, LinkDirection
+from pdd.testbed.link_shaper import Flow, LinkDirection
 
 log = structlog.get_logger(__name__)
 _READ = 64 << 10
@@ -114,8 +114,12 @@ class _Counter:
 
 
 class _Connection:
-    def __init__(self, emulator: LinkEmulator, client: tuple[asyncio.StreamReader, asyncio.StreamWriter],
-                 upstream: tuple[asyncio.StreamReader, asyncio.StreamWriter]) -> None:
+    def __init__(
+        self,
+        emulator: LinkEmulator,
+        client: tuple[asyncio.StreamReader, asyncio.StreamWriter],
+        upstream: tuple[asyncio.StreamReader, asyncio.StreamWriter],
+    ) -> None:
         self.em = emulator
         self.client, self.upstream = client, upstream
         cfg = emulator.config
@@ -127,10 +131,15 @@ class _Connection:
         em = self.em
         em.up.add(self.up)
         em.down.add(self.down)
-        self.tasks = [asyncio.create_task(c) for c in (
-            self._pump(self.client[0], self.up), self._pump(self.upstream[0], self.down),
-            self._deliver(self.up, self.upstream[1], lambda: em.counter_up),
-            self._deliver(self.down, self.client[1], lambda: em.counter_down))]
+        self.tasks = [
+            asyncio.create_task(c)
+            for c in (
+                self._pump(self.client[0], self.up),
+                self._pump(self.upstream[0], self.down),
+                self._deliver(self.up, self.upstream[1], lambda: em.counter_up),
+                self._deliver(self.down, self.client[1], lambda: em.counter_down),
+            )
+        ]
         try:
             await asyncio.gather(*self.tasks)
         except (ConnectionError, OSError):
@@ -159,7 +168,9 @@ class _Connection:
         flow.put_eof()
 
     @staticmethod
-    async def _deliver(flow: Flow, writer: asyncio.StreamWriter, counter: Callable[[], _Counter]) -> None:
+    async def _deliver(
+        flow: Flow, writer: asyncio.StreamWriter, counter: Callable[[], _Counter]
+    ) -> None:
         loop = asyncio.get_running_loop()
         while True:
             while not flow.in_flight:
@@ -180,7 +191,9 @@ class _Connection:
 
 
 class LinkEmulator:
-    def __init__(self, config: LinkConfig, upstream: str, *, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self, config: LinkConfig, upstream: str, *, host: str = "127.0.0.1", port: int = 0
+    ) -> None:
         up_host, sep, up_port = upstream.rpartition(":")
         if not sep or not up_port.isdigit():
             raise ValueError(f"upstream: expected host:port, got {upstream!r}")
@@ -193,10 +206,19 @@ class LinkEmulator:
         self.connections_total = 0
         self.counter_up, self.counter_down = _Counter(), _Counter()
         cfg, rng = config, random.Random(config.seed)
-        self.up, self.down = (LinkDirection(
-            bytes_per_s=cfg.bytes_per_s, delay_s=cfg.delay_ms / 1e3, jitter_s=cfg.jitter_ms / 1e3,
-            stall_every_s=cfg.stall_every_s, stall_s=cfg.stall_ms / 1e3, quantum=cfg.quantum,
-            burst_bytes=cfg.burst_bytes or 4 * cfg.quantum, rng=random.Random(rng.random())) for _ in range(2))
+        self.up, self.down = (
+            LinkDirection(
+                bytes_per_s=cfg.bytes_per_s,
+                delay_s=cfg.delay_ms / 1e3,
+                jitter_s=cfg.jitter_ms / 1e3,
+                stall_every_s=cfg.stall_every_s,
+                stall_s=cfg.stall_ms / 1e3,
+                quantum=cfg.quantum,
+                burst_bytes=cfg.burst_bytes or 4 * cfg.quantum,
+                rng=random.Random(rng.random()),
+            )
+            for _ in range(2)
+        )
         self.port = 0
 
     @property
@@ -209,8 +231,14 @@ class LinkEmulator:
             self._spawn(direction.run())
         self._server = await asyncio.start_server(self._accept, *self._listen)
         self.port = self._server.sockets[0].getsockname()[1]
-        log.info("link_emulator_started", listen=self.address, upstream=f"{self._upstream[0]}:{self._upstream[1]}",
-                 mbps=self.config.mbps, delay_ms=self.config.delay_ms, jitter_ms=self.config.jitter_ms)
+        log.info(
+            "link_emulator_started",
+            listen=self.address,
+            upstream=f"{self._upstream[0]}:{self._upstream[1]}",
+            mbps=self.config.mbps,
+            delay_ms=self.config.delay_ms,
+            jitter_ms=self.config.jitter_ms,
+        )
         return self.address
 
     async def stop(self) -> None:
@@ -243,8 +271,14 @@ class LinkEmulator:
         self.counter_up, self.counter_down = _Counter(), _Counter()
 
     def stats(self) -> LinkStats:
-        return LinkStats(self.counter_up.bytes, self.counter_down.bytes, self.connections_total,
-                         len(self._connections), self.counter_up.mbps, self.counter_down.mbps)
+        return LinkStats(
+            self.counter_up.bytes,
+            self.counter_down.bytes,
+            self.connections_total,
+            len(self._connections),
+            self.counter_up.mbps,
+            self.counter_down.mbps,
+        )
 
     def _spawn(self, coro) -> None:  # noqa: ANN001
         task = asyncio.create_task(coro)

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdd.errors import UnavailableError
+from pdd.core.errors import UnavailableError
 
 LISTEN_PREFIX = "PDD_LISTENING "
 
@@ -66,16 +66,28 @@ def _pump(stream, sink, found: threading.Event, holder: list[str]) -> None:
     found.set()
 
 
-def start_module(name: str, module: str, args: list[str], *, env: dict[str, str] | None = None,
-                 log_dir: Path | None = None, timeout: float = 120.0) -> Process:
+def start_module(
+    name: str,
+    module: str,
+    args: list[str],
+    *,
+    env: dict[str, str] | None = None,
+    log_dir: Path | None = None,
+    timeout: float = 120.0,
+) -> Process:
     """Run ``python -m module args`` and wait for its PDD_LISTENING line."""
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="pdd-logs-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
     sink = open(log_path, "a", buffering=1)  # noqa: SIM115 — closed when the pump ends
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", module, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=full_env,
+        start_new_session=True,
+    )
     found, holder = threading.Event(), []
     thread = threading.Thread(target=_pump, args=(proc.stdout, sink, found, holder), daemon=True)
     thread.start()
@@ -84,7 +96,9 @@ def start_module(name: str, module: str, args: list[str], *, env: dict[str, str]
     if not holder:
         p.stop(timeout=5)
         tail = log_path.read_text()[-3000:]
-        raise UnavailableError(f"{name} did not start (exit {proc.returncode}); log {log_path}:\n{tail}")
+        raise UnavailableError(
+            f"{name} did not start (exit {proc.returncode}); log {log_path}:\n{tail}"
+        )
     return p
 
 
@@ -110,14 +124,30 @@ def start_redis(log_dir: Path) -> tuple[subprocess.Popen, str]:
     """An embedded, throw-away Redis on a free loopback port."""
     binary = redis_binary()
     if binary is None:
-        raise UnavailableError("no redis-server found: install redis-server (apt) or pass --redis-url")
+        raise UnavailableError(
+            "no redis-server found: install redis-server (apt) or pass --redis-url"
+        )
     port = free_port()
     data = log_dir / "redis"
     data.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", str(data)],
-                            stdout=open(log_dir / "redis.log", "w"), stderr=subprocess.STDOUT,  # noqa: SIM115
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            binary,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(data),
+        ],
+        stdout=open(log_dir / "redis.log", "w"),
+        stderr=subprocess.STDOUT,  # noqa: SIM115
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         try:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterable, AsyncIterator, Callable
 from typing import TypeVar
 
-from pdd.errors import InvalidArgumentError
+from pdd.core.errors import InvalidArgumentError
 from pdd.gen.common.v1 import common_pb2 as cpb
 from pdd.gen.main_decode.v1 import main_decode_service_pb2 as mdpb
 from pdd.gen.relay.v1 import relay_service_pb2 as rpb
@@ -23,13 +23,25 @@ from pdd.kv.transfer import Chunk, Commit, Compression, PushItem, TransferHeader
 
 T = TypeVar("T")
 
-_DTYPE = {KvDtype.FLOAT32: cpb.KV_DTYPE_FLOAT32, KvDtype.FLOAT16: cpb.KV_DTYPE_FLOAT16,
-          KvDtype.BFLOAT16: cpb.KV_DTYPE_BFLOAT16, KvDtype.FLOAT8_E4M3: cpb.KV_DTYPE_FLOAT8_E4M3}
+_DTYPE = {
+    KvDtype.FLOAT32: cpb.KV_DTYPE_FLOAT32,
+    KvDtype.FLOAT16: cpb.KV_DTYPE_FLOAT16,
+    KvDtype.BFLOAT16: cpb.KV_DTYPE_BFLOAT16,
+    KvDtype.FLOAT8_E4M3: cpb.KV_DTYPE_FLOAT8_E4M3,
+}
 _DTYPE_BACK = {v: k for k, v in _DTYPE.items()}
-_COMPRESSION = {Compression.NONE: cpb.KV_COMPRESSION_NONE, Compression.ZLIB: cpb.KV_COMPRESSION_ZLIB}
-_COMPRESSION_BACK = {v: k for k, v in _COMPRESSION.items()} | {cpb.KV_COMPRESSION_UNSPECIFIED: Compression.NONE}
-_TRANSPORT = {Transport.RDMA: rpb.FAST_LINK_TRANSPORT_RDMA, Transport.SHM: rpb.FAST_LINK_TRANSPORT_SHM,
-              Transport.TCP: rpb.FAST_LINK_TRANSPORT_TCP}
+_COMPRESSION = {
+    Compression.NONE: cpb.KV_COMPRESSION_NONE,
+    Compression.ZLIB: cpb.KV_COMPRESSION_ZLIB,
+}
+_COMPRESSION_BACK = {v: k for k, v in _COMPRESSION.items()} | {
+    cpb.KV_COMPRESSION_UNSPECIFIED: Compression.NONE
+}
+_TRANSPORT = {
+    Transport.RDMA: rpb.FAST_LINK_TRANSPORT_RDMA,
+    Transport.SHM: rpb.FAST_LINK_TRANSPORT_SHM,
+    Transport.TCP: rpb.FAST_LINK_TRANSPORT_TCP,
+}
 _TRANSPORT_BACK = {v: k for k, v in _TRANSPORT.items()}
 
 
@@ -41,7 +53,9 @@ def _build(field: str, make: Callable[[], T]) -> T:
         raise
     except ValueError as e:
         name, sep, why = str(e).partition(": ")
-        raise InvalidArgumentError(f"{field}.{name}" if sep else field, why if sep else str(e)) from None
+        raise InvalidArgumentError(
+            f"{field}.{name}" if sep else field, why if sep else str(e)
+        ) from None
 
 
 def _lookup(table: dict, value: int, field: str) -> T:
@@ -52,21 +66,38 @@ def _lookup(table: dict, value: int, field: str) -> T:
 
 
 def layout_to_pb(layout: KvLayout) -> cpb.KvLayout:
-    return cpb.KvLayout(dtype=_DTYPE[layout.dtype], axes=layout.axes, num_layers=layout.num_layers,
-                        num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim, block_size=layout.block_size)
+    return cpb.KvLayout(
+        dtype=_DTYPE[layout.dtype],
+        axes=layout.axes,
+        num_layers=layout.num_layers,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        block_size=layout.block_size,
+    )
 
 
 def layout_from_pb(msg: cpb.KvLayout, field: str = "layout") -> KvLayout:
     dtype = _lookup(_DTYPE_BACK, msg.dtype, f"{field}.dtype")
-    return _build(field, lambda: KvLayout(dtype, msg.num_layers, msg.num_kv_heads, msg.head_dim,
-                                          msg.axes, msg.block_size))
+    return _build(
+        field,
+        lambda: KvLayout(
+            dtype, msg.num_layers, msg.num_kv_heads, msg.head_dim, msg.axes, msg.block_size
+        ),
+    )
 
 
 def header_to_pb(h: TransferHeader) -> cpb.KvTransferHeader:
-    return cpb.KvTransferHeader(request_id=h.request_id, layout=layout_to_pb(h.layout), start_token=h.start_token,
-                                num_tokens=h.num_tokens, num_chunks=h.num_chunks, total_bytes=h.total_bytes,
-                                compression=_COMPRESSION[h.compression], token_ids=h.token_ids,
-                                cache_salt=h.cache_salt)
+    return cpb.KvTransferHeader(
+        request_id=h.request_id,
+        layout=layout_to_pb(h.layout),
+        start_token=h.start_token,
+        num_tokens=h.num_tokens,
+        num_chunks=h.num_chunks,
+        total_bytes=h.total_bytes,
+        compression=_COMPRESSION[h.compression],
+        token_ids=h.token_ids,
+        cache_salt=h.cache_salt,
+    )
 
 
 def header_from_pb(msg: cpb.KvTransferHeader, field: str = "header") -> TransferHeader:
@@ -74,13 +105,26 @@ def header_from_pb(msg: cpb.KvTransferHeader, field: str = "header") -> Transfer
         raise InvalidArgumentError(f"{field}.layout", "is required")
     layout = layout_from_pb(msg.layout, f"{field}.layout")
     compression = _lookup(_COMPRESSION_BACK, msg.compression, f"{field}.compression")
-    return _build(field, lambda: TransferHeader(msg.request_id, layout, msg.start_token, msg.num_tokens,
-                                                msg.total_bytes, msg.num_chunks, compression,
-                                                tuple(msg.token_ids), msg.cache_salt))
+    return _build(
+        field,
+        lambda: TransferHeader(
+            msg.request_id,
+            layout,
+            msg.start_token,
+            msg.num_tokens,
+            msg.total_bytes,
+            msg.num_chunks,
+            compression,
+            tuple(msg.token_ids),
+            msg.cache_salt,
+        ),
+    )
 
 
 def chunk_to_pb(c: Chunk) -> cpb.KvChunk:
-    return cpb.KvChunk(request_id=c.request_id, index=c.index, offset=c.offset, data=c.data, crc32=c.crc32)
+    return cpb.KvChunk(
+        request_id=c.request_id, index=c.index, offset=c.offset, data=c.data, crc32=c.crc32
+    )
 
 
 def chunk_from_pb(msg: cpb.KvChunk) -> Chunk:
@@ -96,6 +140,7 @@ def commit_from_pb(msg: mdpb.KvTransferCommit) -> Commit:
 
 
 # -- MainDecodeService: PushKv / GetKvTransfer -------------------------------------------------
+
 
 def push_request_to_pb(item: PushItem) -> mdpb.PushKvRequest:
     if isinstance(item, TransferHeader):
@@ -116,33 +161,50 @@ def push_item_from_pb(msg: mdpb.PushKvRequest) -> PushItem:
     raise InvalidArgumentError("item", "one of header, chunk, commit is required")
 
 
-async def push_items_from_pb(requests: AsyncIterable[mdpb.PushKvRequest]) -> AsyncIterator[PushItem]:
+async def push_items_from_pb(
+    requests: AsyncIterable[mdpb.PushKvRequest],
+) -> AsyncIterator[PushItem]:
     """A servicer's ``request_iterator`` as domain items, for ``KvReceiver.receive``."""
     async for msg in requests:
         yield push_item_from_pb(msg)
 
 
 def push_response_to_pb(s: TransferStatus) -> mdpb.PushKvResponse:
-    return mdpb.PushKvResponse(request_id=s.request_id, bytes_received=s.bytes_received,
-                               chunks_received=s.chunks_received, missing_chunk_indices=s.missing,
-                               complete=s.complete)
+    return mdpb.PushKvResponse(
+        request_id=s.request_id,
+        bytes_received=s.bytes_received,
+        chunks_received=s.chunks_received,
+        missing_chunk_indices=s.missing,
+        complete=s.complete,
+    )
 
 
 def push_response_from_pb(msg: mdpb.PushKvResponse) -> TransferStatus:
-    return TransferStatus(msg.request_id, True, 0, tuple(msg.missing_chunk_indices), msg.complete,
-                          msg.bytes_received, msg.chunks_received)
+    return TransferStatus(
+        msg.request_id,
+        True,
+        0,
+        tuple(msg.missing_chunk_indices),
+        msg.complete,
+        msg.bytes_received,
+        msg.chunks_received,
+    )
 
 
 def transfer_status_to_pb(s: TransferStatus) -> mdpb.GetKvTransferResponse:
-    return mdpb.GetKvTransferResponse(known=s.known, num_chunks=s.num_chunks, missing_chunk_indices=s.missing,
-                                      complete=s.complete)
+    return mdpb.GetKvTransferResponse(
+        known=s.known, num_chunks=s.num_chunks, missing_chunk_indices=s.missing, complete=s.complete
+    )
 
 
 def transfer_status_from_pb(request_id: str, msg: mdpb.GetKvTransferResponse) -> TransferStatus:
-    return TransferStatus(request_id, msg.known, msg.num_chunks, tuple(msg.missing_chunk_indices), msg.complete)
+    return TransferStatus(
+        request_id, msg.known, msg.num_chunks, tuple(msg.missing_chunk_indices), msg.complete
+    )
 
 
 # -- RelayService: the fast link ---------------------------------------------------------------
+
 
 def transport_to_pb(t: Transport) -> int:
     return _TRANSPORT[t]
@@ -153,21 +215,28 @@ def transport_from_pb(value: int, field: str = "transport") -> Transport:
 
 
 def prepare_request_to_pb(r: PrepareRequest) -> rpb.PrepareTransferRequest:
-    return rpb.PrepareTransferRequest(request_id=r.request_id, layout=layout_to_pb(r.layout),
-                                      num_tokens=r.num_tokens, total_bytes=r.total_bytes,
-                                      transports=[_TRANSPORT[t] for t in r.transports])
+    return rpb.PrepareTransferRequest(
+        request_id=r.request_id,
+        layout=layout_to_pb(r.layout),
+        num_tokens=r.num_tokens,
+        total_bytes=r.total_bytes,
+        transports=[_TRANSPORT[t] for t in r.transports],
+    )
 
 
 def prepare_request_from_pb(msg: rpb.PrepareTransferRequest) -> PrepareRequest:
     layout = layout_from_pb(msg.layout)
     transports = tuple(transport_from_pb(t, "transports") for t in msg.transports)
-    return _build("request", lambda: PrepareRequest(msg.request_id, layout, msg.num_tokens, msg.total_bytes,
-                                                    transports))
+    return _build(
+        "request",
+        lambda: PrepareRequest(msg.request_id, layout, msg.num_tokens, msg.total_bytes, transports),
+    )
 
 
 def rdma_endpoint_to_pb(e: RdmaEndpointInfo) -> rpb.RdmaEndpoint:
-    return rpb.RdmaEndpoint(remote_addr=e.remote_addr, rkey=e.rkey, qp_num=e.qp_num, lid=e.lid, gid=e.gid,
-                            psn=e.psn)
+    return rpb.RdmaEndpoint(
+        remote_addr=e.remote_addr, rkey=e.rkey, qp_num=e.qp_num, lid=e.lid, gid=e.gid, psn=e.psn
+    )
 
 
 def rdma_endpoint_from_pb(msg: rpb.RdmaEndpoint) -> RdmaEndpointInfo:
@@ -175,8 +244,9 @@ def rdma_endpoint_from_pb(msg: rpb.RdmaEndpoint) -> RdmaEndpointInfo:
 
 
 def reservation_to_pb(r: Reservation) -> rpb.PrepareTransferResponse:
-    msg = rpb.PrepareTransferResponse(transport=_TRANSPORT[r.transport], transfer_id=r.transfer_id,
-                                      lease_ms=r.lease_ms)
+    msg = rpb.PrepareTransferResponse(
+        transport=_TRANSPORT[r.transport], transfer_id=r.transfer_id, lease_ms=r.lease_ms
+    )
     if r.rdma is not None:
         msg.rdma.CopyFrom(rdma_endpoint_to_pb(r.rdma))
     elif r.shm_name:
@@ -194,14 +264,25 @@ def reservation_from_pb(msg: rpb.PrepareTransferResponse, request: PrepareReques
         raise InvalidArgumentError("rdma", "is required for the RDMA transport")
     if transport is Transport.SHM and not msg.shm_name:
         raise InvalidArgumentError("shm_name", "is required for the shared-memory transport")
-    return Reservation(msg.transfer_id, request.request_id, transport, request.total_bytes, msg.lease_ms,
-                       msg.shm_name, rdma)
+    return Reservation(
+        msg.transfer_id,
+        request.request_id,
+        transport,
+        request.total_bytes,
+        msg.lease_ms,
+        msg.shm_name,
+        rdma,
+    )
 
 
 def completion_to_pb(c: Completion) -> rpb.CompleteTransferRequest:
-    return rpb.CompleteTransferRequest(transfer_id=c.transfer_id, request_id=c.header.request_id,
-                                       header=header_to_pb(c.header), output_token_ids=c.output_token_ids,
-                                       crc32=c.crc32)
+    return rpb.CompleteTransferRequest(
+        transfer_id=c.transfer_id,
+        request_id=c.header.request_id,
+        header=header_to_pb(c.header),
+        output_token_ids=c.output_token_ids,
+        crc32=c.crc32,
+    )
 
 
 def completion_from_pb(msg: rpb.CompleteTransferRequest) -> Completion:
@@ -209,7 +290,9 @@ def completion_from_pb(msg: rpb.CompleteTransferRequest) -> Completion:
         raise InvalidArgumentError("transfer_id", "must not be empty")
     header = header_from_pb(msg.header)
     if msg.request_id and msg.request_id != header.request_id:
-        raise InvalidArgumentError("request_id", f"{msg.request_id!r} differs from header.request_id")
+        raise InvalidArgumentError(
+            "request_id", f"{msg.request_id!r} differs from header.request_id"
+        )
     return Completion(msg.transfer_id, header, msg.crc32, tuple(msg.output_token_ids))
 
 
@@ -228,8 +311,9 @@ def relay_push_item_from_pb(msg: rpb.PushKvRequest) -> tuple[str, TransferHeader
     raise InvalidArgumentError("item", "one of header, chunk is required")
 
 
-async def relay_push_items_from_pb(requests: AsyncIterable[rpb.PushKvRequest]
-                                   ) -> AsyncIterator[tuple[str, TransferHeader | Chunk]]:
+async def relay_push_items_from_pb(
+    requests: AsyncIterable[rpb.PushKvRequest],
+) -> AsyncIterator[tuple[str, TransferHeader | Chunk]]:
     """A relay servicer's ``request_iterator`` as items for ``FastLinkReceiver.receive_chunks``."""
     async for msg in requests:
         yield relay_push_item_from_pb(msg)

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdd.launcher import Process, free_port, start_module, start_redis
+from pdd.testbed.launcher import Process, free_port, start_module, start_redis
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,14 @@ class LinkSettings:
         return bool(self.mbps or self.delay_ms or self.jitter_ms)
 
     def flags(self) -> list[str]:
-        return ["--mbps", str(self.mbps), "--delay-ms", str(self.delay_ms), "--jitter-ms", str(self.jitter_ms)]
+        return [
+            "--mbps",
+            str(self.mbps),
+            "--delay-ms",
+            str(self.delay_ms),
+            "--jitter-ms",
+            str(self.jitter_ms),
+        ]
 
 
 @dataclass(frozen=True)
@@ -104,8 +111,13 @@ class Stack:
     def _start(self, name: str, module: str, args: list[str]) -> Process:
         if module != "services.wan_link":
             args = [*args, *self._metrics_flags(name)]
-        p = start_module(name, module, [*args, "--log-format", "json"], env=dict(self.config.env),
-                         log_dir=self.config.log_dir)
+        p = start_module(
+            name,
+            module,
+            [*args, "--log-format", "json"],
+            env=dict(self.config.env),
+            log_dir=self.config.log_dir,
+        )
         self.processes.append(p)
         return p
 
@@ -115,27 +127,75 @@ class Stack:
         try:
             if not self.redis_url:
                 self.redis, self.redis_url = start_redis(cfg.log_dir)
-            kv = self._start("kvstore", "services.kvstore", ["--port", "0", "--redis-url", self.redis_url,
-                                                             "--key-prefix", cfg.key_prefix])
-            common = ["--port", "0", "--kvstore", kv.address, "--model", cfg.model, *cfg.engine_flags]
+            kv = self._start(
+                "kvstore",
+                "services.kvstore",
+                ["--port", "0", "--redis-url", self.redis_url, "--key-prefix", cfg.key_prefix],
+            )
+            common = [
+                "--port",
+                "0",
+                "--kvstore",
+                kv.address,
+                "--model",
+                cfg.model,
+                *cfg.engine_flags,
+            ]
             for i in range(cfg.main_decode):
                 name = f"main_decode-{i}"
                 md_port = free_port()
                 # NOTE: everyone reaches MainDecode through the WAN emulator, so MainDecode
                 # advertises the emulator's address, not its own.
-                link = self._start(f"wan-{i}", "services.wan_link",
-                                   ["--listen", "127.0.0.1:0", "--upstream", f"127.0.0.1:{md_port}",
-                                    *cfg.wan.flags()])
-                self._start(name, "services.main_decode", [*common, *cfg.main_decode_flags, "--port", str(md_port),
-                                                           "--instance-id", name, "--cluster", "remote",
-                                                           "--advertise-address", link.address])
+                link = self._start(
+                    f"wan-{i}",
+                    "services.wan_link",
+                    [
+                        "--listen",
+                        "127.0.0.1:0",
+                        "--upstream",
+                        f"127.0.0.1:{md_port}",
+                        *cfg.wan.flags(),
+                    ],
+                )
+                self._start(
+                    name,
+                    "services.main_decode",
+                    [
+                        *common,
+                        *cfg.main_decode_flags,
+                        "--port",
+                        str(md_port),
+                        "--instance-id",
+                        name,
+                        "--cluster",
+                        "remote",
+                        "--advertise-address",
+                        link.address,
+                    ],
+                )
             for i in range(cfg.prefill):
-                self._start(f"prefill-{i}", "services.prefill", [*common, "--instance-id", f"prefill-{i}"])
+                self._start(
+                    f"prefill-{i}", "services.prefill", [*common, "--instance-id", f"prefill-{i}"]
+                )
             for i in range(cfg.relay):
-                self._start(f"relay-{i}", "services.relay", [*common, "--instance-id", f"relay-{i}"])
-            self._start("gateway", "services.gateway", ["--port", str(cfg.gateway_port), "--kvstore", kv.address,
-                                                        "--model", cfg.model, "--http-port", str(cfg.http_port),
-                                                        *cfg.gateway_flags])
+                self._start(
+                    f"relay-{i}", "services.relay", [*common, "--instance-id", f"relay-{i}"]
+                )
+            self._start(
+                "gateway",
+                "services.gateway",
+                [
+                    "--port",
+                    str(cfg.gateway_port),
+                    "--kvstore",
+                    kv.address,
+                    "--model",
+                    cfg.model,
+                    "--http-port",
+                    str(cfg.http_port),
+                    *cfg.gateway_flags,
+                ],
+            )
         except BaseException:
             self.stop()
             raise

@@ -36,7 +36,7 @@ import numpy as np
 import structlog
 
 from pdd.gen.main_decode.v1 import main_decode_service_pb2_grpc as mdgrpc
-from pdd.kv import convert
+from pdd.kv import messages as convert
 from pdd.kv.checksum import ACCELERATED
 from pdd.kv.fast_link.receiver import FastLinkReceiver
 from pdd.kv.fast_link.region import PrepareRequest
@@ -44,12 +44,12 @@ from pdd.kv.fast_link.sender import FastLinkSender
 from pdd.kv.fast_link.shm import ShmReceiverBackend, ShmSenderBackend
 from pdd.kv.fast_link.state import Transport
 from pdd.kv.layout import KvDtype, KvLayout
-from pdd.kv.link_emulator import LinkConfig, LinkEmulator
 from pdd.kv.receiver import KvReceiver, ReceiverConfig
 from pdd.kv.source import BytesSource
 from pdd.kv.transfer import make_header
 from pdd.kv.wan import KvPusher
 from pdd.telemetry.logging import configure_logging
+from pdd.testbed.link_emulator import LinkConfig, LinkEmulator
 
 # 8 layers x K,V x 4 heads x 64 dims x bf16 = 8 KiB per token: sizes come out exact in MiB.
 _LAYOUT = KvLayout(KvDtype.BFLOAT16, num_layers=8, num_kv_heads=4, head_dim=64)  # 8 KiB per token
@@ -128,14 +128,19 @@ async def _raw_link(config: LinkConfig, probe_s: float) -> dict[str, float]:
         writer.close()
     server.close()
     # The first byte is released after one quantum's transmission: count from there.
-    return {"emulator_mbps": round((size - config.quantum) * 8 / spans[0] / 1e6, 2),
-            "emulator_rtt_ms": round(statistics.median(rtts) * 1e3, 3), "emulator_bytes": size}
+    return {
+        "emulator_mbps": round((size - config.quantum) * 8 / spans[0] / 1e6, 2),
+        "emulator_rtt_ms": round(statistics.median(rtts) * 1e3, 3),
+        "emulator_bytes": size,
+    }
 
 
 async def _wan_path(cfg: BenchConfig, link: LinkConfig) -> list[dict[str, float]]:
     streamed: dict[str, float] = {}  # request id → header arrival to delivery, at the receiver
-    receiver = KvReceiver(ReceiverConfig(max_transfer_bytes=max(cfg.sizes_mb) * _MIB * 2),
-                          on_complete=lambda kv: streamed.__setitem__(kv.header.request_id, kv.elapsed_s))
+    receiver = KvReceiver(
+        ReceiverConfig(max_transfer_bytes=max(cfg.sizes_mb) * _MIB * 2),
+        on_complete=lambda kv: streamed.__setitem__(kv.header.request_id, kv.elapsed_s),
+    )
     server = grpc.aio.server()
     mdgrpc.add_MainDecodeServiceServicer_to_server(_Sink(receiver), server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -147,7 +152,9 @@ async def _wan_path(cfg: BenchConfig, link: LinkConfig) -> list[dict[str, float]
                 pusher = KvPusher.for_stub(mdgrpc.MainDecodeServiceStub(channel))
                 for i, size_mb in enumerate((1, *cfg.sizes_mb)):  # the first push only warms up
                     tokens = size_mb * _MIB // _LAYOUT.bytes_per_token
-                    header = make_header(f"bench-{i}", _LAYOUT, 0, tokens, chunk_bytes=cfg.chunk_kib << 10)
+                    header = make_header(
+                        f"bench-{i}", _LAYOUT, 0, tokens, chunk_bytes=cfg.chunk_kib << 10
+                    )
                     payload = os.urandom(header.total_bytes)
                     em.reset_counters()
                     report = await pusher.push(header, BytesSource(payload))
@@ -158,15 +165,24 @@ async def _wan_path(cfg: BenchConfig, link: LinkConfig) -> list[dict[str, float]
                     achieved = bits / streamed[header.request_id] / 1e6
                     # Best possible: the bytes at line rate, plus the first byte's trip and the answer's.
                     ideal = bits / (cfg.mbps * 1e6) + 2 * cfg.delay_ms / 1e3
-                    rows.append({
-                        "size_mb": size_mb, "chunks": header.num_chunks,
-                        "achieved_mbps": round(achieved, 2), "efficiency": round(achieved / cfg.mbps, 4),
-                        "ttlb_s": round(report.elapsed_s, 4), "ttlb_ideal_s": round(ideal, 4),
-                        "ttlb_mbps": round(bits / report.elapsed_s / 1e6, 2),
-                        "ttlb_vs_ideal": round(ideal / report.elapsed_s, 4),
-                        "wire_bytes_up": wire.bytes_up, "wire_bytes_down": wire.bytes_down,
-                        "per_chunk_overhead_bytes": round((wire.bytes_up - header.total_bytes) / header.num_chunks, 1),
-                        "attempts": report.attempts})
+                    rows.append(
+                        {
+                            "size_mb": size_mb,
+                            "chunks": header.num_chunks,
+                            "achieved_mbps": round(achieved, 2),
+                            "efficiency": round(achieved / cfg.mbps, 4),
+                            "ttlb_s": round(report.elapsed_s, 4),
+                            "ttlb_ideal_s": round(ideal, 4),
+                            "ttlb_mbps": round(bits / report.elapsed_s / 1e6, 2),
+                            "ttlb_vs_ideal": round(ideal / report.elapsed_s, 4),
+                            "wire_bytes_up": wire.bytes_up,
+                            "wire_bytes_down": wire.bytes_down,
+                            "per_chunk_overhead_bytes": round(
+                                (wire.bytes_up - header.total_bytes) / header.num_chunks, 1
+                            ),
+                            "attempts": report.attempts,
+                        }
+                    )
     finally:
         await server.stop(None)
     return rows
@@ -181,10 +197,14 @@ async def _fast_link(size_mb: int) -> dict[str, float]:
     runs = []
     for i in range(3):
         start = time.monotonic()
-        reservation = await relay.prepare(PrepareRequest(f"fl-{i}", _LAYOUT, tokens, nbytes, (Transport.SHM,)))
+        reservation = await relay.prepare(
+            PrepareRequest(f"fl-{i}", _LAYOUT, tokens, nbytes, (Transport.SHM,))
+        )
         prepared = time.monotonic()
         header = make_header(f"fl-{i}", _LAYOUT, 0, tokens)
-        report = await sender.send(reservation, header, BytesSource(memoryview(payload)), relay.complete)
+        report = await sender.send(
+            reservation, header, BytesSource(memoryview(payload)), relay.complete
+        )
         relay.release(reservation.transfer_id)
         runs.append((prepared - start, report.write_s, report.complete_s))
     dst = np.empty_like(payload)
@@ -197,9 +217,15 @@ async def _fast_link(size_mb: int) -> dict[str, float]:
     prepare_s, write_s, complete_s = (statistics.median(x) for x in zip(*runs, strict=True))
     fast = nbytes / (write_s + complete_s) / 1e9
     memcpy = nbytes / statistics.median(copies) / 1e9
-    return {"fast_link_mb": size_mb, "fast_link_gbps": round(fast, 3), "memcpy_gbps": round(memcpy, 3),
-            "fast_link_vs_memcpy": round(fast / memcpy, 4), "fast_link_prepare_ms": round(prepare_s * 1e3, 2),
-            "fast_link_write_ms": round(write_s * 1e3, 2), "fast_link_complete_ms": round(complete_s * 1e3, 2)}
+    return {
+        "fast_link_mb": size_mb,
+        "fast_link_gbps": round(fast, 3),
+        "memcpy_gbps": round(memcpy, 3),
+        "fast_link_vs_memcpy": round(fast / memcpy, 4),
+        "fast_link_prepare_ms": round(prepare_s * 1e3, 2),
+        "fast_link_write_ms": round(write_s * 1e3, 2),
+        "fast_link_complete_ms": round(complete_s * 1e3, 2),
+    }
 
 
 async def run_bench(cfg: BenchConfig) -> dict[str, object]:
@@ -211,40 +237,58 @@ async def run_bench(cfg: BenchConfig) -> dict[str, object]:
     bw_error = raw["emulator_mbps"] / cfg.mbps - 1
     rtt_error = raw["emulator_rtt_ms"] / (2 * cfg.delay_ms) - 1 if cfg.delay_ms else None
     return {
-        "configured_mbps": cfg.mbps, "configured_delay_ms": cfg.delay_ms, "configured_rtt_ms": 2 * cfg.delay_ms,
-        "achieved_mbps": largest["achieved_mbps"], **raw,
+        "configured_mbps": cfg.mbps,
+        "configured_delay_ms": cfg.delay_ms,
+        "configured_rtt_ms": 2 * cfg.delay_ms,
+        "achieved_mbps": largest["achieved_mbps"],
+        **raw,
         "emulator_bandwidth_error": round(bw_error, 4),
         "emulator_rtt_error": round(rtt_error, 4) if rtt_error is not None else None,
-        "wan": wan, **fast,
+        "wan": wan,
+        **fast,
         "targets": {
             "wan_ge_90pct_from_4mb": all(r["efficiency"] >= 0.9 for r in wan if r["size_mb"] >= 4),
             "emulator_bandwidth_within_5pct": abs(bw_error) <= 0.05,
             "emulator_rtt_within_5pct": rtt_error is None or abs(rtt_error) <= 0.05,
             "fast_link_ge_30pct_memcpy": fast["fast_link_vs_memcpy"] >= 0.3,
         },
-        "config": asdict(cfg), "cpus": os.cpu_count(), "crc_accelerated": ACCELERATED,
+        "config": asdict(cfg),
+        "cpus": os.cpu_count(),
+        "crc_accelerated": ACCELERATED,
     }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="pdd bench link", description=__doc__.split("\n\n")[0])
-    p.add_argument("--mbps", type=float, default=BenchConfig.mbps, help="emulated bandwidth per direction")
+    p.add_argument(
+        "--mbps", type=float, default=BenchConfig.mbps, help="emulated bandwidth per direction"
+    )
     p.add_argument("--delay-ms", type=float, default=BenchConfig.delay_ms, help="one-way delay")
     p.add_argument("--jitter-ms", type=float, default=0.0)
     p.add_argument("--sizes-mb", default="1,4,16", help="KV sizes to push, comma-separated MiB")
     p.add_argument("--chunk-kib", type=int, default=BenchConfig.chunk_kib)
     p.add_argument("--fast-link-mb", type=int, default=BenchConfig.fast_link_mb)
-    p.add_argument("--probe-s", type=float, default=BenchConfig.probe_s,
-                   help="link time spent on the emulator's raw throughput")
+    p.add_argument(
+        "--probe-s",
+        type=float,
+        default=BenchConfig.probe_s,
+        help="link time spent on the emulator's raw throughput",
+    )
     p.add_argument("--out", help="write the JSON result here (default: stdout only)")
     p.add_argument("--log-level", default="WARNING")
     args = p.parse_args(argv)
     if not structlog.is_configured():  # run on its own: keep stdout for the JSON
         configure_logging("bench-link", level=args.log_level, json=False)
     try:
-        cfg = BenchConfig(args.mbps, args.delay_ms, args.jitter_ms,
-                          tuple(int(s) for s in args.sizes_mb.split(",") if s), args.chunk_kib, args.fast_link_mb,
-                          args.probe_s)
+        cfg = BenchConfig(
+            args.mbps,
+            args.delay_ms,
+            args.jitter_ms,
+            tuple(int(s) for s in args.sizes_mb.split(",") if s),
+            args.chunk_kib,
+            args.fast_link_mb,
+            args.probe_s,
+        )
     except ValueError as e:
         p.error(str(e))
     result = asyncio.run(run_bench(cfg))

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-from pdd.convert.common import instance_ref_from_pb, instance_ref_to_pb, role_from_pb
-from pdd.engine.radix_cache import CacheEvent
-from pdd.errors import InvalidArgumentError
+from pdd.core.cache_event import CacheEvent
+from pdd.core.errors import InvalidArgumentError
+from pdd.core.instance import Instance, InstanceLoad
 from pdd.gen.kvstore.v1 import kvstore_service_pb2 as pb
-from pdd.instance import Instance, InstanceLoad
 from pdd.prefix_index.store import Hit
+from pdd.wire.common import instance_ref_from_pb, instance_ref_to_pb, role_from_pb
 
-_KIND_TO_PB = {"stored": pb.CACHE_EVENT_KIND_STORED, "evicted": pb.CACHE_EVENT_KIND_EVICTED,
-               "cleared": pb.CACHE_EVENT_KIND_CLEARED}
+_KIND_TO_PB = {
+    "stored": pb.CACHE_EVENT_KIND_STORED,
+    "evicted": pb.CACHE_EVENT_KIND_EVICTED,
+    "cleared": pb.CACHE_EVENT_KIND_CLEARED,
+}
 _KIND_FROM_PB = {v: k for k, v in _KIND_TO_PB.items()}
 
 
@@ -19,12 +22,19 @@ def load_to_pb(load: InstanceLoad) -> pb.InstanceLoad:
 
 
 def load_from_pb(msg: pb.InstanceLoad) -> InstanceLoad:
-    return InstanceLoad(msg.running_requests, msg.waiting_requests, msg.kv_blocks_used, msg.kv_blocks_total)
+    return InstanceLoad(
+        msg.running_requests, msg.waiting_requests, msg.kv_blocks_used, msg.kv_blocks_total
+    )
 
 
 def instance_to_pb(inst: Instance) -> pb.InstanceInfo:
-    return pb.InstanceInfo(ref=instance_ref_to_pb(inst.ref), block_size=inst.block_size, model=inst.model,
-                           load=load_to_pb(inst.load), last_heartbeat_ms=inst.last_heartbeat_ms)
+    return pb.InstanceInfo(
+        ref=instance_ref_to_pb(inst.ref),
+        block_size=inst.block_size,
+        model=inst.model,
+        load=load_to_pb(inst.load),
+        last_heartbeat_ms=inst.last_heartbeat_ms,
+    )
 
 
 def register_from_pb(msg: pb.RegisterInstanceRequest) -> tuple[Instance, int]:
@@ -44,8 +54,12 @@ def require_instance_id(instance_id: str) -> str:
 
 
 def cache_event_to_pb(ev: CacheEvent) -> pb.CacheEvent:
-    return pb.CacheEvent(kind=_KIND_TO_PB[ev.kind], block_hashes=list(ev.block_hashes),
-                         parent_hash=ev.parent_hash, cache_salt=ev.salt)
+    return pb.CacheEvent(
+        kind=_KIND_TO_PB[ev.kind],
+        block_hashes=list(ev.block_hashes),
+        parent_hash=ev.parent_hash,
+        cache_salt=ev.salt,
+    )
 
 
 def cache_event_from_pb(msg: pb.CacheEvent, index: int, block_size: int = 0) -> CacheEvent:
@@ -55,17 +69,29 @@ def cache_event_from_pb(msg: pb.CacheEvent, index: int, block_size: int = 0) -> 
     kind = _KIND_FROM_PB[msg.kind]
     if kind != "cleared" and not msg.block_hashes:
         raise InvalidArgumentError(f"{field}.block_hashes", f"must not be empty for a {kind} event")
-    return CacheEvent(kind=kind, block_hashes=tuple(msg.block_hashes), parent_hash=msg.parent_hash,
-                      salt=msg.cache_salt, block_size=block_size)
+    return CacheEvent(
+        kind=kind,
+        block_hashes=tuple(msg.block_hashes),
+        parent_hash=msg.parent_hash,
+        salt=msg.cache_salt,
+        block_size=block_size,
+    )
 
 
 def hit_to_pb(hit: Hit) -> pb.InstanceHit:
-    return pb.InstanceHit(instance=instance_to_pb(hit.instance), cached_tokens=hit.cached_tokens,
-                          hit_rate=hit.hit_rate)
+    return pb.InstanceHit(
+        instance=instance_to_pb(hit.instance),
+        cached_tokens=hit.cached_tokens,
+        hit_rate=hit.hit_rate,
+    )
 
 
 def predict_from_pb(msg: pb.PredictHitsRequest) -> dict:
     if not msg.prompt_token_ids:
         raise InvalidArgumentError("prompt_token_ids", "must not be empty")
-    return dict(prompt=list(msg.prompt_token_ids), salt=msg.cache_salt,
-                instance_ids=list(msg.instance_ids), role=role_from_pb(msg.role, "role", optional=True))
+    return dict(
+        prompt=list(msg.prompt_token_ids),
+        salt=msg.cache_salt,
+        instance_ids=list(msg.instance_ids),
+        role=role_from_pb(msg.role, "role", optional=True),
+    )

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import math
 
-from pdd.engine.sampling_params import LOGIT_BIAS_LIMIT, MAX_LOGPROBS, PENALTY_LIMIT, Logprob, SamplingParams
-from pdd.errors import InvalidArgumentError
+from pdd.core.errors import InvalidArgumentError
+from pdd.core.instance import InstanceRef, Role
+from pdd.core.pipeline import HandoffMode, Pipeline
+from pdd.core.sampling_params import (
+    LOGIT_BIAS_LIMIT,
+    MAX_LOGPROBS,
+    PENALTY_LIMIT,
+    Logprob,
+    SamplingParams,
+)
 from pdd.gen.common.v1 import common_pb2
-from pdd.instance import InstanceRef, Role
-from pdd.routing.policy import HandoffMode, Pipeline
 
 _ROLE_TO_PB = {
     Role.PREFILL: common_pb2.ROLE_PREFILL,
@@ -28,12 +34,18 @@ def role_from_pb(value: int, field: str = "role", *, optional: bool = False) -> 
     try:
         return _ROLE_FROM_PB[value]
     except KeyError:
-        raise InvalidArgumentError(field, f"must be one of {sorted(r.value for r in Role)}") from None
+        raise InvalidArgumentError(
+            field, f"must be one of {sorted(r.value for r in Role)}"
+        ) from None
 
 
 def instance_ref_to_pb(ref: InstanceRef) -> common_pb2.InstanceRef:
-    return common_pb2.InstanceRef(instance_id=ref.instance_id, address=ref.address,
-                                  role=role_to_pb(ref.role), cluster=ref.cluster)
+    return common_pb2.InstanceRef(
+        instance_id=ref.instance_id,
+        address=ref.address,
+        role=role_to_pb(ref.role),
+        cluster=ref.cluster,
+    )
 
 
 def instance_ref_from_pb(msg: common_pb2.InstanceRef, field: str = "ref") -> InstanceRef:
@@ -49,12 +61,20 @@ def instance_ref_from_pb(msg: common_pb2.InstanceRef, field: str = "ref") -> Ins
 
 # --- sampling -------------------------------------------------------------
 
+
 def sampling_to_pb(sp: SamplingParams) -> common_pb2.SamplingParams:
-    msg = common_pb2.SamplingParams(max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p,
-                                    top_k=sp.top_k, stop_token_ids=list(sp.stop_token_ids),
-                                    ignore_eos=sp.ignore_eos, presence_penalty=sp.presence_penalty,
-                                    frequency_penalty=sp.frequency_penalty,
-                                    repetition_penalty=sp.repetition_penalty, logit_bias=dict(sp.logit_bias))
+    msg = common_pb2.SamplingParams(
+        max_tokens=sp.max_tokens,
+        temperature=sp.temperature,
+        top_p=sp.top_p,
+        top_k=sp.top_k,
+        stop_token_ids=list(sp.stop_token_ids),
+        ignore_eos=sp.ignore_eos,
+        presence_penalty=sp.presence_penalty,
+        frequency_penalty=sp.frequency_penalty,
+        repetition_penalty=sp.repetition_penalty,
+        logit_bias=dict(sp.logit_bias),
+    )
     if sp.seed is not None:
         msg.seed = sp.seed
     if sp.logprobs is not None:
@@ -74,9 +94,16 @@ def sampling_from_pb(msg: common_pb2.SamplingParams, field: str = "sampling") ->
     if not 0.0 < top_p <= 1.0:
         raise InvalidArgumentError(f"{field}.top_p", f"must be in (0, 1], got {msg.top_p}")
     extra = extra_sampling_from(msg, field)
-    return SamplingParams(max_tokens=msg.max_tokens, temperature=msg.temperature, top_p=top_p, top_k=msg.top_k,
-                          seed=msg.seed if msg.HasField("seed") else None,
-                          stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos, **extra)
+    return SamplingParams(
+        max_tokens=msg.max_tokens,
+        temperature=msg.temperature,
+        top_p=top_p,
+        top_k=msg.top_k,
+        seed=msg.seed if msg.HasField("seed") else None,
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        **extra,
+    )
 
 
 def extra_sampling_from(msg, field: str = "", vocab_size: int | None = None) -> dict[str, object]:
@@ -88,23 +115,33 @@ def extra_sampling_from(msg, field: str = "", vocab_size: int | None = None) -> 
     for name in ("presence_penalty", "frequency_penalty"):
         v = getattr(msg, name)
         if not -PENALTY_LIMIT <= v <= PENALTY_LIMIT:  # also rejects NaN
-            raise InvalidArgumentError(prefix + name, f"must be in [-{PENALTY_LIMIT:g}, {PENALTY_LIMIT:g}], got {v}")
+            raise InvalidArgumentError(
+                prefix + name, f"must be in [-{PENALTY_LIMIT:g}, {PENALTY_LIMIT:g}], got {v}"
+            )
         out[name] = v
     r = msg.repetition_penalty or 1.0
     if not (r > 0 and math.isfinite(r)):
-        raise InvalidArgumentError(prefix + "repetition_penalty", f"must be a finite number > 0, got {r}")
+        raise InvalidArgumentError(
+            prefix + "repetition_penalty", f"must be a finite number > 0, got {r}"
+        )
     out["repetition_penalty"] = r
     for token, bias in msg.logit_bias.items():
         if vocab_size is not None and token >= vocab_size:
-            raise InvalidArgumentError(f"{prefix}logit_bias[{token}]",
-                                       f"token id {token} is outside the vocabulary (size {vocab_size})")
+            raise InvalidArgumentError(
+                f"{prefix}logit_bias[{token}]",
+                f"token id {token} is outside the vocabulary (size {vocab_size})",
+            )
         if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:  # also rejects NaN
-            raise InvalidArgumentError(f"{prefix}logit_bias[{token}]",
-                                       f"must be in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}], got {bias}")
+            raise InvalidArgumentError(
+                f"{prefix}logit_bias[{token}]",
+                f"must be in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}], got {bias}",
+            )
     out["logit_bias"] = tuple(msg.logit_bias.items())
     if msg.HasField("logprobs"):
         if msg.logprobs > MAX_LOGPROBS:
-            raise InvalidArgumentError(f"{prefix}logprobs", f"must be in [0, {MAX_LOGPROBS}], got {msg.logprobs}")
+            raise InvalidArgumentError(
+                f"{prefix}logprobs", f"must be in [0, {MAX_LOGPROBS}], got {msg.logprobs}"
+            )
         out["logprobs"] = msg.logprobs
     if msg.grammar:
         out["grammar"] = msg.grammar
@@ -112,8 +149,11 @@ def extra_sampling_from(msg, field: str = "", vocab_size: int | None = None) -> 
 
 
 def logprob_to_pb(lp: Logprob) -> common_pb2.TokenLogprob:
-    return common_pb2.TokenLogprob(logprob=lp.logprob, top_token_ids=[t for t, _ in lp.top],
-                                   top_logprobs=[v for _, v in lp.top])
+    return common_pb2.TokenLogprob(
+        logprob=lp.logprob,
+        top_token_ids=[t for t, _ in lp.top],
+        top_logprobs=[v for _, v in lp.top],
+    )
 
 
 def logprob_from_pb(msg: common_pb2.TokenLogprob) -> Logprob:
@@ -122,12 +162,21 @@ def logprob_from_pb(msg: common_pb2.TokenLogprob) -> Logprob:
 
 # --- enums ----------------------------------------------------------------
 
-_PIPELINE = {Pipeline.P_MD: common_pb2.PIPELINE_P_MD, Pipeline.P_RLD_MD: common_pb2.PIPELINE_P_RLD_MD,
-             Pipeline.MD: common_pb2.PIPELINE_MD}
-_HANDOFF = {HandoffMode.ONE_SHOT: common_pb2.HANDOFF_MODE_ONE_SHOT,
-            HandoffMode.CATCH_UP: common_pb2.HANDOFF_MODE_CATCH_UP}
-_FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
-           "cancelled": common_pb2.FINISH_REASON_CANCELLED, "error": common_pb2.FINISH_REASON_ERROR}
+_PIPELINE = {
+    Pipeline.P_MD: common_pb2.PIPELINE_P_MD,
+    Pipeline.P_RLD_MD: common_pb2.PIPELINE_P_RLD_MD,
+    Pipeline.MD: common_pb2.PIPELINE_MD,
+}
+_HANDOFF = {
+    HandoffMode.ONE_SHOT: common_pb2.HANDOFF_MODE_ONE_SHOT,
+    HandoffMode.CATCH_UP: common_pb2.HANDOFF_MODE_CATCH_UP,
+}
+_FINISH = {
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "cancelled": common_pb2.FINISH_REASON_CANCELLED,
+    "error": common_pb2.FINISH_REASON_ERROR,
+}
 
 
 def _from(table: dict, value: int, field: str, optional: bool):
@@ -143,7 +192,9 @@ def pipeline_to_pb(p: Pipeline | None) -> int:
     return _PIPELINE[p] if p is not None else common_pb2.PIPELINE_UNSPECIFIED
 
 
-def pipeline_from_pb(value: int, field: str = "pipeline", *, optional: bool = True) -> Pipeline | None:
+def pipeline_from_pb(
+    value: int, field: str = "pipeline", *, optional: bool = True
+) -> Pipeline | None:
     return _from(_PIPELINE, value, field, optional)
 
 
@@ -151,7 +202,9 @@ def handoff_to_pb(mode: HandoffMode | None) -> int:
     return _HANDOFF[mode] if mode is not None else common_pb2.HANDOFF_MODE_UNSPECIFIED
 
 
-def handoff_from_pb(value: int, field: str = "handoff_mode", *, optional: bool = True) -> HandoffMode | None:
+def handoff_from_pb(
+    value: int, field: str = "handoff_mode", *, optional: bool = True
+) -> HandoffMode | None:
     return _from(_HANDOFF, value, field, optional)
 
 

@@ -21,7 +21,7 @@ import subprocess
 import uuid
 from dataclasses import dataclass
 
-from pdd.errors import UnavailableError
+from pdd.core.errors import UnavailableError
 
 
 @dataclass(frozen=True)
@@ -73,8 +73,25 @@ class TbfNamespace:
             # NOTE: loopback's 64 KiB MTU exceeds the bucket; tbf would drop every full packet.
             self._run(self.command(["ip", "link", "set", "lo", "mtu", "1500", "up"]))
             c = self.config
-            self._run(self.command(["tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", f"{c.mbps}mbit",
-                                    "burst", f"{c.burst_kib}kb", "latency", f"{c.latency_ms}ms"]))
+            self._run(
+                self.command(
+                    [
+                        "tc",
+                        "qdisc",
+                        "add",
+                        "dev",
+                        "lo",
+                        "root",
+                        "tbf",
+                        "rate",
+                        f"{c.mbps}mbit",
+                        "burst",
+                        f"{c.burst_kib}kb",
+                        "latency",
+                        f"{c.latency_ms}ms",
+                    ]
+                )
+            )
         except BaseException:
             self.__exit__()
             raise

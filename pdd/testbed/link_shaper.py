@@ -95,8 +95,18 @@ class Flow:
 class LinkDirection:
     """Bandwidth, delay and stalls of one direction, shared by every flow."""
 
-    def __init__(self, *, bytes_per_s: float, delay_s: float, jitter_s: float, stall_every_s: float,
-                 stall_s: float, quantum: int, burst_bytes: int, rng: random.Random) -> None:
+    def __init__(
+        self,
+        *,
+        bytes_per_s: float,
+        delay_s: float,
+        jitter_s: float,
+        stall_every_s: float,
+        stall_s: float,
+        quantum: int,
+        burst_bytes: int,
+        rng: random.Random,
+    ) -> None:
         self._bps = bytes_per_s  # 0: unlimited
         self._delay = delay_s
         self._jitter = jitter_s

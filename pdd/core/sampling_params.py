@@ -58,27 +58,37 @@ class SamplingParams:
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
         stops = tuple(self.stop_token_ids)
         if any(not isinstance(t, int) or t < 0 for t in stops):
-            raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
+            raise ValueError(
+                f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}"
+            )
         object.__setattr__(self, "stop_token_ids", stops)
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not -PENALTY_LIMIT <= v <= PENALTY_LIMIT:  # also rejects NaN
                 raise ValueError(f"{name} must be in [-{PENALTY_LIMIT}, {PENALTY_LIMIT}], got {v}")
         if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
-            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+            raise ValueError(
+                f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}"
+            )
         pairs = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
         bias = tuple(sorted((t, float(b)) for t, b in pairs))
         for t, b in bias:
             if not isinstance(t, int) or t < 0:
                 raise ValueError(f"logit_bias: token ids must be non-negative ints, got {t!r}")
             if not -LOGIT_BIAS_LIMIT <= b <= LOGIT_BIAS_LIMIT:
-                raise ValueError(f"logit_bias: the bias of token {t} must be in [-{LOGIT_BIAS_LIMIT:g}, "
-                                 f"{LOGIT_BIAS_LIMIT:g}], got {b}")
+                raise ValueError(
+                    f"logit_bias: the bias of token {t} must be in [-{LOGIT_BIAS_LIMIT:g}, "
+                    f"{LOGIT_BIAS_LIMIT:g}], got {b}"
+                )
         if len({t for t, _ in bias}) != len(bias):
             raise ValueError("logit_bias: a token id appears twice")
         object.__setattr__(self, "logit_bias", bias)
-        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.logprobs is not None and not (
+            isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(
+                f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
+            )
         if self.grammar is not None and not (isinstance(self.grammar, str) and self.grammar):
             raise ValueError(f"grammar must be None or a non-empty string, got {self.grammar!r}")
 
@@ -88,7 +98,11 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
 
     @property
     def adjusts_logits(self) -> bool:

@@ -1,0 +1,17 @@
+"""What the gateway knows of the served model: vocabulary, context, end tokens, chat template."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    vocab_size: int
+    max_context_tokens: int
+    eos_token_ids: tuple[int, ...] = ()
+    chat_template: str = ""
+    # text → token ids; None when the model has no tokenizer (random test models).
+    encode: Callable[[str], list[int]] | None = None

@@ -1,0 +1,158 @@
+"""What the gateway asks of prefill, relay and MainDecode, and the events each one answers.
+
+A stage's request life (``pdd.serving.<role>``) takes a job and yields these events; the wire
+converters (``pdd.wire.stages``) and typed peer clients (``pdd.wire.peers``) turn them into
+protobuf and back, so a role can be driven by an in-process peer as well as over gRPC.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdd.core.instance import InstanceRef
+from pdd.core.pipeline import HandoffMode, Pipeline
+from pdd.core.sampling_params import Logprob, SamplingParams
+
+# --- jobs -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PrefillJob:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    cache_salt: str
+    pipeline: Pipeline
+    main_decode: InstanceRef
+    main_decode_cached_tokens: int
+    relay: InstanceRef | None = None
+
+
+@dataclass(frozen=True)
+class RelayJob:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    cache_salt: str
+    main_decode: InstanceRef
+    handoff_mode: HandoffMode
+
+
+@dataclass(frozen=True)
+class DecodeJob:
+    """A MainDecode request."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    cache_salt: str
+    pipeline: Pipeline
+
+
+# --- events -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FirstToken:
+    """Prefill's sampled output position 0."""
+
+    token_id: int
+    prompt_tokens: int
+    cached_tokens: int
+    prefill_ms: float
+    logprob: Logprob | None = None
+
+
+@dataclass(frozen=True)
+class TransferDone:
+    """Prefill shipped the request's KV: to the relay (fast link) and the delta to MainDecode."""
+
+    relay_kv_bytes: int
+    wan_kv_bytes: int
+    relay_transfer_ms: float
+    wan_transfer_ms: float
+    wan_queue_ms: float
+    fast_link: str
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """A decoding stage admitted the request; MainDecode says how much of the prompt it holds."""
+
+    cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """Output tokens from ``start_position`` on, from the stage that sent them."""
+
+    start_position: int
+    token_ids: tuple[int, ...]
+    logprobs: tuple[Logprob, ...] = ()  # one per token when the request asked for them
+
+
+@dataclass(frozen=True)
+class HandedOff:
+    """The relay handed the request to MainDecode after ``at_position`` outputs."""
+
+    at_position: int
+    mode: HandoffMode
+    rounds: int
+    handoff_ms: float
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The request ended on this stage (MainDecode also reports its own share and the WAN bytes)."""
+
+    finish_reason: str | None
+    completion_tokens: int
+    md_tokens: int = 0
+    wan_kv_bytes: int = 0
+    extend_ms: float = 0.0
+
+
+PrefillEvent = FirstToken | TransferDone
+RelayEvent = Accepted | Tokens | HandedOff | Finished
+DecodeEvent = Accepted | Tokens | Finished
+
+
+# --- the handoff (relay or gateway → MainDecode) ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HandoffBatch:
+    """Token ids for MainDecode to extend at output ``start_position`` (token ids only, never KV)."""
+
+    request_id: str
+    start_position: int
+    token_ids: tuple[int, ...]
+    final: bool = False
+    mode: HandoffMode | None = None
+
+
+@dataclass(frozen=True)
+class HandoffAck:
+    extended_through: int
+    computed_through: int
+    extend_ms: float = 0.0
+    decode_interval_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class KvReadiness:
+    """Whether MainDecode holds a request's KV, and how long its decode steps take now."""
+
+    ready: bool
+    decode_interval_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class CacheReport:
+    """An engine instance's answer to DescribeCache."""
+
+    cached_prefix_tokens: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    request_holds_kv: bool
+    block_size: int
