@@ -42,3 +42,21 @@ class FailedPreconditionError(PddError):
 
 class DeadlineExceededError(PddError):
     """An operation outlived its deadline."""
+
+
+class PeerError(PddError):
+    """A call to another service failed with ``code`` (a gRPC status name, e.g. "UNAVAILABLE").
+
+    The typed peer clients (``pdd.wire``) raise it so that the roles never see the transport's
+    own exceptions; passed on to a caller, it keeps the peer's status and message.
+    """
+
+    def __init__(self, code: str, details: str, peer: str = "") -> None:
+        super().__init__(f"{peer}: {details}" if peer else details)
+        self.code = code
+        self.details = details
+        self.peer = peer
+
+    @property
+    def cancelled(self) -> bool:
+        return self.code == "CANCELLED"

@@ -128,6 +128,8 @@ class HandoffBatch:
     start_position: int
     token_ids: tuple[int, ...]
     final: bool = False
+    # The request already finished upstream: MainDecode extends it into its DRC, emits nothing.
+    request_finished: bool = False
     mode: HandoffMode | None = None
 
 

@@ -69,6 +69,9 @@ def http_error_for(exc: BaseException) -> tuple[int, dict[str, Any]]:
     if isinstance(exc, grpc.aio.AioRpcError):
         status, kind = _GRPC.get(exc.code(), (500, "server_error"))
         return status, error_body(f"{exc.code().name.lower()}: {exc.details()}", kind)
+    if isinstance(exc, errors.PeerError):  # a stage's status, seen through a peer client
+        status, kind = _GRPC.get(grpc.StatusCode[exc.code], (500, "server_error"))
+        return status, error_body(f"{exc.code.lower()}: {exc.details}", kind)
     code, message = status_for(exc)
     status, kind = _GRPC.get(code, (500, "server_error"))
     param = exc.field if isinstance(exc, errors.InvalidArgumentError) else None
@@ -77,4 +80,4 @@ def http_error_for(exc: BaseException) -> tuple[int, dict[str, Any]]:
 
 def is_expected(exc: BaseException) -> bool:
     """Whether ``exc`` is an expected error (logged without a traceback)."""
-    return isinstance(exc, (ApiError, grpc.aio.AioRpcError)) or is_domain_error(exc)
+    return isinstance(exc, (ApiError, grpc.aio.AioRpcError, errors.PeerError)) or is_domain_error(exc)

@@ -206,10 +206,6 @@ def transfer_status_from_pb(request_id: str, msg: mdpb.GetKvTransferResponse) ->
 # -- RelayService: the fast link ---------------------------------------------------------------
 
 
-def transport_to_pb(t: Transport) -> int:
-    return _TRANSPORT[t]
-
-
 def transport_from_pb(value: int, field: str = "transport") -> Transport:
     return _lookup(_TRANSPORT_BACK, value, field)
 

@@ -34,6 +34,9 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, grpc.aio.AioRpcError):
         # NOTE: a downstream service already chose the status; pass it on unchanged.
         return exc.code(), exc.details() or exc.code().name
+    if isinstance(exc, errors.PeerError):
+        # NOTE: the same, seen through a typed peer client (pdd.wire).
+        return grpc.StatusCode[exc.code], exc.details or exc.code
     if isinstance(exc, KvCapacityError):
         return (
             grpc.StatusCode.INVALID_ARGUMENT,

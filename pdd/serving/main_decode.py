@@ -36,7 +36,15 @@ from pdd.core.errors import (
     NotFoundError,
 )
 from pdd.core.pipeline import Pipeline
-from pdd.core.stage_events import Accepted, DecodeJob, Finished, Tokens
+from pdd.core.stage_events import (
+    Accepted,
+    DecodeJob,
+    Finished,
+    HandoffAck,
+    HandoffBatch,
+    KvReadiness,
+    Tokens,
+)
 from pdd.engine.sampling import Logprob
 from pdd.kv.receiver import KvReceiver
 from pdd.serving.engine_instance import EngineInstance
@@ -222,17 +230,29 @@ class MainDecode:
         """Recent time between this engine's decode steps (0 until measured): the relay paces to it."""
         return self.runner.step_interval_s
 
-    async def wait_kv_ready(self, request_id: str, timeout_s: float) -> bool:
+    async def wait_kv_ready(self, request_id: str, timeout_ms: int) -> KvReadiness:
+        """Long-poll (at most ``timeout_ms``) until this MainDecode holds the request's KV."""
         state = self._requests.get(request_id)
         if state is None:
             raise NotFoundError(f"request_id: {request_id!r} is not decoding here")
         try:
-            await asyncio.wait_for(state.kv_ready.wait(), timeout_s)
-            return True
+            await asyncio.wait_for(state.kv_ready.wait(), timeout_ms / 1000)
+            ready = True
         except TimeoutError:
-            return False
+            ready = False
+        return KvReadiness(ready, self.decode_interval_s * 1000)
 
-    async def handoff(
+    async def handoff(self, batch: HandoffBatch) -> HandoffAck:
+        """Extend one handoff batch (see ``_extend_handoff``) and acknowledge it."""
+        t0 = time.perf_counter()
+        through, computed = await self._extend_handoff(
+            batch.request_id, batch.start_position, list(batch.token_ids), final=batch.final
+        )
+        return HandoffAck(
+            through, computed, (time.perf_counter() - t0) * 1000, self.decode_interval_s * 1000
+        )
+
+    async def _extend_handoff(
         self, request_id: str, start: int, token_ids: list[int], *, final: bool
     ) -> tuple[int, int]:
         """Extend ``token_ids`` at output ``start``.
@@ -343,11 +363,3 @@ class MainDecode:
             state.progress.notify_all()
         if not applied.done():
             applied.set_result(None)
-
-    async def cancel(self, request_id: str) -> bool:
-        state = self._requests.get(request_id)
-        self.receiver.discard(request_id)
-        aborted = await self.runner.call(self.engine.abort, request_id)
-        if state is not None:
-            state.queue.put_nowait(FailedPreconditionError(f"request {request_id} was cancelled"))
-        return aborted or state is not None

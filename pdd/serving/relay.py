@@ -344,7 +344,3 @@ class Relay:
         await call.read()
         await call.done_writing()
         metrics.HANDOFFS.labels(job.handoff_mode.value, "finished").inc()
-
-    async def cancel(self, request_id: str) -> bool:
-        self.fast.cancel(request_id)
-        return await self.runner.call(self.engine.abort, request_id)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 from pdd.core.errors import InvalidArgumentError
@@ -14,6 +15,7 @@ from pdd.core.sampling_params import (
     Logprob,
     SamplingParams,
 )
+from pdd.core.stage_events import CacheReport, Tokens
 from pdd.gen.common.v1 import common_pb2
 
 _ROLE_TO_PB = {
@@ -62,6 +64,10 @@ def instance_ref_from_pb(msg: common_pb2.InstanceRef, field: str = "ref") -> Ins
 # --- sampling -------------------------------------------------------------
 
 
+# NOTE: cached: a request's one SamplingParams goes to up to three stages (prefill, relay,
+# MainDecode), and a grammar makes the message large. Callers copy it into their request
+# message (protobuf copies on assignment) and never change it.
+@functools.lru_cache(maxsize=256)
 def sampling_to_pb(sp: SamplingParams) -> common_pb2.SamplingParams:
     msg = common_pb2.SamplingParams(
         max_tokens=sp.max_tokens,
@@ -214,3 +220,51 @@ def finish_to_pb(reason: str | None) -> int:
 
 def finish_from_pb(value: int) -> str | None:
     return _from(_FINISH, value, "finish_reason", True)
+
+
+# --- what the stage services share ------------------------------------------------------------
+
+
+def stage_request_from_pb(msg, vocab: int) -> tuple[str, tuple[int, ...]]:
+    if not msg.request_id:
+        raise InvalidArgumentError("request_id", "must not be empty")
+    if not msg.prompt_token_ids:
+        raise InvalidArgumentError("prompt_token_ids", "must not be empty")
+    for i, t in enumerate(msg.prompt_token_ids):
+        if t >= vocab:
+            raise InvalidArgumentError(
+                f"prompt_token_ids[{i}]", f"token id {t} is outside the vocabulary ({vocab})"
+            )
+    return msg.request_id, tuple(msg.prompt_token_ids)
+
+
+def pipeline_required(value: int) -> Pipeline:
+    pipeline = pipeline_from_pb(value, "pipeline")
+    if pipeline is None:
+        raise InvalidArgumentError("pipeline", "must be P_MD, P_RLD_MD or MD")
+    return pipeline
+
+
+def tokens_to_pb(ev: Tokens, stage: int) -> common_pb2.TokenDelta:
+    return common_pb2.TokenDelta(
+        start_position=ev.start_position,
+        token_ids=list(ev.token_ids),
+        stage=stage,
+        logprobs=[logprob_to_pb(lp) for lp in ev.logprobs],
+    )
+
+
+def tokens_from_pb(msg: common_pb2.TokenDelta) -> Tokens:
+    return Tokens(
+        msg.start_position, tuple(msg.token_ids), tuple(logprob_from_pb(lp) for lp in msg.logprobs)
+    )
+
+
+def cache_report_to_pb(report: CacheReport, response_type):
+    return response_type(
+        cached_prefix_tokens=report.cached_prefix_tokens,
+        kv_blocks_used=report.kv_blocks_used,
+        kv_blocks_total=report.kv_blocks_total,
+        request_holds_kv=report.request_holds_kv,
+        block_size=report.block_size,
+    )

@@ -95,3 +95,29 @@ def predict_from_pb(msg: pb.PredictHitsRequest) -> dict:
         instance_ids=list(msg.instance_ids),
         role=role_from_pb(msg.role, "role", optional=True),
     )
+
+
+def instance_from_pb(msg: pb.InstanceInfo, field: str = "instance") -> Instance:
+    return Instance(
+        instance_ref_from_pb(msg.ref, f"{field}.ref"),
+        msg.block_size,
+        msg.model,
+        load_from_pb(msg.load),
+        msg.last_heartbeat_ms,
+    )
+
+
+def hit_from_pb(msg: pb.InstanceHit, index: int) -> Hit:
+    return Hit(
+        instance_from_pb(msg.instance, f"hits[{index}].instance"), msg.cached_tokens, msg.hit_rate
+    )
+
+
+def register_to_pb(inst: Instance, ttl_ms: int, reset_index: bool) -> pb.RegisterInstanceRequest:
+    return pb.RegisterInstanceRequest(
+        ref=instance_ref_to_pb(inst.ref),
+        block_size=inst.block_size,
+        model=inst.model,
+        ttl_ms=ttl_ms,
+        reset_index=reset_index,
+    )

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import grpc
 
 from pdd.gen.main_decode.v1 import main_decode_service_pb2 as pb
@@ -13,7 +11,8 @@ from pdd.kv.receiver import KvReceiver
 from pdd.server.bootstrap import ServiceSpec
 from pdd.serving.engine_instance import EngineInstance
 from pdd.serving.main_decode import MainDecode
-from pdd.wire import stages as conv
+from pdd.wire import main_decode as conv
+from pdd.wire.common import cache_report_to_pb
 from services.main_decode.config import MainDecodeConfig
 
 
@@ -28,9 +27,9 @@ class MainDecodeServicer(pb_grpc.MainDecodeServiceServicer):
         return self.instance.engine.model_config.vocab_size
 
     async def Decode(self, request: pb.DecodeRequest, context):
-        job = conv.md_job_from_pb(request, self.vocab)
+        job = conv.job_from_pb(request, self.vocab)
         async for ev in self.md.decode(job):
-            yield conv.md_event_to_pb(ev, self.instance.config.ref.instance_id)
+            yield conv.event_to_pb(ev, self.instance.config.ref.instance_id)
 
     async def PushKv(self, request_iterator, context) -> pb.PushKvResponse:
         status = await self.receiver.receive(kv_convert.push_items_from_pb(request_iterator))
@@ -42,29 +41,15 @@ class MainDecodeServicer(pb_grpc.MainDecodeServiceServicer):
         return kv_convert.transfer_status_to_pb(self.receiver.status(request.request_id))
 
     async def WaitKvReady(self, request: pb.WaitKvReadyRequest, context) -> pb.WaitKvReadyResponse:
-        timeout = (request.timeout_ms or 30_000) / 1000
-        ready = await self.md.wait_kv_ready(request.request_id, timeout)
-        return pb.WaitKvReadyResponse(
-            ready=ready, decode_interval_ms=self.md.decode_interval_s * 1000
-        )
+        readiness = await self.md.wait_kv_ready(request.request_id, request.timeout_ms or 30_000)
+        return conv.kv_readiness_to_pb(readiness)
 
     async def TokenHandoff(self, request_iterator, context):
         index = 0
         async for msg in request_iterator:
-            rid, start, tokens, final = conv.handoff_from_request(msg, index)
+            ack = await self.md.handoff(conv.handoff_batch_from_pb(msg, index))
             index += 1
-            loop = asyncio.get_running_loop()
-            t0 = loop.time()
-            through, computed = await self.md.handoff(rid, start, tokens, final=final)
-            yield pb.TokenHandoffResponse(
-                extended_through=through,
-                extend_ms=(loop.time() - t0) * 1000,
-                computed_through=computed,
-                decode_interval_ms=self.md.decode_interval_s * 1000,
-            )
-
-    async def Cancel(self, request: pb.CancelRequest, context) -> pb.CancelResponse:
-        return pb.CancelResponse(cancelled=await self.md.cancel(request.request_id))
+            yield conv.handoff_ack_to_pb(ack)
 
     async def DescribeCache(
         self, request: pb.DescribeCacheRequest, context
@@ -72,7 +57,7 @@ class MainDecodeServicer(pb_grpc.MainDecodeServiceServicer):
         report = await self.instance.describe(
             list(request.token_ids), request.cache_salt, request.request_id
         )
-        return conv.cache_report_to_pb(report, pb.DescribeCacheResponse)
+        return cache_report_to_pb(report, pb.DescribeCacheResponse)
 
 
 def build(config: MainDecodeConfig) -> ServiceSpec:

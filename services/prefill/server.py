@@ -10,7 +10,8 @@ from pdd.server.bootstrap import ServiceSpec
 from pdd.serving.channels import Channels
 from pdd.serving.engine_instance import EngineInstance
 from pdd.serving.prefill import Prefill
-from pdd.wire import stages as conv
+from pdd.wire import prefill as conv
+from pdd.wire.common import cache_report_to_pb
 from services.prefill.config import PrefillServiceConfig
 
 
@@ -20,16 +21,9 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         self.prefill = prefill
 
     async def Prefill(self, request: pb.PrefillRequest, context):
-        job = conv.prefill_job_from_pb(request, self.instance.engine.model_config.vocab_size)
+        job = conv.job_from_pb(request, self.instance.engine.model_config.vocab_size)
         async for ev in self.prefill.prefill(job):
-            yield conv.prefill_event_to_pb(ev)
-
-    async def Cancel(self, request: pb.CancelRequest, context) -> pb.CancelResponse:
-        return pb.CancelResponse(
-            cancelled=await self.instance.runner.call(
-                self.instance.engine.abort, request.request_id
-            )
-        )
+            yield conv.event_to_pb(ev)
 
     async def DescribeCache(
         self, request: pb.DescribeCacheRequest, context
@@ -37,7 +31,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         report = await self.instance.describe(
             list(request.token_ids), request.cache_salt, request.request_id
         )
-        return conv.cache_report_to_pb(report, pb.DescribeCacheResponse)
+        return cache_report_to_pb(report, pb.DescribeCacheResponse)
 
 
 def build(config: PrefillServiceConfig) -> ServiceSpec:

@@ -19,7 +19,8 @@ from pdd.server.bootstrap import ServiceSpec
 from pdd.serving.channels import Channels
 from pdd.serving.engine_instance import EngineInstance
 from pdd.serving.relay import Relay
-from pdd.wire import stages as conv
+from pdd.wire import relay as conv
+from pdd.wire.common import cache_report_to_pb
 from services.relay.config import RelayServiceConfig
 
 
@@ -30,9 +31,9 @@ class RelayServicer(pb_grpc.RelayServiceServicer):
         self.fast = fast
 
     async def Decode(self, request: pb.DecodeRequest, context):
-        job = conv.relay_job_from_pb(request, self.instance.engine.model_config.vocab_size)
+        job = conv.job_from_pb(request, self.instance.engine.model_config.vocab_size)
         async for ev in self.relay.decode(job):
-            yield conv.relay_event_to_pb(ev)
+            yield conv.event_to_pb(ev)
 
     async def PrepareTransfer(
         self, request: pb.PrepareTransferRequest, context
@@ -53,16 +54,13 @@ class RelayServicer(pb_grpc.RelayServiceServicer):
         state = await self.fast.complete(kv_convert.completion_from_pb(request))
         return pb.CompleteTransferResponse(accepted=state is TransferState.COMPLETED)
 
-    async def Cancel(self, request: pb.CancelRequest, context) -> pb.CancelResponse:
-        return pb.CancelResponse(cancelled=await self.relay.cancel(request.request_id))
-
     async def DescribeCache(
         self, request: pb.DescribeCacheRequest, context
     ) -> pb.DescribeCacheResponse:
         report = await self.instance.describe(
             list(request.token_ids), request.cache_salt, request.request_id
         )
-        return conv.cache_report_to_pb(report, pb.DescribeCacheResponse)
+        return cache_report_to_pb(report, pb.DescribeCacheResponse)
 
 
 def _backends(transports: str) -> list:

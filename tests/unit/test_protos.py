@@ -117,11 +117,11 @@ def test_buf_breaking_catches_a_removed_field(tmp_path):
                 "PredictHits",
             },
         ),
-        (prefill, "PrefillService", {"Prefill", "Cancel", "DescribeCache"}),
+        (prefill, "PrefillService", {"Prefill", "DescribeCache"}),
         (
             relay,
             "RelayService",
-            {"Decode", "PrepareTransfer", "PushKv", "CompleteTransfer", "Cancel", "DescribeCache"},
+            {"Decode", "PrepareTransfer", "PushKv", "CompleteTransfer", "DescribeCache"},
         ),
         (
             main_decode,
@@ -132,7 +132,6 @@ def test_buf_breaking_catches_a_removed_field(tmp_path):
                 "GetKvTransfer",
                 "WaitKvReady",
                 "TokenHandoff",
-                "Cancel",
                 "DescribeCache",
             },
         ),

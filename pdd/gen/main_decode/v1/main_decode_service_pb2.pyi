@@ -147,18 +147,6 @@ class TokenHandoffResponse(_message.Message):
     decode_interval_ms: float
     def __init__(self, extended_through: _Optional[int] = ..., extend_ms: _Optional[float] = ..., computed_through: _Optional[int] = ..., decode_interval_ms: _Optional[float] = ...) -> None: ...
 
-class CancelRequest(_message.Message):
-    __slots__ = ("request_id",)
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
-
-class CancelResponse(_message.Message):
-    __slots__ = ("cancelled",)
-    CANCELLED_FIELD_NUMBER: _ClassVar[int]
-    cancelled: bool
-    def __init__(self, cancelled: _Optional[bool] = ...) -> None: ...
-
 class DescribeCacheRequest(_message.Message):
     __slots__ = ("token_ids", "cache_salt", "request_id")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]

@@ -63,11 +63,6 @@ class MainDecodeServiceStub:
                 request_serializer=pdd_dot_main__decode_dot_v1_dot_main__decode__service__pb2.TokenHandoffRequest.SerializeToString,
                 response_deserializer=pdd_dot_main__decode_dot_v1_dot_main__decode__service__pb2.TokenHandoffResponse.FromString,
                 _registered_method=True)
-        self.Cancel = channel.unary_unary(
-                '/pdd.main_decode.v1.MainDecodeService/Cancel',
-                request_serializer=pdd_dot_main__decode_dot_v1_dot_main__decode__service__pb2.CancelRequest.SerializeToString,
-                response_deserializer=pdd_dot_main__decode_dot_v1_dot_main__decode__service__pb2.CancelResponse.FromString,
-                _registered_method=True)
         self.DescribeCache = channel.unary_unary(
                 '/pdd.main_decode.v1.MainDecodeService/DescribeCache',
                 request_serializer=pdd_dot_main__decode_dot_v1_dot_main__decode__service__pb2.DescribeCacheRequest.SerializeToString,
@@ -121,13 +116,6 @@ class MainDecodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Cancel(self, request, context):
-        """Cancels a request and frees its KV.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def DescribeCache(self, request, context):
         """Reports what the instance's cache and pool hold (operators, tests).
         """
@@ -162,11 +150,6 @@ def add_MainDecodeServiceServicer_to_server(servicer, server):
                     servicer.TokenHandoff,
                     request_deserializer=pdd_dot_main__decode_dot_v1_dot_main__decode__service__pb2.TokenHandoffRequest.FromString,
                     response_serializer=pdd_dot_main__decode_dot_v1_dot_main__decode__service__pb2.TokenHandoffResponse.SerializeToString,
-            ),
-            'Cancel': grpc.unary_unary_rpc_method_handler(
-                    servicer.Cancel,
-                    request_deserializer=pdd_dot_main__decode_dot_v1_dot_main__decode__service__pb2.CancelRequest.FromString,
-                    response_serializer=pdd_dot_main__decode_dot_v1_dot_main__decode__service__pb2.CancelResponse.SerializeToString,
             ),
             'DescribeCache': grpc.unary_unary_rpc_method_handler(
                     servicer.DescribeCache,
@@ -313,33 +296,6 @@ class MainDecodeService:
             '/pdd.main_decode.v1.MainDecodeService/TokenHandoff',
             pdd_dot_main__decode_dot_v1_dot_main__decode__service__pb2.TokenHandoffRequest.SerializeToString,
             pdd_dot_main__decode_dot_v1_dot_main__decode__service__pb2.TokenHandoffResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Cancel(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/pdd.main_decode.v1.MainDecodeService/Cancel',
-            pdd_dot_main__decode_dot_v1_dot_main__decode__service__pb2.CancelRequest.SerializeToString,
-            pdd_dot_main__decode_dot_v1_dot_main__decode__service__pb2.CancelResponse.FromString,
             options,
             channel_credentials,
             insecure,

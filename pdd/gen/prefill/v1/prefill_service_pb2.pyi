@@ -65,18 +65,6 @@ class TransferDone(_message.Message):
     fast_link: str
     def __init__(self, relay_kv_bytes: _Optional[int] = ..., wan_kv_bytes: _Optional[int] = ..., relay_transfer_ms: _Optional[float] = ..., wan_transfer_ms: _Optional[float] = ..., wan_queue_ms: _Optional[float] = ..., fast_link: _Optional[str] = ...) -> None: ...
 
-class CancelRequest(_message.Message):
-    __slots__ = ("request_id",)
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
-
-class CancelResponse(_message.Message):
-    __slots__ = ("cancelled",)
-    CANCELLED_FIELD_NUMBER: _ClassVar[int]
-    cancelled: bool
-    def __init__(self, cancelled: _Optional[bool] = ...) -> None: ...
-
 class DescribeCacheRequest(_message.Message):
     __slots__ = ("token_ids", "cache_salt", "request_id")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]

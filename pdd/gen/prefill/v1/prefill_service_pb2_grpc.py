@@ -43,11 +43,6 @@ class PrefillServiceStub:
                 request_serializer=pdd_dot_prefill_dot_v1_dot_prefill__service__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=pdd_dot_prefill_dot_v1_dot_prefill__service__pb2.PrefillResponse.FromString,
                 _registered_method=True)
-        self.Cancel = channel.unary_unary(
-                '/pdd.prefill.v1.PrefillService/Cancel',
-                request_serializer=pdd_dot_prefill_dot_v1_dot_prefill__service__pb2.CancelRequest.SerializeToString,
-                response_deserializer=pdd_dot_prefill_dot_v1_dot_prefill__service__pb2.CancelResponse.FromString,
-                _registered_method=True)
         self.DescribeCache = channel.unary_unary(
                 '/pdd.prefill.v1.PrefillService/DescribeCache',
                 request_serializer=pdd_dot_prefill_dot_v1_dot_prefill__service__pb2.DescribeCacheRequest.SerializeToString,
@@ -70,13 +65,6 @@ class PrefillServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Cancel(self, request, context):
-        """Cancels a request and frees its KV.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def DescribeCache(self, request, context):
         """Reports what the instance's cache and pool hold (operators, tests).
         """
@@ -91,11 +79,6 @@ def add_PrefillServiceServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=pdd_dot_prefill_dot_v1_dot_prefill__service__pb2.PrefillRequest.FromString,
                     response_serializer=pdd_dot_prefill_dot_v1_dot_prefill__service__pb2.PrefillResponse.SerializeToString,
-            ),
-            'Cancel': grpc.unary_unary_rpc_method_handler(
-                    servicer.Cancel,
-                    request_deserializer=pdd_dot_prefill_dot_v1_dot_prefill__service__pb2.CancelRequest.FromString,
-                    response_serializer=pdd_dot_prefill_dot_v1_dot_prefill__service__pb2.CancelResponse.SerializeToString,
             ),
             'DescribeCache': grpc.unary_unary_rpc_method_handler(
                     servicer.DescribeCache,
@@ -134,33 +117,6 @@ class PrefillService:
             '/pdd.prefill.v1.PrefillService/Prefill',
             pdd_dot_prefill_dot_v1_dot_prefill__service__pb2.PrefillRequest.SerializeToString,
             pdd_dot_prefill_dot_v1_dot_prefill__service__pb2.PrefillResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Cancel(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/pdd.prefill.v1.PrefillService/Cancel',
-            pdd_dot_prefill_dot_v1_dot_prefill__service__pb2.CancelRequest.SerializeToString,
-            pdd_dot_prefill_dot_v1_dot_prefill__service__pb2.CancelResponse.FromString,
             options,
             channel_credentials,
             insecure,

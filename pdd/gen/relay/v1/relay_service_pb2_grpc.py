@@ -57,11 +57,6 @@ class RelayServiceStub:
                 request_serializer=pdd_dot_relay_dot_v1_dot_relay__service__pb2.CompleteTransferRequest.SerializeToString,
                 response_deserializer=pdd_dot_relay_dot_v1_dot_relay__service__pb2.CompleteTransferResponse.FromString,
                 _registered_method=True)
-        self.Cancel = channel.unary_unary(
-                '/pdd.relay.v1.RelayService/Cancel',
-                request_serializer=pdd_dot_relay_dot_v1_dot_relay__service__pb2.CancelRequest.SerializeToString,
-                response_deserializer=pdd_dot_relay_dot_v1_dot_relay__service__pb2.CancelResponse.FromString,
-                _registered_method=True)
         self.DescribeCache = channel.unary_unary(
                 '/pdd.relay.v1.RelayService/DescribeCache',
                 request_serializer=pdd_dot_relay_dot_v1_dot_relay__service__pb2.DescribeCacheRequest.SerializeToString,
@@ -105,13 +100,6 @@ class RelayServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Cancel(self, request, context):
-        """Cancels a request and frees its KV.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def DescribeCache(self, request, context):
         """Reports what the instance's cache and pool hold (operators, tests).
         """
@@ -141,11 +129,6 @@ def add_RelayServiceServicer_to_server(servicer, server):
                     servicer.CompleteTransfer,
                     request_deserializer=pdd_dot_relay_dot_v1_dot_relay__service__pb2.CompleteTransferRequest.FromString,
                     response_serializer=pdd_dot_relay_dot_v1_dot_relay__service__pb2.CompleteTransferResponse.SerializeToString,
-            ),
-            'Cancel': grpc.unary_unary_rpc_method_handler(
-                    servicer.Cancel,
-                    request_deserializer=pdd_dot_relay_dot_v1_dot_relay__service__pb2.CancelRequest.FromString,
-                    response_serializer=pdd_dot_relay_dot_v1_dot_relay__service__pb2.CancelResponse.SerializeToString,
             ),
             'DescribeCache': grpc.unary_unary_rpc_method_handler(
                     servicer.DescribeCache,
@@ -264,33 +247,6 @@ class RelayService:
             '/pdd.relay.v1.RelayService/CompleteTransfer',
             pdd_dot_relay_dot_v1_dot_relay__service__pb2.CompleteTransferRequest.SerializeToString,
             pdd_dot_relay_dot_v1_dot_relay__service__pb2.CompleteTransferResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Cancel(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/pdd.relay.v1.RelayService/Cancel',
-            pdd_dot_relay_dot_v1_dot_relay__service__pb2.CancelRequest.SerializeToString,
-            pdd_dot_relay_dot_v1_dot_relay__service__pb2.CancelResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,138 @@
+"""Converters for ``pdd.main_decode.v1``: the decode job, its events, the token handoff and the
+KV-readiness poll, both ways (the KV push's messages are ``pdd.kv.messages``')."""
+
+from __future__ import annotations
+
+from pdd.core.errors import FailedPreconditionError, InvalidArgumentError
+from pdd.core.stage_events import (
+    Accepted,
+    DecodeEvent,
+    DecodeJob,
+    Finished,
+    HandoffAck,
+    HandoffBatch,
+    KvReadiness,
+    Tokens,
+)
+from pdd.gen.common.v1 import common_pb2
+from pdd.gen.main_decode.v1 import main_decode_service_pb2 as pb
+from pdd.wire.common import (
+    finish_from_pb,
+    finish_to_pb,
+    handoff_from_pb,
+    handoff_to_pb,
+    pipeline_required,
+    pipeline_to_pb,
+    sampling_from_pb,
+    sampling_to_pb,
+    stage_request_from_pb,
+    tokens_from_pb,
+    tokens_to_pb,
+)
+
+
+def job_to_pb(job: DecodeJob) -> pb.DecodeRequest:
+    return pb.DecodeRequest(
+        request_id=job.request_id,
+        prompt_token_ids=list(job.prompt_token_ids),
+        sampling=sampling_to_pb(job.sampling),
+        cache_salt=job.cache_salt,
+        pipeline=pipeline_to_pb(job.pipeline),
+    )
+
+
+def job_from_pb(msg: pb.DecodeRequest, vocab: int) -> DecodeJob:
+    rid, prompt = stage_request_from_pb(msg, vocab)
+    return DecodeJob(
+        rid, prompt, sampling_from_pb(msg.sampling), msg.cache_salt, pipeline_required(msg.pipeline)
+    )
+
+
+def event_to_pb(ev: DecodeEvent, instance_id: str) -> pb.DecodeResponse:
+    if isinstance(ev, Accepted):
+        return pb.DecodeResponse(
+            accepted=pb.Accepted(instance_id=instance_id, cached_tokens=ev.cached_tokens)
+        )
+    if isinstance(ev, Tokens):
+        return pb.DecodeResponse(tokens=tokens_to_pb(ev, common_pb2.STAGE_MAIN_DECODE))
+    return pb.DecodeResponse(
+        finished=pb.Finished(
+            finish_reason=finish_to_pb(ev.finish_reason),
+            completion_tokens=ev.completion_tokens,
+            md_tokens=ev.md_tokens,
+            wan_kv_bytes_received=ev.wan_kv_bytes,
+            extend_ms=ev.extend_ms,
+        )
+    )
+
+
+def event_from_pb(msg: pb.DecodeResponse) -> DecodeEvent:
+    which = msg.WhichOneof("event")
+    if which == "accepted":
+        return Accepted(msg.accepted.cached_tokens)
+    if which == "tokens":
+        return tokens_from_pb(msg.tokens)
+    if which == "finished":
+        f = msg.finished
+        return Finished(
+            finish_from_pb(f.finish_reason),
+            f.completion_tokens,
+            f.md_tokens,
+            f.wan_kv_bytes_received,
+            f.extend_ms,
+        )
+    raise FailedPreconditionError(
+        f"main_decode sent an event this gateway does not know: {which!r}"
+    )
+
+
+def handoff_batch_to_pb(batch: HandoffBatch) -> pb.TokenHandoffRequest:
+    return pb.TokenHandoffRequest(
+        request_id=batch.request_id,
+        start_position=batch.start_position,
+        token_ids=list(batch.token_ids),
+        final=batch.final,
+        request_finished=batch.request_finished,
+        mode=handoff_to_pb(batch.mode),
+    )
+
+
+def handoff_batch_from_pb(msg: pb.TokenHandoffRequest, index: int) -> HandoffBatch:
+    """The ``index``-th batch of a handoff stream, validated."""
+    if not msg.request_id:
+        raise InvalidArgumentError(f"handoff[{index}].request_id", "must not be empty")
+    if not msg.token_ids and not msg.final:
+        raise InvalidArgumentError(
+            f"handoff[{index}].token_ids", "must not be empty in a non-final batch"
+        )
+    return HandoffBatch(
+        msg.request_id,
+        msg.start_position,
+        tuple(msg.token_ids),
+        msg.final,
+        msg.request_finished,
+        handoff_from_pb(msg.mode, f"handoff[{index}].mode"),
+    )
+
+
+def handoff_ack_to_pb(ack: HandoffAck) -> pb.TokenHandoffResponse:
+    return pb.TokenHandoffResponse(
+        extended_through=ack.extended_through,
+        extend_ms=ack.extend_ms,
+        computed_through=ack.computed_through,
+        decode_interval_ms=ack.decode_interval_ms,
+    )
+
+
+def handoff_ack_from_pb(msg: pb.TokenHandoffResponse) -> HandoffAck:
+    return HandoffAck(
+        msg.extended_through, msg.computed_through, msg.extend_ms, msg.decode_interval_ms
+    )
+
+
+def kv_readiness_to_pb(r: KvReadiness) -> pb.WaitKvReadyResponse:
+    return pb.WaitKvReadyResponse(ready=r.ready, decode_interval_ms=r.decode_interval_ms)
+
+
+def kv_readiness_from_pb(msg: pb.WaitKvReadyResponse) -> KvReadiness:
+    return KvReadiness(msg.ready, msg.decode_interval_ms)
