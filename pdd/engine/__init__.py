@@ -4,7 +4,8 @@ Modules, one thing each: ``engine`` (the API the services use), ``scheduler``,
 ``block_manager`` (block tables vs ``block_pool`` + ``radix_cache``),
 ``model_runner`` (batch → tensors → logits), ``model`` + ``attention`` + ``rope``
 (the decoder over paged KV), ``kv_cache`` (the KV tensor), ``kv_wire`` (the KV
-transfer format), ``sampling``, ``checkpoint`` / ``gguf_checkpoint`` / ``tiny``
+transfer format), ``sampler`` (a step's logits → tokens, over the pure functions
+of ``sampling``), ``checkpoint`` / ``gguf_checkpoint`` / ``tiny``
 (where weights come from, as a ``checkpoint_record``), ``model_source`` /
 ``gguf_metadata`` / ``tiny_config`` (what a model is, read without torch).
 """

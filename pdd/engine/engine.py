@@ -4,12 +4,13 @@ Life of a request through it:
 ``add_request`` validates the prompt, matches it against the radix prefix cache
 (the hit's blocks are locked and count as computed) and queues it. Each
 ``step`` asks the scheduler for one batch under the token budget (decode tokens
-plus prefill chunks, see ``scheduler``), runs one forward pass, samples one
-token for every sequence whose known tokens are now all computed and reports
-them as ``StepOutput``s. A prompt's full blocks go into the radix cache as soon
-as they are computed (so concurrent requests with the same prefix share them);
-a finished request's full blocks do too, then its KV is freed — or kept until
-``release`` with ``keep_after_finish`` (the prefill service exports it first).
+plus prefill chunks, see ``scheduler``), runs one forward pass, has the
+``sampler`` pick one token for every sequence whose known tokens are now all
+computed, appends them and reports them as ``StepOutput``s. A prompt's full
+blocks go into the radix cache as soon as they are computed (so concurrent
+requests with the same prefix share them); a finished request's full blocks do
+too, then its KV is freed — or kept until ``release`` with ``keep_after_finish``
+(the prefill service exports it first).
 
 Disaggregation hooks: ``pause``/``resume`` (a paused request is never
 scheduled, e.g. while its KV arrives), ``export_kv``/``import_kv`` (the
@@ -37,17 +38,11 @@ from pdd.engine.errors import EngineStalledError, KvCapacityError
 from pdd.engine.grammar import Grammars
 from pdd.engine.kv_cache import KvCache
 from pdd.engine.kv_wire import KvPayload
-from pdd.engine.model_config import parse_dtype
+from pdd.engine.model_config import ModelConfig, parse_dtype
 from pdd.engine.model_runner import ModelRunner
 from pdd.engine.rope import RotaryTable
-from pdd.engine.sampling import (
-    Logprob,
-    SamplingParams,
-    adjust_logits,
-    prompt_mask,
-    sample,
-    token_logprobs,
-)
+from pdd.engine.sampler import Sampler
+from pdd.engine.sampling import Logprob, SamplingParams
 from pdd.engine.scheduler import Scheduler
 from pdd.engine.sequence import SeqStatus, Sequence
 
@@ -79,14 +74,8 @@ class Engine:
         self.dtype = parse_dtype(config.dtype or ckpt.config.torch_dtype)
         self.max_model_len = config.max_model_len or ckpt.config.max_position_embeddings
         mc = ckpt.config
-        num_blocks = config.num_blocks or config.kv_cache_bytes // KvCache.bytes_per_block(
-            mc.num_layers, config.block_size, mc.num_kv_heads, mc.head_dim, self.dtype
-        )
-        if num_blocks <= 0:
-            raise ValueError(
-                f"kv_cache_bytes={config.kv_cache_bytes} holds no block of {config.block_size} tokens"
-            )
-        self.block_size, self.num_blocks = config.block_size, num_blocks
+        self.block_size = config.block_size
+        self.num_blocks = num_blocks = self._num_blocks(config, mc, self.dtype)
         self.model = build_model(ckpt, self.dtype, self.device)
         if config.prepack_weights:
             self.model.pack_weights()
@@ -113,6 +102,7 @@ class Engine:
         )
         self._seqs: dict[str, Sequence] = {}
         self._grammars = Grammars(self.tokenizer)
+        self.sampler = Sampler(mc.vocab_size, self._grammars)
         self._generate_ids = 0
         self.last_batch: list[
             tuple[str, int]
@@ -172,47 +162,21 @@ class Engine:
         sampled, logits = self.runner.run(batch)
         for seq, n in batch:
             seq.num_computed += n
-        raw = logits
-        if any(s.sampling.adjusts_logits for s in sampled):
-            logits = adjust_logits(
-                logits,
-                [
-                    (s.sampling, self._prompt_seen(s, logits.shape[-1]), s.output_ids)
-                    if s.sampling.adjusts_logits
-                    else None
-                    for s in sampled
-                ],
-            )
-        constrained = [(i, s.matcher) for i, s in enumerate(sampled) if s.matcher is not None]
-        if constrained:
-            logits = (
-                logits.clone() if logits is raw else logits
-            )  # NOTE: logprobs stay the model's own
-            self._grammars.mask_rows(logits, constrained)
-        tokens = sample(
-            logits,
-            [s.sampling for s in sampled],
-            [s.seed for s in sampled],
-            [s.num_tokens for s in sampled],
-        )
-        wants = [s.sampling.logprobs for s in sampled]
-        logprobs = (
-            token_logprobs(raw, tokens, wants)
-            if any(k is not None for k in wants)
-            else [None] * len(tokens)
-        )
+        tokens, logprobs = self.sampler.sample(logits, sampled)
+        outputs = self._append_sampled(sampled, tokens, logprobs)
+        self._settle_computed(batch, outputs)
+        return outputs
+
+    def _append_sampled(
+        self, sampled: list[Sequence], tokens: list[int], logprobs: list[Logprob | None]
+    ) -> list[StepOutput]:
+        """Append each sampled token to its sequence (and grammar) and finish those it ends."""
         outputs = []
         for seq, token, logprob in zip(sampled, tokens, logprobs):
             seq.token_ids.append(token)
             reason = self._finish_reason(seq, token)
             if seq.matcher is not None:
-                if not seq.matcher.consume_token(token):
-                    raise RuntimeError(
-                        f"{seq.request_id}: sampled token {token} outside its grammar "
-                        f"({seq.matcher.get_error()})"
-                    )
-                if reason is None and seq.matcher.is_stopped():
-                    reason = "stop"  # the grammar is complete: nothing more may follow
+                reason = self._advance_grammar(seq, token, reason)
             outputs.append(
                 StepOutput(
                     seq.request_id, token, seq.num_outputs - 1, reason is not None, reason, logprob
@@ -220,6 +184,25 @@ class Engine:
             )
             if reason is not None:
                 self._finish(seq, reason)
+        return outputs
+
+    @staticmethod
+    def _advance_grammar(seq: Sequence, token: int, reason: str | None) -> str | None:
+        """Feed the sampled ``token`` to the request's matcher; returns the finish reason."""
+        if not seq.matcher.consume_token(token):
+            raise RuntimeError(
+                f"{seq.request_id}: sampled token {token} outside its grammar "
+                f"({seq.matcher.get_error()})"
+            )
+        if reason is None and seq.matcher.is_stopped():
+            return "stop"  # the grammar is complete: nothing more may follow
+        return reason
+
+    def _settle_computed(
+        self, batch: list[tuple[Sequence, int]], outputs: list[StepOutput]
+    ) -> None:
+        """After the batch's tokens got K/V: finish requests whose appended tokens are now all
+        computed (adding their output to ``outputs``) and share newly full prompt blocks."""
         for seq, _ in batch:
             if seq.status is SeqStatus.FINISHED:
                 continue
@@ -231,7 +214,6 @@ class Engine:
                 self.blocks.cache_blocks(
                     seq, seq.prompt_len
                 )  # share the prompt while still running
-        return outputs
 
     def has_unfinished(self) -> bool:
         """Any request not finished yet, paused ones included."""
@@ -308,16 +290,6 @@ class Engine:
         if stops or grammar_done or start + len(new) == sp.max_tokens:
             seq.finish_when_computed = "stop" if stops or grammar_done else "length"
         return agree < len(old)
-
-    @staticmethod
-    def _prompt_seen(seq: Sequence, vocab: int):
-        """The prompt's token set for the repetition penalty, built once per request (not per step:
-        a long prompt would cost milliseconds every step)."""
-        if seq.sampling.repetition_penalty == 1.0:
-            return ()
-        if seq.prompt_seen is None:
-            seq.prompt_seen = prompt_mask(seq.token_ids[: seq.prompt_len], vocab)
-        return seq.prompt_seen
 
     @staticmethod
     def _follow_grammar(seq: Sequence, dropped: list[int], added: list[int]) -> bool:
@@ -464,6 +436,18 @@ class Engine:
             raise RuntimeError("blocks leaked: not free, not cached and not owned")
 
     # ---- internals ------------------------------------------------------------------
+    @staticmethod
+    def _num_blocks(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype) -> int:
+        """KV blocks in the pool: ``config.num_blocks``, else as many as ``kv_cache_bytes`` holds."""
+        num_blocks = config.num_blocks or config.kv_cache_bytes // KvCache.bytes_per_block(
+            mc.num_layers, config.block_size, mc.num_kv_heads, mc.head_dim, dtype
+        )
+        if num_blocks <= 0:
+            raise ValueError(
+                f"kv_cache_bytes={config.kv_cache_bytes} holds no block of {config.block_size} tokens"
+            )
+        return num_blocks
+
     def _get(self, request_id: str) -> Sequence:
         seq = self._seqs.get(request_id)
         if seq is None:

@@ -43,15 +43,19 @@ def from_json_schema(schema: Any) -> str:
 
 
 class Grammars:
-    """One engine's grammar support: its tokenizer as llguidance sees it (built on first use)."""
+    """One engine's grammar support: its tokenizer as llguidance sees it (built on first use).
 
-    def __init__(self, hf_tokenizer: Any | None) -> None:
+    ``tokenizer``: an llguidance ``LLTokenizer`` to use as it is instead of one built from
+    ``hf_tokenizer`` (e.g. a byte-level one in a test).
+    """
+
+    def __init__(self, hf_tokenizer: Any | None, tokenizer: Any | None = None) -> None:
         self._hf = hf_tokenizer
-        self._tokenizer = None
+        self._tokenizer = tokenizer
 
     def matcher(self, grammar: str):
         """A fresh matcher for ``grammar``; ValueError if the model has no tokenizer or the grammar is bad."""
-        if self._hf is None:
+        if self._hf is None and self._tokenizer is None:
             raise ValueError("grammar: the model has no tokenizer, so it cannot follow a grammar")
         from llguidance import LLMatcher
 

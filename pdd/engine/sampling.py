@@ -1,4 +1,6 @@
-"""The sampler: logit bias, penalties, greedy, temperature, top-k, top-p, seeded (``sampling_params``).
+"""Sampling's pure functions: bias, penalties, greedy, temperature, top-k, top-p, seeded draws.
+
+``sampler`` applies them to a step's logits in order; what a request asks is ``sampling_params``.
 
 Reproducibility across engines and across a handoff: the random draw for the
 token at absolute sequence position ``p`` is one uniform number derived from
