@@ -7,6 +7,9 @@ what was wrong in words a client can act on.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 
 class PddError(Exception):
     """Base of every domain error."""
@@ -60,3 +63,15 @@ class PeerError(PddError):
     @property
     def cancelled(self) -> bool:
         return self.code == "CANCELLED"
+
+
+@contextmanager
+def field_prefix(prefix: str) -> Iterator[None]:
+    """Re-raise an ``InvalidArgumentError`` from inside with its field under ``prefix``:
+    ``top_p`` → ``sampling.top_p``, so a rule validated once still names the caller's field."""
+    try:
+        yield
+    except InvalidArgumentError as exc:
+        if not prefix:
+            raise
+        raise InvalidArgumentError(f"{prefix}.{exc.field}", exc.description) from None

@@ -9,7 +9,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
-from pdd.core.pipeline import HandoffMode, Pipeline
+from pdd.core.pipeline import HandoffMode, Pipeline, Stage
 from pdd.core.sampling_params import Logprob, SamplingParams
 
 
@@ -53,7 +53,7 @@ class RequestStats:
 class TokenEvent:
     start_position: int
     token_ids: tuple[int, ...]
-    stage: int
+    stage: Stage
     logprobs: tuple[Logprob, ...] = ()  # one per token when the request asked for them
 
 

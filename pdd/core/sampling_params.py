@@ -1,4 +1,5 @@
-"""``SamplingParams``: what a request asks of the sampler (the sampler itself is ``sampling``).
+"""``SamplingParams``: what a request asks of the sampler (``pdd.engine.sampler``, over the
+pure functions of ``pdd.engine.sampling``).
 
 NOTE: no torch here: the gateway and kvstore convert sampling parameters and
 must not load torch for it.
@@ -8,6 +9,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+from pdd.core.errors import InvalidArgumentError
 
 PENALTY_LIMIT = 2.0  # |presence_penalty|, |frequency_penalty| at most this (OpenAI's range)
 LOGIT_BIAS_LIMIT = 100.0  # |a logit bias| at most this (OpenAI's range)
@@ -46,51 +49,49 @@ class SamplingParams:
     grammar: str | None = None
 
     def __post_init__(self) -> None:
+        """NOTE: the one place these rules live; the wire and HTTP converters build a
+        SamplingParams and only prefix the field (``sampling.top_p``) with ``field_prefix``."""
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if not self.temperature >= 0:  # also rejects NaN
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidArgumentError(
+                "max_tokens", f"must be an int >= 1, got {self.max_tokens!r}"
+            )
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):  # rejects NaN too
+            raise InvalidArgumentError(
+                "temperature", f"must be a finite number >= 0, got {self.temperature}"
+            )
+        if not 0.0 < self.top_p <= 1.0:  # also rejects NaN
+            raise InvalidArgumentError("top_p", f"must be in (0, 1], got {self.top_p}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an int >= 0, got {self.top_k!r}")
+            raise InvalidArgumentError("top_k", f"must be an int >= 0, got {self.top_k!r}")
         if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+            raise InvalidArgumentError("seed", f"must be an int or None, got {self.seed!r}")
         stops = tuple(self.stop_token_ids)
         if any(not isinstance(t, int) or t < 0 for t in stops):
-            raise ValueError(
-                f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}"
+            raise InvalidArgumentError(
+                "stop_token_ids", f"must be non-negative ints, got {self.stop_token_ids!r}"
             )
         object.__setattr__(self, "stop_token_ids", stops)
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not -PENALTY_LIMIT <= v <= PENALTY_LIMIT:  # also rejects NaN
-                raise ValueError(f"{name} must be in [-{PENALTY_LIMIT}, {PENALTY_LIMIT}], got {v}")
-        if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
-            raise ValueError(
-                f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}"
-            )
-        pairs = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
-        bias = tuple(sorted((t, float(b)) for t, b in pairs))
-        for t, b in bias:
-            if not isinstance(t, int) or t < 0:
-                raise ValueError(f"logit_bias: token ids must be non-negative ints, got {t!r}")
-            if not -LOGIT_BIAS_LIMIT <= b <= LOGIT_BIAS_LIMIT:
-                raise ValueError(
-                    f"logit_bias: the bias of token {t} must be in [-{LOGIT_BIAS_LIMIT:g}, "
-                    f"{LOGIT_BIAS_LIMIT:g}], got {b}"
+                raise InvalidArgumentError(
+                    name, f"must be in [-{PENALTY_LIMIT:g}, {PENALTY_LIMIT:g}], got {v}"
                 )
-        if len({t for t, _ in bias}) != len(bias):
-            raise ValueError("logit_bias: a token id appears twice")
-        object.__setattr__(self, "logit_bias", bias)
+        if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
+            raise InvalidArgumentError(
+                "repetition_penalty", f"must be a finite number > 0, got {self.repetition_penalty}"
+            )
+        object.__setattr__(self, "logit_bias", _checked_bias(self.logit_bias))
         if self.logprobs is not None and not (
             isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS
         ):
-            raise ValueError(
-                f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
+            raise InvalidArgumentError(
+                "logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
             )
         if self.grammar is not None and not (isinstance(self.grammar, str) and self.grammar):
-            raise ValueError(f"grammar must be None or a non-empty string, got {self.grammar!r}")
+            raise InvalidArgumentError(
+                "grammar", f"must be a non-empty string, got {self.grammar!r}"
+            )
 
     @property
     def greedy(self) -> bool:
@@ -108,3 +109,25 @@ class SamplingParams:
     def adjusts_logits(self) -> bool:
         """Whether the sampler must change the model's logits first (bias, penalties)."""
         return self.penalized or bool(self.logit_bias)
+
+
+def _checked_bias(
+    bias: tuple[tuple[int, float], ...] | dict[int, float],
+) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` as sorted (token id, bias) pairs, each checked (``logit_bias[<id>]``)."""
+    pairs = tuple(
+        sorted((t, float(b)) for t, b in (bias.items() if isinstance(bias, dict) else bias))
+    )
+    for t, b in pairs:
+        if not isinstance(t, int) or t < 0:
+            raise InvalidArgumentError(
+                "logit_bias", f"token ids must be non-negative ints, got {t!r}"
+            )
+        if not -LOGIT_BIAS_LIMIT <= b <= LOGIT_BIAS_LIMIT:  # also rejects NaN
+            raise InvalidArgumentError(
+                f"logit_bias[{t}]",
+                f"must be in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}], got {b}",
+            )
+    if len({t for t, _ in pairs}) != len(pairs):
+        raise InvalidArgumentError("logit_bias", "a token id appears twice")
+    return pairs

@@ -80,4 +80,6 @@ def http_error_for(exc: BaseException) -> tuple[int, dict[str, Any]]:
 
 def is_expected(exc: BaseException) -> bool:
     """Whether ``exc`` is an expected error (logged without a traceback)."""
-    return isinstance(exc, (ApiError, grpc.aio.AioRpcError, errors.PeerError)) or is_domain_error(exc)
+    return isinstance(exc, (ApiError, grpc.aio.AioRpcError, errors.PeerError)) or is_domain_error(
+        exc
+    )

@@ -1,13 +1,12 @@
 """One long-lived gRPC channel per peer address (HTTP/2 multiplexes calls).
 
-Every outgoing channel between services is made here (TLS per ``pdd.server.tls``).
+Every outgoing channel between services is made here, with the TLS config the service's
+``build()`` passes in (its ``ServerConfig.tls``; see ``pdd.server.tls``).
 """
 
 from __future__ import annotations
 
-import grpc
-
-from pdd.server.tls import TlsConfig, installed, open_channel
+from pdd.server.tls import Channel, TlsConfig, open_channel
 
 _OPTIONS = [
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
@@ -17,12 +16,12 @@ _OPTIONS = [
 
 
 class Channels:
-    def __init__(self, tls: TlsConfig | None = None) -> None:
-        self._channels: dict[str, grpc.aio.Channel] = {}
-        # NOTE: default: the process's TLS settings, installed from the service's flags.
-        self.tls = installed() if tls is None else tls
+    def __init__(self, tls: TlsConfig) -> None:
+        self._channels: dict[str, Channel] = {}
+        # NOTE: no default on purpose: a service that forgot its TLS would dial peers in plaintext.
+        self.tls = tls
 
-    def get(self, address: str, lane: str = "") -> grpc.aio.Channel:
+    def get(self, address: str, lane: str = "") -> Channel:
         """The channel to ``address``; a named ``lane`` gets a TCP connection of its own.
 
         NOTE: HTTP/2 multiplexes calls on one connection, so a small, urgent KV delta queues

@@ -20,10 +20,12 @@ from pdd.core.instance import Instance, InstanceLoad, InstanceRef
 from pdd.core.stage_events import CacheReport
 from pdd.engine.config import EngineConfig
 from pdd.engine.engine import Engine
-from pdd.serving.engine_runner import EngineRunner
+from pdd.server.tls import TlsConfig, open_channel
+from pdd.serving.engine_loop import EngineLoop
 from pdd.serving.membership import Membership
 from pdd.serving.model_spec import load_model
 from pdd.telemetry import metrics
+from pdd.wire.kvstore_client import KvstoreClient
 
 log = structlog.get_logger(__name__)
 
@@ -46,12 +48,21 @@ class InstanceConfig:
 
 
 class EngineInstance:
-    def __init__(self, config: InstanceConfig, *, publish_cache_events: bool = True) -> None:
+    def __init__(
+        self,
+        config: InstanceConfig,
+        *,
+        tls: TlsConfig = TlsConfig(),
+        publish_cache_events: bool = True,
+    ) -> None:
         self.config = config
+        # TLS of the channel to kvstore: the service passes its own (ServerConfig.tls).
+        self.tls = tls
         self.publish_cache_events = publish_cache_events
         self.engine: Engine | None = None
-        self.runner: EngineRunner | None = None
+        self.runner: EngineLoop | None = None
         self.membership: Membership | None = None
+        self._kvstore_channel = None  # opened by register(), closed by stop()
 
     async def start(self) -> None:
         cfg = self.config
@@ -59,7 +70,7 @@ class EngineInstance:
             torch.set_num_threads(cfg.threads)
         ckpt = await asyncio.to_thread(load_model, cfg.model)
         self.engine = await asyncio.to_thread(Engine, ckpt, cfg.engine, self._on_cache_event)
-        self.runner = EngineRunner(self.engine)
+        self.runner = EngineLoop(self.engine)
         await self.runner.start()
         metrics.LIVE.watch_engine(cfg.ref.instance_id, cfg.ref.role.value, lambda: self.engine)
 
@@ -72,8 +83,9 @@ class EngineInstance:
                 ref.instance_id, f"{ref.address.rpartition(':')[0]}:{port}", ref.role, ref.cluster
             )
         assert self.engine is not None
+        self._kvstore_channel = open_channel(cfg.kvstore_address, self.tls)
         self.membership = Membership(
-            cfg.kvstore_address,
+            KvstoreClient(self._kvstore_channel),
             Instance(ref, self.engine.block_size, cfg.model),
             ttl_ms=cfg.lease_ttl_ms,
             load=self.load,
@@ -94,6 +106,8 @@ class EngineInstance:
         metrics.LIVE.forget(self.config.ref.instance_id)
         if self.membership is not None:
             await self.membership.stop()
+        if self._kvstore_channel is not None:
+            await self._kvstore_channel.close()
         if self.runner is not None:
             await self.runner.stop()
 

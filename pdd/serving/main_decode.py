@@ -1,11 +1,11 @@
 """MainDecode's request life: DRC hit → KV delta → (handoff) → decode.
 
 Life of a request (one ``decode`` generator per request, opened by the gateway):
-  1. ``add_request(paused)``: the prompt is matched against the DRC (the
-     engine's radix cache of prompts *and* outputs); the hit is locked and
-     reported — prefill pushes KV only from there on;
-  2. the pushed delta is reassembled by the ``KvReceiver`` (chunks in any
-     order, duplicates ignored, checksums checked) and imported;
+  1. admit: ``add_request(paused)``: the prompt is matched against the DRC
+     (the engine's radix cache of prompts *and* outputs); the hit is locked
+     and reported — prefill pushes KV only from there on;
+  2. receive KV: the pushed delta is reassembled by the ``KvReceiver``
+     (chunks in any order, duplicates ignored, checksums checked) and imported;
   3. P-MD: prefill's first token is appended and decoding starts at once;
      P-RLD-MD: the relay hands over with ``handoff`` — token IDs only. Each
      batch is *extended* in one forward pass (``append_tokens``); MainDecode
@@ -14,17 +14,21 @@ Life of a request (one ``decode`` generator per request, opened by the gateway):
   MD (conditional disaggregation): no prefill stage and no push — the engine
      prefills the short uncached suffix in its own batch, samples position 0
      and MainDecode speaks from the first token;
-  4. every output is streamed with its position; finishing inserts prompt +
-     output into the DRC (cache events reach kvstore), so the session's next
-     turn hits here.
+  4. decode: every output is streamed with its position; finishing inserts
+     prompt + output into the DRC (cache events reach kvstore), so the
+     session's next turn hits here.
 Cancellation (the gateway's call ends) aborts the request and frees its KV.
+
+The request's queue carries the engine loop's items (``pdd.serving.mailbox``, ``StepOutput``)
+and MainDecode's own: ``Extended`` (an extension to apply, in order behind the outputs the
+engine produced before it), ``EmitFrom`` (where MainDecode starts speaking) and ``Failed``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import structlog
@@ -45,13 +49,55 @@ from pdd.core.stage_events import (
     KvReadiness,
     Tokens,
 )
+from pdd.engine.engine import StepOutput
 from pdd.engine.sampling import Logprob
-from pdd.kv.receiver import KvReceiver
+from pdd.kv.receiver import KvReceiver, ReceivedKv
 from pdd.serving.engine_instance import EngineInstance
 from pdd.serving.kv_bridge import import_range
+from pdd.serving.mailbox import StepFailed
 from pdd.telemetry import metrics
 
 log = structlog.get_logger(__name__)
+
+
+# --- MainDecode's own mailbox items -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Extended:
+    """``token_ids`` were made the outputs from ``start`` on the engine thread (``rolled_back``:
+    what was decoded past them was dropped); apply it, then resolve ``applied``."""
+
+    start: int
+    token_ids: tuple[int, ...]
+    rolled_back: bool
+    applied: asyncio.Future
+
+    def __post_init__(self) -> None:
+        if self.start < 0:
+            raise ValueError(f"start: must be >= 0, got {self.start}")
+
+
+@dataclass(frozen=True)
+class EmitFrom:
+    """MainDecode speaks from output ``position`` on (what it produced there already, at once)."""
+
+    position: int
+
+    def __post_init__(self) -> None:
+        if self.position < 0:
+            raise ValueError(f"position: must be >= 0, got {self.position}")
+
+
+@dataclass(frozen=True)
+class Failed:
+    """Receiving or importing the request's KV failed: the request fails with ``error``."""
+
+    error: Exception
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.error, Exception):
+            raise ValueError(f"error: must be an Exception, got {type(self.error).__name__}")
 
 
 @dataclass
@@ -67,8 +113,15 @@ class _State:
     outputs: dict[int, int] = field(default_factory=dict)
     # Of the outputs this engine sampled (not those another stage's tokens extended), when asked for.
     logprobs: dict[int, Logprob] = field(default_factory=dict)
+    # The output position MainDecode speaks from; None until it is known.
+    emit_from: int | None = None
+    md_tokens: int = 0
     wan_bytes: int = 0
     extend_s: float = 0.0
+
+    def agrees(self, start: int, token_ids: Sequence[int]) -> bool:
+        """Whether the outputs from ``start`` are ``token_ids`` already."""
+        return all(self.outputs.get(start + i) == t for i, t in enumerate(token_ids))
 
 
 class MainDecode:
@@ -89,83 +142,108 @@ class MainDecode:
         return self.instance.engine
 
     async def decode(self, job: DecodeJob) -> AsyncIterator[Accepted | Tokens | Finished]:
+        state = self._open(job)
+        done = False
+        kv_task: asyncio.Task | None = None
+        try:
+            yield Accepted(await self._admit(state))
+            kv_task = self._start_kv(state)
+            while not done:
+                item = await state.queue.get()
+                for event in await self._on_item(state, item):
+                    done = done or isinstance(event, Finished)
+                    yield event
+        finally:
+            self._close(state, kv_task, done=done)
+
+    # --- the steps of a request's life --------------------------------------------------------
+
+    def _open(self, job: DecodeJob) -> _State:
         rid = job.request_id
         if rid in self._requests:
             raise InvalidArgumentError("request_id", f"{rid!r} is already decoding here")
         state = _State(job, self.runner.open(rid))
         self._requests[rid] = state
-        done = False
-        kv_task: asyncio.Task | None = None
-        try:
-            local = job.pipeline is Pipeline.MD
+        return state
 
-            def admit() -> int:
-                self.engine.add_request(
-                    rid, job.prompt_token_ids, job.sampling, salt=job.cache_salt, paused=not local
-                )
-                return self.engine.num_cached_tokens(rid)
+    async def _admit(self, state: _State) -> int:
+        """Add the request (paused unless MD prefills it here); how many prompt tokens it hit."""
+        job = state.job
+        rid = job.request_id
+        local = job.pipeline is Pipeline.MD
 
-            cached = await self.runner.call(admit)
-            metrics.PREFIX_QUERIES.labels("main_decode").inc(len(job.prompt_token_ids))
-            metrics.PREFIX_HITS.labels("main_decode").inc(cached)
-            log.info("md_accepted", cached_tokens=cached, prompt_tokens=len(job.prompt_token_ids))
-            yield Accepted(cached)
-            emit_from: int | None = None
-            if local:
-                state.kv_ready.set()  # NOTE: nothing to receive: a stray handoff must not wait for KV
-                emit_from = 0
-            else:
-                kv_task = asyncio.create_task(self._receive_kv(state))
-            md_tokens = 0
-            while True:
-                item = await state.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if isinstance(item, tuple) and item[0] == "extended":
-                    await self._apply_extension(state, *item[1:])
-                    continue
-                if isinstance(item, tuple):  # ("emit_from", n): the position MainDecode speaks from
-                    emit_from = item[1]
-                    ready = sorted(p for p in state.outputs if p >= emit_from)
-                    if ready:
-                        md_tokens += len(ready)
-                        yield Tokens(
-                            ready[0],
-                            tuple(state.outputs[p] for p in ready),
-                            self._logprobs(state, ready),
-                        )
-                    if state.finished:
-                        done = True
-                        yield self._finished(state, state.finish_reason, md_tokens)
-                        return
-                    continue
-                await self._note(state, item)
-                if (
-                    item.token_id is not None
-                    and emit_from is not None
-                    and item.position >= emit_from
-                ):
-                    md_tokens += 1
-                    yield Tokens(
-                        item.position, (item.token_id,), self._logprobs(state, [item.position])
-                    )
-                if item.finished:
-                    state.finish_reason = item.finish_reason
-                    if emit_from is not None:
-                        done = True
-                        yield self._finished(state, item.finish_reason, md_tokens)
-                        return
-        finally:
-            if kv_task is not None:
-                kv_task.cancel()
-            self._requests.pop(rid, None)
-            self.runner.close(rid)
-            if not done:
-                self.receiver.discard(rid)
-                self.runner.submit(
-                    self.engine.abort, rid
-                )  # NOTE: not awaited: runs even when cancelled
-                log.info("md_request_aborted")
+        def admit() -> int:
+            self.engine.add_request(
+                rid, job.prompt_token_ids, job.sampling, salt=job.cache_salt, paused=not local
+            )
+            return self.engine.num_cached_tokens(rid)
+
+        cached = await self.runner.call(admit)
+        metrics.PREFIX_QUERIES.labels("main_decode").inc(len(job.prompt_token_ids))
+        metrics.PREFIX_HITS.labels("main_decode").inc(cached)
+        log.info("md_accepted", cached_tokens=cached, prompt_tokens=len(job.prompt_token_ids))
+        return cached
+
+    def _start_kv(self, state: _State) -> asyncio.Task | None:
+        """Start receiving the KV delta; MD has none and speaks from the first output."""
+        if state.job.pipeline is Pipeline.MD:
+            state.kv_ready.set()  # NOTE: nothing to receive: a stray handoff must not wait for KV
+            state.emit_from = 0
+            return None
+        return asyncio.create_task(self._receive_kv(state))
+
+    async def _on_item(self, state: _State, item: object) -> list[Tokens | Finished]:
+        """Apply one mailbox item; the events it lets MainDecode send."""
+        match item:
+            case StepOutput():
+                return await self._on_output(state, item)
+            case Extended():
+                await self._apply_extension(state, item)
+                return []
+            case EmitFrom(position=position):
+                return self._on_emit_from(state, position)
+            case Failed(error=error) | StepFailed(error=error):
+                raise error
+        raise TypeError(f"unexpected item on {state.job.request_id}'s queue: {item!r}")
+
+    async def _on_output(self, state: _State, out: StepOutput) -> list[Tokens | Finished]:
+        await self._note(state, out)
+        events: list[Tokens | Finished] = []
+        if out.token_id is not None and state.emit_from is not None:
+            if out.position >= state.emit_from:
+                state.md_tokens += 1
+                logprobs = self._logprobs(state, [out.position])
+                events.append(Tokens(out.position, (out.token_id,), logprobs))
+        if out.finished:
+            state.finish_reason = out.finish_reason
+            if state.emit_from is not None:
+                events.append(self._finished(state, out.finish_reason))
+        return events
+
+    def _on_emit_from(self, state: _State, position: int) -> list[Tokens | Finished]:
+        state.emit_from = position
+        events: list[Tokens | Finished] = []
+        ready = sorted(p for p in state.outputs if p >= position)
+        if ready:
+            state.md_tokens += len(ready)
+            tokens = tuple(state.outputs[p] for p in ready)
+            events.append(Tokens(ready[0], tokens, self._logprobs(state, ready)))
+        if state.finished:
+            events.append(self._finished(state, state.finish_reason))
+        return events
+
+    def _close(self, state: _State, kv_task: asyncio.Task | None, *, done: bool) -> None:
+        rid = state.job.request_id
+        if kv_task is not None:
+            kv_task.cancel()
+        self._requests.pop(rid, None)
+        self.runner.close(rid)
+        if not done:
+            self.receiver.discard(rid)
+            self.runner.submit(
+                self.engine.abort, rid
+            )  # NOTE: not awaited: runs even when cancelled
+            log.info("md_request_aborted")
 
     @staticmethod
     def _logprobs(state: _State, positions: list[int]) -> tuple[Logprob, ...]:
@@ -178,16 +256,17 @@ class MainDecode:
             )
         return tuple(state.logprobs[p] for p in positions)
 
-    def _finished(self, state: _State, reason: str | None, md_tokens: int) -> Finished:
+    @staticmethod
+    def _finished(state: _State, reason: str | None) -> Finished:
         return Finished(
             reason,
             max(state.outputs, default=-1) + 1,
-            md_tokens,
+            state.md_tokens,
             state.wan_bytes,
             state.extend_s * 1000,
         )
 
-    async def _note(self, state: _State, out) -> None:
+    async def _note(self, state: _State, out: StepOutput) -> None:
         if out.token_id is not None:
             state.outputs[out.position] = out.token_id
             if out.logprob is not None:
@@ -197,33 +276,43 @@ class MainDecode:
             state.finished = state.finished or out.finished
             state.progress.notify_all()
 
+    # --- the KV delta ---------------------------------------------------------------------------
+
     async def _receive_kv(self, state: _State) -> None:
-        rid = state.job.request_id
         try:
-            kv = await self.receiver.wait_complete(rid, self.kv_timeout_s)
-            t0 = time.perf_counter()
-            await self.runner.call(import_range, self.engine, rid, kv.header, kv.payload)
-            self.receiver.pop(rid)
-            state.wan_bytes = kv.wire_bytes
-            metrics.WAN_BYTES.labels("received").inc(kv.wire_bytes)
-            metrics.WAN_TRANSFER.labels("received").observe(kv.elapsed_s)
-            state.kv_ready.set()
-            log.info(
-                "md_kv_imported",
-                tokens=kv.header.num_tokens,
-                wire_bytes=kv.wire_bytes,
-                transfer_s=round(kv.elapsed_s, 4),
-                import_ms=round((time.perf_counter() - t0) * 1000, 2),
-            )
+            kv = await self.receiver.wait_complete(state.job.request_id, self.kv_timeout_s)
+            await self._import(state, kv)
             if state.job.pipeline is Pipeline.P_MD:
-                first = list(kv.output_token_ids)
-                t1 = time.perf_counter()
-                # NOTE: expedited: the client waits on this first decode step (TTFDT).
-                await self._append(state, 0, first, expedite=True)
-                state.extend_s += time.perf_counter() - t1
-                state.queue.put_nowait(("emit_from", len(first)))
+                await self._start_from_first(state, kv.output_token_ids)
         except Exception as exc:  # noqa: BLE001 — surfaced on the request's stream
-            state.queue.put_nowait(exc)
+            state.queue.put_nowait(Failed(exc))
+
+    async def _import(self, state: _State, kv: ReceivedKv) -> None:
+        rid = state.job.request_id
+        t0 = time.perf_counter()
+        await self.runner.call(import_range, self.engine, rid, kv.header, kv.payload)
+        self.receiver.pop(rid)
+        state.wan_bytes = kv.wire_bytes
+        metrics.WAN_BYTES.labels("received").inc(kv.wire_bytes)
+        metrics.WAN_TRANSFER.labels("received").observe(kv.elapsed_s)
+        state.kv_ready.set()
+        log.info(
+            "md_kv_imported",
+            tokens=kv.header.num_tokens,
+            wire_bytes=kv.wire_bytes,
+            transfer_s=round(kv.elapsed_s, 4),
+            import_ms=round((time.perf_counter() - t0) * 1000, 2),
+        )
+
+    async def _start_from_first(self, state: _State, first: Sequence[int]) -> None:
+        """P-MD: append prefill's first token(s) and speak from the next output."""
+        t0 = time.perf_counter()
+        # NOTE: expedited: the client waits on this first decode step (TTFDT).
+        await self._append(state, 0, list(first), expedite=True)
+        state.extend_s += time.perf_counter() - t0
+        state.queue.put_nowait(EmitFrom(len(first)))
+
+    # --- the handoff (relay or gateway → here) --------------------------------------------------
 
     @property
     def decode_interval_s(self) -> float:
@@ -263,6 +352,23 @@ class MainDecode:
         already computed costs no engine step: the final one then lets MainDecode
         speak at once instead of after an extend step.
         """
+        state = await self._handoff_state(request_id)
+        target = start + len(token_ids)
+        agrees = state.agrees(start, token_ids)
+        if state.finished:
+            # NOTE: MainDecode ran ahead to the end during catch-up; it must agree with the relay.
+            if not agrees:
+                raise FailedPreconditionError(
+                    f"handoff tokens disagree with {request_id}'s finished outputs"
+                )
+        elif not (agrees and state.produced >= target):
+            await self._extend(state, start, token_ids, final=final)
+        if final:
+            state.queue.put_nowait(EmitFrom(target))
+        return target, max(target, state.produced + 1)
+
+    async def _handoff_state(self, request_id: str) -> _State:
+        """The P-RLD-MD request being handed over, once its KV is here."""
         state = self._requests.get(request_id)
         if state is None:
             raise NotFoundError(f"request_id: {request_id!r} is not decoding here")
@@ -277,32 +383,25 @@ class MainDecode:
             raise DeadlineExceededError(
                 f"KV of {request_id} did not arrive in {self.kv_timeout_s} s"
             ) from None
+        return state
+
+    async def _extend(
+        self, state: _State, start: int, token_ids: list[int], *, final: bool
+    ) -> None:
+        """Append a handoff batch and wait until the engine computed it (or finished)."""
         target = start + len(token_ids)
-        agrees = all(state.outputs.get(start + i) == t for i, t in enumerate(token_ids))
-        if state.finished:
-            # NOTE: MainDecode ran ahead to the end during catch-up; it must agree with the relay.
-            if not agrees:
-                raise FailedPreconditionError(
-                    f"handoff tokens disagree with {request_id}'s finished outputs"
-                )
-        elif not (agrees and state.produced >= target):
-            t0 = time.perf_counter()
-            appended = await self._append(state, start, token_ids, expedite=final)
-            async with state.progress:
-                # The extension is computed once the engine produced the position after it (or finished).
-                await state.progress.wait_for(lambda: state.produced >= target or state.finished)
-            if not appended and not all(
-                state.outputs.get(start + i) == t for i, t in enumerate(token_ids)
-            ):
-                # NOTE: MainDecode finished ahead while this round was on its way: its outputs stand
-                # and must agree with the relay's, or the stream would mix two paths.
-                raise FailedPreconditionError(
-                    f"handoff tokens disagree with {request_id}'s finished outputs"
-                )
-            state.extend_s += time.perf_counter() - t0
-        if final:
-            state.queue.put_nowait(("emit_from", target))
-        return target, max(target, state.produced + 1)
+        t0 = time.perf_counter()
+        appended = await self._append(state, start, token_ids, expedite=final)
+        async with state.progress:
+            # The extension is computed once the engine produced the position after it (or finished).
+            await state.progress.wait_for(lambda: state.produced >= target or state.finished)
+        if not appended and not state.agrees(start, token_ids):
+            # NOTE: MainDecode finished ahead while this round was on its way: its outputs stand
+            # and must agree with the relay's, or the stream would mix two paths.
+            raise FailedPreconditionError(
+                f"handoff tokens disagree with {state.job.request_id}'s finished outputs"
+            )
+        state.extend_s += time.perf_counter() - t0
 
     async def _append(
         self, state: _State, start: int, token_ids: list[int], *, expedite: bool
@@ -331,7 +430,7 @@ class MainDecode:
         # NOTE: through the request's queue, behind every output the engine produced before
         # the extension, so outputs decoded ahead on the old path can't outlive the rollback.
         applied = asyncio.get_running_loop().create_future()
-        state.queue.put_nowait(("extended", start, tuple(token_ids), rolled_back, applied))
+        state.queue.put_nowait(Extended(start, tuple(token_ids), rolled_back, applied))
         try:
             await asyncio.wait_for(applied, self.kv_timeout_s)
         except TimeoutError:
@@ -340,20 +439,13 @@ class MainDecode:
             ) from None
         return True
 
-    async def _apply_extension(
-        self,
-        state: _State,
-        start: int,
-        token_ids: tuple[int, ...],
-        rolled_back: bool,
-        applied: asyncio.Future,
-    ) -> None:
-        end = start + len(token_ids)
-        for i, tok in enumerate(token_ids):
-            state.outputs[start + i] = tok
-            state.logprobs.pop(start + i, None)  # another stage's token now
+    async def _apply_extension(self, state: _State, ext: Extended) -> None:
+        end = ext.start + len(ext.token_ids)
+        for i, tok in enumerate(ext.token_ids):
+            state.outputs[ext.start + i] = tok
+            state.logprobs.pop(ext.start + i, None)  # another stage's token now
         async with state.progress:
-            if rolled_back:
+            if ext.rolled_back:
                 for pos in [p for p in state.outputs if p >= end]:
                     del state.outputs[pos]
                     state.logprobs.pop(pos, None)
@@ -361,5 +453,5 @@ class MainDecode:
             else:
                 state.produced = max(state.produced, end - 1)
             state.progress.notify_all()
-        if not applied.done():
-            applied.set_result(None)
+        if not ext.applied.done():
+            ext.applied.set_result(None)

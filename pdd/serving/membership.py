@@ -24,18 +24,14 @@ taken wait behind it.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Protocol
 
-import grpc
 import structlog
 
 from pdd.core.cache_event import CacheEvent
+from pdd.core.errors import PddError
 from pdd.core.instance import Instance, InstanceLoad
-from pdd.gen.kvstore.v1 import kvstore_service_pb2 as pb
-from pdd.gen.kvstore.v1 import kvstore_service_pb2_grpc as pb_grpc
-from pdd.server.tls import TlsConfig, open_channel
-from pdd.wire import kvstore as conv
-from pdd.wire.common import instance_ref_to_pb
 
 log = structlog.get_logger(__name__)
 
@@ -45,6 +41,20 @@ MAX_EVENTS_PER_CALL = 256
 Snapshot = Callable[[], Awaitable[list[CacheEvent]]]
 
 
+class Kvstore(Protocol):
+    """What membership asks of kvstore: ``pdd.wire.kvstore_client.KvstoreClient`` over gRPC
+    (its failures are ``PeerError``), or the domain itself (``PrefixStore``) in-process (its
+    failures are the other ``PddError``s): either is survived and retried, never fatal."""
+
+    async def register(self, inst: Instance, ttl_ms: int, *, reset_index: bool = False) -> None: ...
+
+    async def heartbeat(self, instance_id: str, load: InstanceLoad) -> bool: ...
+
+    async def deregister(self, instance_id: str) -> object: ...
+
+    async def publish(self, instance_id: str, events: Sequence[CacheEvent]) -> int: ...
+
+
 async def _no_cache() -> list[CacheEvent]:
     return []
 
@@ -52,20 +62,19 @@ async def _no_cache() -> list[CacheEvent]:
 class Membership:
     def __init__(
         self,
-        kvstore_address: str,
+        kvstore: Kvstore,
         instance: Instance,
         *,
         ttl_ms: int = 6000,
         load: Callable[[], InstanceLoad] = InstanceLoad,
         snapshot: Snapshot = _no_cache,
-        tls: TlsConfig | None = None,
     ) -> None:
+        """``kvstore``: its channel (and TLS) belong to the caller, who closes it after ``stop``."""
+        self.kvstore = kvstore
         self.instance = instance
         self.ttl_ms = ttl_ms
         self._load = load
         self._snapshot = snapshot
-        self._channel = open_channel(kvstore_address, tls)
-        self._stub = pb_grpc.KvstoreServiceStub(self._channel)
         self._events: asyncio.Queue[CacheEvent] = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
         # Live events published while a snapshot is being taken; queued after it (see module NOTE).
@@ -74,6 +83,10 @@ class Membership:
         self._resync_pending = False
         self.published = 0
         self.resyncs = 0
+
+    @property
+    def instance_id(self) -> str:
+        return self.instance.ref.instance_id
 
     async def start(self) -> None:
         await self._register(reset_index=True)
@@ -88,12 +101,9 @@ class Membership:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         try:
-            await self._stub.DeregisterInstance(
-                pb.DeregisterInstanceRequest(instance_id=self.instance.ref.instance_id), timeout=2.0
-            )
-        except grpc.aio.AioRpcError as exc:
-            log.warning("deregister_failed", error=exc.details())
-        await self._channel.close()
+            await asyncio.wait_for(self.kvstore.deregister(self.instance_id), 2.0)
+        except (PddError, TimeoutError) as exc:
+            log.warning("deregister_failed", error=str(exc) or "timed out")
 
     def publish(self, event: CacheEvent) -> None:
         """Queue one cache event (call on the event loop thread)."""
@@ -110,37 +120,22 @@ class Membership:
             log.warning("cache_event_flush_timeout", pending=self._events.qsize())
 
     async def _register(self, *, reset_index: bool) -> None:
-        inst = self.instance
-        await self._stub.RegisterInstance(
-            pb.RegisterInstanceRequest(
-                ref=instance_ref_to_pb(inst.ref),
-                block_size=inst.block_size,
-                model=inst.model,
-                ttl_ms=self.ttl_ms,
-                reset_index=reset_index,
-            ),
-            timeout=5.0,
-        )
+        register = self.kvstore.register(self.instance, self.ttl_ms, reset_index=reset_index)
+        await asyncio.wait_for(register, 5.0)
 
     async def _heartbeat(self) -> None:
         period = self.ttl_ms / 3000
         while True:
             await asyncio.sleep(period)
             try:
-                resp = await self._stub.Heartbeat(
-                    pb.HeartbeatRequest(
-                        instance_id=self.instance.ref.instance_id,
-                        load=conv.load_to_pb(self._load()),
-                    ),
-                    timeout=period,
-                )
-                if not resp.known:
+                beat = self.kvstore.heartbeat(self.instance_id, self._load())
+                if not await asyncio.wait_for(beat, period):
                     log.warning("lease_lapsed_reregistering")
                     self._resync_pending = True
                 if self._resync_pending:
                     await self._resync()
-            except grpc.aio.AioRpcError as exc:
-                log.warning("heartbeat_failed", error=exc.details())
+            except (PddError, TimeoutError) as exc:
+                log.warning("heartbeat_failed", error=str(exc) or "timed out")
             except Exception:  # noqa: BLE001 — a failed snapshot must not end the heartbeats
                 log.exception("cache_resync_failed")
 
@@ -167,17 +162,17 @@ class Membership:
             batch = [await self._events.get()]
             while not self._events.empty() and len(batch) < MAX_EVENTS_PER_CALL:
                 batch.append(self._events.get_nowait())
-            request = pb.PublishCacheEventsRequest(
-                instance_id=self.instance.ref.instance_id,
-                events=[conv.cache_event_to_pb(e) for e in batch],
-            )
-            for attempt in range(5):
-                try:
-                    await self._stub.PublishCacheEvents(request, timeout=5.0)
-                    self.published += len(batch)
-                    break
-                except grpc.aio.AioRpcError as exc:
-                    log.warning("publish_failed", attempt=attempt, error=exc.details())
-                    await asyncio.sleep(0.2 * (attempt + 1))
+            await self._send(batch)
             for _ in batch:
                 self._events.task_done()
+
+    async def _send(self, batch: list[CacheEvent]) -> None:
+        """Publish one batch, retrying a few times."""
+        for attempt in range(5):
+            try:
+                await asyncio.wait_for(self.kvstore.publish(self.instance_id, batch), 5.0)
+                self.published += len(batch)
+                return
+            except (PddError, TimeoutError) as exc:
+                log.warning("publish_failed", attempt=attempt, error=str(exc) or "timed out")
+                await asyncio.sleep(0.2 * (attempt + 1))

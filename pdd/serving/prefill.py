@@ -1,7 +1,7 @@
 """Prefill's request life: compute the uncached suffix, sample, ship the KV.
 
 Life of a request (one ``prefill`` generator per request, opened by the gateway):
-  1. ``add_request`` with ``max_tokens=1``: the prompt is matched against
+  1. admit: ``add_request`` with ``max_tokens=1``: the prompt is matched against
      prefill's own radix cache, only the rest is computed (chunked), and the
      first token is sampled with the request's own sampling settings — the
      draw depends only on (seed, position), so every stage agrees;
@@ -10,28 +10,31 @@ Life of a request (one ``prefill`` generator per request, opened by the gateway)
      same time, (a) in full to the relay over the fast link (P-RLD-MD only)
      and (b) from ``main_decode_cached_tokens`` on — only what MainDecode's
      DRC lacks — over the WAN as a resumable ``PushKv`` stream, waiting for a
-     slot of the link's bounded stream pool;
+     slot of the link's bounded stream pool; both pushes start before the
+     prompt is computed and are fed as each chunk of it is (``Computed``
+     items on the request's queue);
   4. the request's KV is released as soon as it is exported (its prompt
      blocks stay in the radix cache for the next turn), and ``TransferDone``
      reports bytes and times.
+Prefill reaches MainDecode and the relay through ``PrefillPeers`` (typed clients over
+``Channels`` by default; in-process peers in tests).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import structlog
 
 from pdd.core.errors import FailedPreconditionError, InvalidArgumentError
 from pdd.core.pipeline import Pipeline
 from pdd.core.stage_events import FirstToken, PrefillJob, TransferDone
-from pdd.gen.main_decode.v1 import main_decode_service_pb2_grpc as md_grpc
-from pdd.gen.relay.v1 import relay_service_pb2_grpc as r_grpc
-from pdd.kv import messages as kv_convert
-from pdd.kv.fast_link.region import PrepareRequest
+from pdd.engine.engine import StepOutput
+from pdd.kv.fast_link.region import Completion, PrepareRequest, Reservation
 from pdd.kv.fast_link.select import usable_candidates
 from pdd.kv.fast_link.sender import FastLinkSender
 from pdd.kv.fast_link.shm import ShmSenderBackend
@@ -41,12 +44,13 @@ from pdd.kv.layout import KvDtype
 from pdd.kv.source import StreamedSource
 from pdd.kv.stream_pool import StreamPool
 from pdd.kv.transfer import DEFAULT_CHUNK_BYTES, Compression, TransferHeader
-from pdd.kv.wan import KvPusher, PusherConfig
-from pdd.server.interceptors import outgoing_metadata
+from pdd.kv.wan import KvPusher, PushReport
 from pdd.serving.channels import Channels
 from pdd.serving.engine_instance import EngineInstance
 from pdd.serving.kv_bridge import export_tokens, range_header, wire_bytes
+from pdd.serving.mailbox import Computed, StepFailed
 from pdd.telemetry import metrics
+from pdd.wire.kv_clients import FastLinkClient, KvPushClient
 
 log = structlog.get_logger(__name__)
 
@@ -78,6 +82,44 @@ def offered_transports(preference: str, same_host: bool) -> tuple[Transport, ...
     return offered
 
 
+# --- peers ----------------------------------------------------------------------------------
+
+
+class MainDecodePeer(Protocol):
+    """What prefill asks of a MainDecode (``pdd.wire.kv_clients.KvPushClient``)."""
+
+    def kv_pusher(self, pool: StreamPool) -> KvPusher: ...
+
+
+class RelayPeer(Protocol):
+    """What prefill asks of a relay (``pdd.wire.kv_clients.FastLinkClient``)."""
+
+    async def prepare_transfer(self, request: PrepareRequest) -> Reservation: ...
+
+    async def complete_transfer(self, completion: Completion) -> bool: ...
+
+    def tcp_backend(self) -> TcpSenderBackend: ...
+
+
+@dataclass(frozen=True)
+class PrefillPeers:
+    """How prefill reaches its peers: MainDecode by (address, lane), the relay by address."""
+
+    main_decode: Callable[[str, str], MainDecodePeer]
+    relay: Callable[[str], RelayPeer]
+
+    @classmethod
+    def over(cls, channels: Channels) -> PrefillPeers:
+        """Typed gRPC clients on ``channels`` (one connection per address and lane)."""
+        return cls(
+            lambda address, lane: KvPushClient(channels.get(address, lane)),
+            lambda address: FastLinkClient(channels.get(address)),
+        )
+
+
+# --- one request ----------------------------------------------------------------------------
+
+
 class _Link:
     """One outgoing KV range: its header and a source fed token by token as prefill computes."""
 
@@ -97,12 +139,31 @@ class _Link:
             yield await self._pieces.get()
 
 
+@dataclass(frozen=True)
+class _FastLinkSent:
+    """What the fast link to the relay carried (nothing, and transport "failed", if it broke)."""
+
+    kv_bytes: int = 0
+    elapsed_s: float = 0.0
+    transport: str = ""
+
+
 class Prefill:
     def __init__(
-        self, instance: EngineInstance, channels: Channels, config: PrefillConfig = PrefillConfig()
+        self,
+        instance: EngineInstance,
+        channels: Channels | None = None,
+        config: PrefillConfig = PrefillConfig(),
+        *,
+        peers: PrefillPeers | None = None,
     ) -> None:
+        """``peers``: default, typed gRPC clients over ``channels``."""
+        if peers is None:
+            if channels is None:
+                raise ValueError("channels: required unless peers are given")
+            peers = PrefillPeers.over(channels)
         self.instance = instance
-        self.channels = channels
+        self.peers = peers
         self.config = config
         self._pools: dict[str, StreamPool] = {}
         self._active: set[str] = set()
@@ -117,39 +178,13 @@ class Prefill:
         return self.instance.engine
 
     async def prefill(self, job: PrefillJob) -> AsyncIterator[FirstToken | TransferDone]:
-        rid = job.request_id
-        n = len(job.prompt_token_ids)
-        md_from = job.main_decode_cached_tokens
-        if not 0 <= md_from <= n:
-            raise InvalidArgumentError("main_decode_cached_tokens", f"must be in [0, {n}]")
-        if job.pipeline is Pipeline.P_RLD_MD and job.relay is None:
-            raise InvalidArgumentError("relay", "is required for the P-RLD-MD pipeline")
-        if rid in self._active:
-            raise InvalidArgumentError("request_id", f"{rid!r} is already being prefilled here")
+        self._check(job)
+        rid, n = job.request_id, len(job.prompt_token_ids)
         self._active.add(rid)
         queue = self.runner.open(rid)
         self.runner.watch(rid)
-        cfg = self.config
         first: asyncio.Future = asyncio.get_running_loop().create_future()
-        links: list[_Link] = [
-            _Link(
-                range_header(
-                    self.engine,
-                    rid,
-                    md_from,
-                    n,
-                    job.prompt_token_ids,
-                    job.cache_salt,
-                    wire_dtype=cfg.wan_dtype,
-                    compression=cfg.wan_compression,
-                    chunk_bytes=cfg.wan_chunk_bytes,
-                )
-            )
-        ]
-        if job.pipeline is Pipeline.P_RLD_MD:
-            links.append(
-                _Link(range_header(self.engine, rid, 0, n, job.prompt_token_ids, job.cache_salt))
-            )
+        links = self._links(job)
         # NOTE: both pushes start now and stream each chunk of the prompt as soon as it is computed.
         tasks = [asyncio.create_task(self._push_wan(job, links[0], first))]
         if len(links) > 1:
@@ -157,97 +192,165 @@ class Prefill:
         held = finished = False
         try:
             t0 = time.perf_counter()
-
-            def admit() -> int:
-                self.engine.add_request(
-                    rid,
-                    job.prompt_token_ids,
-                    replace(job.sampling, max_tokens=1),
-                    salt=job.cache_salt,
-                    keep_after_finish=True,
-                )
-                return self.engine.num_cached_tokens(rid)
-
-            cached = await self.runner.call(admit)
+            cached = await self._admit(job)
             held = True
-            metrics.PREFIX_QUERIES.labels("prefill").inc(n)
-            metrics.PREFIX_HITS.labels("prefill").inc(cached)
-            exported = 0
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                done = not isinstance(item, tuple)
-                upto = n if done else min(item[1], n)
-                if upto > exported:
-                    kv = await self.runner.call(export_tokens, self.engine, rid, exported, upto)
-                    for link in links:
-                        link.feed(kv, exported)
-                    exported = upto
-                if done:
-                    break
-            token = item.token_id
+            out = await self._compute(job, queue, links)
             prefill_ms = (time.perf_counter() - t0) * 1000
             log.info(
                 "prefilled", prompt_tokens=n, cached_tokens=cached, prefill_ms=round(prefill_ms, 2)
             )
-            first.set_result((token,))
+            first.set_result((out.token_id,))
             # NOTE: the token leaves before any housekeeping: awaiting the engine thread first let it
             # wait behind the event loop's other work (the KV pushes starting) — 10-150 ms of TTFT.
-            yield FirstToken(token, n, cached, prefill_ms, item.logprob)
+            yield FirstToken(out.token_id, n, cached, prefill_ms, out.logprob)
             await self.runner.call(self.engine.release, rid)
             held = False
-            wan = await tasks[0]
-            relay = (0, 0.0, "")
-            if len(tasks) > 1:
-                try:
-                    relay = await tasks[1]
-                except Exception as exc:  # noqa: BLE001
-                    # NOTE: a lost relay must not fail the request: MainDecode has its KV over the
-                    # WAN, and the gateway hands the tokens it streamed over to MainDecode itself.
-                    log.warning(
-                        "fast_link_failed",
-                        relay=job.relay.instance_id if job.relay else "",
-                        error=f"{type(exc).__name__}: {exc}",
-                    )
-                    relay = (0, 0.0, "failed")
+            done = await self._transfer_done(job, tasks)
             finished = True
-            yield TransferDone(
-                relay[0],
-                wan.wire_bytes,
-                relay[1] * 1000,
-                wan.elapsed_s * 1000,
-                wan.queue_wait_s * 1000,
-                relay[2],
-            )
+            yield done
         finally:
-            self._active.discard(rid)
-            self.runner.close(rid)
-            if not finished:
-                for task in tasks:
-                    task.cancel()
-                if not first.done():
-                    first.cancel()
-            if held:
-                self.runner.submit(self._drop, rid)  # NOTE: not awaited: runs even when cancelled
+            self._close(rid, tasks, first, held=held, finished=finished)
+
+    # --- the steps of a request's life --------------------------------------------------------
+
+    def _check(self, job: PrefillJob) -> None:
+        n = len(job.prompt_token_ids)
+        if not 0 <= job.main_decode_cached_tokens <= n:
+            raise InvalidArgumentError("main_decode_cached_tokens", f"must be in [0, {n}]")
+        if job.pipeline is Pipeline.P_RLD_MD and job.relay is None:
+            raise InvalidArgumentError("relay", "is required for the P-RLD-MD pipeline")
+        if job.request_id in self._active:
+            raise InvalidArgumentError(
+                "request_id", f"{job.request_id!r} is already being prefilled here"
+            )
+
+    def _links(self, job: PrefillJob) -> list[_Link]:
+        """The WAN delta to MainDecode; for P-RLD-MD, then the whole prompt to the relay."""
+        cfg, rid, n = self.config, job.request_id, len(job.prompt_token_ids)
+        wan = range_header(
+            self.engine,
+            rid,
+            job.main_decode_cached_tokens,
+            n,
+            job.prompt_token_ids,
+            job.cache_salt,
+            wire_dtype=cfg.wan_dtype,
+            compression=cfg.wan_compression,
+            chunk_bytes=cfg.wan_chunk_bytes,
+        )
+        links = [_Link(wan)]
+        if job.pipeline is Pipeline.P_RLD_MD:
+            links.append(
+                _Link(range_header(self.engine, rid, 0, n, job.prompt_token_ids, job.cache_salt))
+            )
+        return links
+
+    async def _admit(self, job: PrefillJob) -> int:
+        """Add the request (one output, kept after finishing for export); its prefix hit."""
+        rid = job.request_id
+
+        def admit() -> int:
+            self.engine.add_request(
+                rid,
+                job.prompt_token_ids,
+                replace(job.sampling, max_tokens=1),
+                salt=job.cache_salt,
+                keep_after_finish=True,
+            )
+            return self.engine.num_cached_tokens(rid)
+
+        cached = await self.runner.call(admit)
+        metrics.PREFIX_QUERIES.labels("prefill").inc(len(job.prompt_token_ids))
+        metrics.PREFIX_HITS.labels("prefill").inc(cached)
+        return cached
+
+    async def _compute(
+        self, job: PrefillJob, queue: asyncio.Queue, links: list[_Link]
+    ) -> StepOutput:
+        """Feed the links each computed part of the prompt; the sampled first token's output."""
+        rid, n = job.request_id, len(job.prompt_token_ids)
+        exported = 0
+        while True:
+            out: StepOutput | None = None
+            match await queue.get():
+                case Computed(tokens=tokens):
+                    upto = min(tokens, n)
+                case StepOutput() as out:
+                    upto = n
+                case StepFailed(error=error):
+                    raise error
+                case item:
+                    raise TypeError(f"unexpected item on {rid}'s queue: {item!r}")
+            if upto > exported:
+                kv = await self.runner.call(export_tokens, self.engine, rid, exported, upto)
+                for link in links:
+                    link.feed(kv, exported)
+                exported = upto
+            if out is not None:
+                return out
+
+    async def _transfer_done(self, job: PrefillJob, tasks: list[asyncio.Task]) -> TransferDone:
+        wan: PushReport = await tasks[0]
+        fast = _FastLinkSent()
+        if len(tasks) > 1:
+            try:
+                fast = await tasks[1]
+            except Exception as exc:  # noqa: BLE001
+                # NOTE: a lost relay must not fail the request: MainDecode has its KV over the
+                # WAN, and the gateway hands the tokens it streamed over to MainDecode itself.
+                log.warning(
+                    "fast_link_failed",
+                    relay=job.relay.instance_id if job.relay else "",
+                    error=f"{type(exc).__name__}: {exc}",
+                )
+                fast = _FastLinkSent(transport="failed")
+        return TransferDone(
+            fast.kv_bytes,
+            wan.wire_bytes,
+            fast.elapsed_s * 1000,
+            wan.elapsed_s * 1000,
+            wan.queue_wait_s * 1000,
+            fast.transport,
+        )
+
+    def _close(
+        self,
+        rid: str,
+        tasks: list[asyncio.Task],
+        first: asyncio.Future,
+        *,
+        held: bool,
+        finished: bool,
+    ) -> None:
+        self._active.discard(rid)
+        self.runner.close(rid)
+        if not finished:
+            for task in tasks:
+                task.cancel()
+            if not first.done():
+                first.cancel()
+        if held:
+            self.runner.submit(self._drop, rid)  # NOTE: not awaited: runs even when cancelled
 
     def _drop(self, rid: str) -> None:
         self.engine.abort(rid)  # NOTE: frees a kept (finished) request too
 
-    async def _push_wan(self, job: PrefillJob, link: _Link, first: asyncio.Future):
+    # --- the two links ------------------------------------------------------------------------
+
+    def _pool(self, address: str, lane: str) -> StreamPool:
+        pool = self._pools.get(f"{address}#{lane}")
+        if pool is None:
+            pool = self._pools[f"{address}#{lane}"] = StreamPool(self.config.wan_streams)
+            metrics.LIVE.watch_pool(pool)
+        return pool
+
+    async def _push_wan(self, job: PrefillJob, link: _Link, first: asyncio.Future) -> PushReport:
         header = link.header
         address = job.main_decode.address
         # NOTE: P-MD deltas are small and on the user's critical path (MainDecode decodes every
         # token); P-RLD-MD deltas are bulk that the relay hides. Separate lanes, separate pools.
         lane = "urgent" if job.pipeline is Pipeline.P_MD else "bulk"
-        pool = self._pools.get(f"{address}#{lane}")
-        if pool is None:
-            pool = self._pools[f"{address}#{lane}"] = StreamPool(self.config.wan_streams)
-            metrics.LIVE.watch_pool(pool)
-        stub = md_grpc.MainDecodeServiceStub(self.channels.get(address, lane))
-        pusher = KvPusher.for_stub(
-            stub, config=PusherConfig(), pool=pool, metadata=outgoing_metadata()
-        )
+        pusher = self.peers.main_decode(address, lane).kv_pusher(self._pool(address, lane))
         report = await pusher.push(header, link.source, output_token_ids=first)
         metrics.WAN_BYTES.labels("sent").inc(report.wire_bytes)
         metrics.WAN_TRANSFER.labels("sent").observe(report.elapsed_s)
@@ -262,30 +365,19 @@ class Prefill:
         )
         return report
 
-    async def _send_fast(self, job: PrefillJob, link: _Link, first: asyncio.Future):
+    async def _send_fast(
+        self, job: PrefillJob, link: _Link, first: asyncio.Future
+    ) -> _FastLinkSent:
         assert job.relay is not None
         header = link.header
-        stub = r_grpc.RelayServiceStub(self.channels.get(job.relay.address))
-        meta = outgoing_metadata()
+        relay = self.peers.relay(job.relay.address)
         request = PrepareRequest(
             job.request_id, header.layout, header.num_tokens, header.total_bytes, self.transports
         )
-        reservation = kv_convert.reservation_from_pb(
-            await stub.PrepareTransfer(kv_convert.prepare_request_to_pb(request), metadata=meta),
-            request,
-        )
-        sender = FastLinkSender(
-            [ShmSenderBackend(), TcpSenderBackend.for_stub(stub, metadata=meta)]
-        )
-
-        async def complete(completion):
-            resp = await stub.CompleteTransfer(
-                kv_convert.completion_to_pb(completion), metadata=meta
-            )
-            return resp.accepted
-
+        reservation = await relay.prepare_transfer(request)
+        sender = FastLinkSender([ShmSenderBackend(), relay.tcp_backend()])
         t0 = time.perf_counter()
-        report = await sender.send(reservation, header, link.source, complete, first)
+        report = await sender.send(reservation, header, link.source, relay.complete_transfer, first)
         if report.state is not TransferState.COMPLETED:
             raise FailedPreconditionError(
                 f"fast link to {job.relay.instance_id} failed: {report.state.value}"
@@ -293,4 +385,4 @@ class Prefill:
         elapsed, transport = time.perf_counter() - t0, reservation.transport.value
         metrics.FAST_LINK_BYTES.labels(transport).inc(header.total_bytes)
         metrics.FAST_LINK_TRANSFER.labels(transport).observe(elapsed)
-        return header.total_bytes, elapsed, transport
+        return _FastLinkSent(header.total_bytes, elapsed, transport)

@@ -5,8 +5,8 @@ Life of a request (one ``decode`` generator per request, opened by the gateway):
      over the fast link (RDMA, shared memory or TCP: ``FastLinkReceiver``);
   2. the KV is imported, prefill's first token appended, and decoding starts
      at once — every token streams to the gateway with its position;
-  3. meanwhile ``WaitKvReady`` long-polls MainDecode; once MainDecode holds
-     the KV, the handoff (``TokenHandoff``, token IDs only):
+  3. meanwhile ``wait_kv_ready`` long-polls MainDecode; once MainDecode holds
+     the KV, the handoff (``token_handoff``, token IDs only):
      - one-shot: pause, send every output, stop;
      - catch-up: send what exists while still decoding; MainDecode extends
        it and keeps decoding ahead; repeat with the newer tokens until
@@ -22,32 +22,47 @@ Life of a request (one ``decode`` generator per request, opened by the gateway):
   4. a request that finishes here first still hands its final tokens over
      (``request_finished``), so MainDecode's DRC holds prompt + output.
 Cancellation (the gateway's call ends) aborts the request and frees its KV.
+
+The request's mailbox (its engine-loop queue) holds the engine's ``StepOutput``s and
+``StepFailed``, and the relay's own ``KvReady``, ``HandoffDone`` and ``Failed``. MainDecode is
+a peer (``MainDecodePeer``): a ``MainDecodeClient`` over gRPC, or an in-process one in tests.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
-import grpc
 import structlog
 
-from pdd.core.errors import DeadlineExceededError, InvalidArgumentError
+from pdd.core.errors import DeadlineExceededError, InvalidArgumentError, PeerError
+from pdd.core.instance import InstanceRef
 from pdd.core.pipeline import HandoffMode
-from pdd.core.stage_events import Accepted, Finished, HandedOff, RelayJob, Tokens
-from pdd.gen.main_decode.v1 import main_decode_service_pb2 as md_pb
-from pdd.gen.main_decode.v1 import main_decode_service_pb2_grpc as md_grpc
+from pdd.core.stage_events import (
+    Accepted,
+    Finished,
+    HandedOff,
+    HandoffAck,
+    HandoffBatch,
+    KvReadiness,
+    RelayEvent,
+    RelayJob,
+    Tokens,
+)
+from pdd.engine.engine import StepOutput
 from pdd.kv.fast_link.receiver import FastLinkReceiver
-from pdd.server.interceptors import outgoing_metadata
 from pdd.serving.channels import Channels
 from pdd.serving.engine_instance import EngineInstance
 from pdd.serving.kv_bridge import import_range
+from pdd.serving.mailbox import StepFailed
 from pdd.serving.stream_pacer import StreamPacer, SwitchTimes
 from pdd.telemetry import metrics
-from pdd.wire.common import handoff_to_pb
+from pdd.wire.main_decode_client import MainDecodeClient
 
 log = structlog.get_logger(__name__)
 
@@ -86,6 +101,107 @@ class RelayConfig:
             raise ValueError(f"max_catch_up_rounds: must be >= 0, got {self.max_catch_up_rounds}")
 
 
+class HandoffStream(Protocol):
+    """One token handoff to MainDecode (``pdd.wire.call.HandoffCall``): batch in, ack out."""
+
+    async def send(self, batch: HandoffBatch) -> HandoffAck: ...
+
+    async def done(self, *, wait: bool = False) -> None: ...
+
+    def cancel(self) -> None: ...
+
+
+class MainDecodePeer(Protocol):
+    """What the relay asks of the MainDecode it hands a request to (``MainDecodeClient``)."""
+
+    async def wait_kv_ready(self, request_id: str, timeout_ms: int) -> KvReadiness: ...
+
+    def token_handoff(self) -> HandoffStream: ...
+
+
+# --- the relay's own mailbox items (beside the engine loop's StepOutput and StepFailed) ---------
+
+
+@dataclass(frozen=True)
+class KvReady:
+    """MainDecode holds the request's KV; it decodes a token every ``interval_s`` (0: unknown)."""
+
+    interval_s: float
+
+    def __post_init__(self) -> None:
+        if self.interval_s < 0:
+            raise ValueError(f"interval_s: must be >= 0, got {self.interval_s}")
+
+
+@dataclass(frozen=True)
+class HandoffDone:
+    """MainDecode took the request over: the relay's stream ends with ``handed_off``."""
+
+    handed_off: HandedOff
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A task beside the stream (MainDecode's KV wait, the handoff) failed: so does the stream."""
+
+    error: BaseException
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.error, BaseException):
+            raise ValueError(f"error: must be an exception, got {type(self.error).__name__}")
+
+
+@dataclass
+class _Life:
+    """One request on the relay, from admission to handoff or finish."""
+
+    job: RelayJob
+    mailbox: asyncio.Queue
+    md: MainDecodePeer
+    tasks: list[asyncio.Task] = field(default_factory=list)
+    # Outputs from this position on are the relay's own (before it: prefill's first token).
+    own_from: int = 0
+    # NOTE: the engine forgets a finished request; keep its outputs here.
+    outputs: list[int] = field(default_factory=list)
+    # Set once decoding starts (``_start``): its lead is what recent switches took by then.
+    pacer: StreamPacer = field(init=False)
+    # NOTE: the relay's share of TTFDT, logged with its first token: KV arrived → decoding → out.
+    ttfdt_share: tuple[float, float] | None = None
+    # NOTE: collected by a task of its own and stamped on arrival, also while the pacer
+    # holds a token, so a held token is held from when it was computed.
+    pending: collections.deque[tuple[float, object]] = field(default_factory=collections.deque)
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+def _post_outcome(mailbox: asyncio.Queue, task: asyncio.Task) -> None:
+    """A task beside the stream ended: what it returned (or the error it raised) is mail."""
+    if task.cancelled():
+        return
+    exc = task.exception()
+    item = task.result() if exc is None else Failed(exc)
+    if item is not None:
+        mailbox.put_nowait(item)
+
+
+def _batch(
+    job: RelayJob,
+    outputs: Sequence[int],
+    start: int,
+    *,
+    final: bool = False,
+    request_finished: bool = False,
+) -> HandoffBatch:
+    """The handoff batch of ``outputs[start:]``."""
+    return HandoffBatch(
+        job.request_id,
+        start,
+        tuple(outputs[start:]),
+        final=final,
+        request_finished=request_finished,
+        mode=job.handoff_mode,
+    )
+
+
 class Relay:
     def __init__(
         self,
@@ -93,11 +209,16 @@ class Relay:
         fast: FastLinkReceiver,
         channels: Channels,
         config: RelayConfig = RelayConfig(),
+        *,
+        main_decode: Callable[[InstanceRef], MainDecodePeer] | None = None,
     ) -> None:
+        """``main_decode``: the peer a request's MainDecode is reached through (default: a
+        ``MainDecodeClient`` on ``channels``; tests pass an in-process one)."""
         self.instance = instance
         self.fast = fast
         self.channels = channels
         self.config = config
+        self._main_decode = main_decode or (lambda ref: MainDecodeClient(channels.get(ref.address)))
         self._active: set[str] = set()
         self._switch_times = SwitchTimes(LEAD_PRIOR_S)
 
@@ -106,6 +227,7 @@ class Relay:
             return self.config.stream_lead_s
         return self._switch_times.lead_s((job.main_decode.address, job.handoff_mode))
 
+    # NOTE: the instance builds its engine and loop in start(): read them when used.
     @property
     def runner(self):
         return self.instance.runner
@@ -114,208 +236,216 @@ class Relay:
     def engine(self):
         return self.instance.engine
 
-    async def decode(
-        self, job: RelayJob
-    ) -> AsyncIterator[Accepted | Tokens | HandedOff | Finished]:
+    async def decode(self, job: RelayJob) -> AsyncIterator[RelayEvent]:
         rid = job.request_id
         if rid in self._active:
             raise InvalidArgumentError("request_id", f"{rid!r} is already decoding here")
         self._active.add(rid)
-        queue = self.runner.open(rid)
-        md = md_grpc.MainDecodeServiceStub(self.channels.get(job.main_decode.address))
-        tasks: list[asyncio.Task] = []
+        life = _Life(job, self.runner.open(rid), self._main_decode(job.main_decode))
         try:
-            await self.runner.call(
-                self.engine.add_request,
-                rid,
-                job.prompt_token_ids,
-                job.sampling,
-                salt=job.cache_salt,
-                paused=True,
-            )
+            await self._admit(job)
             yield Accepted()
-            region = await self.fast.wait_complete(rid, self.config.kv_timeout_s)
-            t_kv = time.perf_counter()
-            try:
-                await self.runner.call(import_range, self.engine, rid, region.header, region.view)
-            finally:
-                self.fast.release(region.transfer_id)
-            first = list(region.output_token_ids)
-
-            def start() -> None:
-                self.engine.append_tokens(rid, first, 0)
-                self.engine.resume(rid)
-
-            await self.runner.call(start)
-            # NOTE: the relay's share of TTFDT, logged with its first token: KV arrived → decoding → out.
-            ttfdt_share: tuple[float, float] | None = (t_kv, time.perf_counter())
-            pacer = StreamPacer(self.config.pace_max_hold_s, lead_s=self._lead_s(job))
-            kv_ready = asyncio.create_task(self._wait_md(md, rid))
-            tasks.append(kv_ready)
-            kv_ready.add_done_callback(lambda t: queue.put_nowait(("kv_ready", t)))
-            finished: tuple[str | None, int] | None = None
-            outputs = list(
-                first
-            )  # NOTE: the engine forgets a finished request; keep its outputs here
-            # NOTE: collected by a task of its own and stamped on arrival, also while the pacer
-            # holds a token, so a held token is held from when it was computed.
-            pending: collections.deque[tuple[float, object]] = collections.deque()
-            arrived = asyncio.Event()
-
-            async def collect() -> None:
-                while True:
-                    item = await queue.get()
-                    pending.append((pacer.clock(), item))
-                    if getattr(item, "finished", False):
-                        pacer.release()  # NOTE: it ends here: no switch will come, nothing to hide
-                    arrived.set()
-
-            tasks.append(asyncio.create_task(collect()))
+            await self._start(life)
+            self._spawn(life, self._wait_kv(life))
+            life.tasks.append(asyncio.create_task(self._collect(life)))
             while True:
-                while not pending:
-                    arrived.clear()
-                    await arrived.wait()
-                computed_at, item = pending.popleft()
-                if isinstance(item, BaseException):
-                    raise item
-                if isinstance(item, tuple):
-                    kind, value = item
-                    if kind == "kv_ready" and finished is None:
-                        interval_s = (
-                            value.result()
-                        )  # NOTE: surfaces MainDecode errors on this stream
-                        if job.handoff_mode is HandoffMode.CATCH_UP:
-                            pacer.pace(interval_s)
-                        handoff = asyncio.create_task(self._handoff(md, job, queue, pacer))
-                        tasks.append(handoff)
-                        handoff.add_done_callback(
-                            lambda t: t.cancelled()
-                            or t.exception() is None
-                            or queue.put_nowait(t.exception())
-                        )
-                    elif kind == "handed_off":
-                        yield value
+                computed_at, item = await self._next(life)
+                match item:
+                    case StepOutput():
+                        if (tokens := await self._stream(life, computed_at, item)) is not None:
+                            yield tokens
+                        if item.finished:
+                            yield await self._finish_here(life, item)
+                            return
+                    case KvReady(interval_s=interval_s):
+                        self._begin_handoff(life, interval_s)
+                    case HandoffDone(handed_off=handed_off):
+                        yield handed_off
                         return
-                    continue
-                if item.token_id is not None and item.position >= len(first):
-                    del outputs[item.position :]
-                    outputs.append(item.token_id)
-                    await pacer.hold(computed_at)
-                    if ttfdt_share is not None:
-                        arrived_at, started_at = ttfdt_share
-                        log.info(
-                            "relay_first_token",
-                            import_ms=round((started_at - arrived_at) * 1000, 2),
-                            first_token_ms=round((time.perf_counter() - arrived_at) * 1000, 2),
-                        )
-                        ttfdt_share = None
-                    yield Tokens(
-                        item.position,
-                        (item.token_id,),
-                        () if item.logprob is None else (item.logprob,),
-                    )
-                if item.finished and finished is None:
-                    finished = (item.finish_reason, item.position + 1)
-                    for t in tasks:
-                        t.cancel()
-                    await self._hand_over_finished(md, job, outputs[: item.position + 1])
-                    yield Finished(*finished)
-                    return
+                    case Failed(error=error) | StepFailed(error=error):
+                        raise error  # NOTE: surfaces MainDecode's errors on this stream
+                    case _:
+                        raise TypeError(f"relay mailbox: unexpected item {item!r}")
         finally:
-            for t in tasks:
-                t.cancel()
-            self._active.discard(rid)
-            self.runner.close(rid)
-            self.fast.cancel(rid)
-            self.runner.submit(
-                self.engine.abort, rid
-            )  # NOTE: not awaited: runs even when cancelled
+            self._clean_up(life)
 
-    async def _wait_md(self, md, rid: str, timeout_s: float | None = None) -> float:
-        """Wait until MainDecode holds the request's KV; returns its decode interval (s, 0 if unknown)."""
-        deadline = time.monotonic() + (timeout_s or self.config.finished_handoff_timeout_s)
+    async def _admit(self, job: RelayJob) -> None:
+        await self.runner.call(
+            self.engine.add_request,
+            job.request_id,
+            job.prompt_token_ids,
+            job.sampling,
+            salt=job.cache_salt,
+            paused=True,
+        )
+
+    async def _start(self, life: _Life) -> None:
+        """Wait for prefill's KV on the fast link, import it, append the first token, decode."""
+        rid = life.job.request_id
+        region = await self.fast.wait_complete(rid, self.config.kv_timeout_s)
+        t_kv = time.perf_counter()
+        try:
+            await self.runner.call(import_range, self.engine, rid, region.header, region.view)
+        finally:
+            self.fast.release(region.transfer_id)
+        first = list(region.output_token_ids)
+
+        def start() -> None:
+            self.engine.append_tokens(rid, first, 0)
+            self.engine.resume(rid)
+
+        await self.runner.call(start)
+        life.ttfdt_share = (t_kv, time.perf_counter())
+        life.pacer = StreamPacer(self.config.pace_max_hold_s, lead_s=self._lead_s(life.job))
+        life.own_from = len(first)
+        life.outputs = first
+
+    def _spawn(self, life: _Life, work: Coroutine[Any, Any, object]) -> None:
+        """Run ``work`` beside the stream; its result (a mailbox item, or None) or error is mail."""
+        task = asyncio.create_task(work)
+        life.tasks.append(task)
+        task.add_done_callback(functools.partial(_post_outcome, life.mailbox))
+
+    async def _collect(self, life: _Life) -> None:
+        """Move the mailbox to ``pending``, each item stamped with when it arrived."""
+        while True:
+            item = await life.mailbox.get()
+            life.pending.append((life.pacer.clock(), item))
+            if isinstance(item, StepOutput) and item.finished:
+                life.pacer.release()  # NOTE: it ends here: no switch will come, nothing to hide
+            life.arrived.set()
+
+    @staticmethod
+    async def _next(life: _Life) -> tuple[float, object]:
+        while not life.pending:
+            life.arrived.clear()
+            await life.arrived.wait()
+        return life.pending.popleft()
+
+    async def _stream(self, life: _Life, computed_at: float, out: StepOutput) -> Tokens | None:
+        """The relay's token ``out``, once the pacer lets it leave (None: not one of its own)."""
+        if out.token_id is None or out.position < life.own_from:
+            return None
+        del life.outputs[out.position :]
+        life.outputs.append(out.token_id)
+        await life.pacer.hold(computed_at)
+        if life.ttfdt_share is not None:
+            arrived_at, started_at = life.ttfdt_share
+            log.info(
+                "relay_first_token",
+                import_ms=round((started_at - arrived_at) * 1000, 2),
+                first_token_ms=round((time.perf_counter() - arrived_at) * 1000, 2),
+            )
+            life.ttfdt_share = None
+        return Tokens(out.position, (out.token_id,), () if out.logprob is None else (out.logprob,))
+
+    async def _finish_here(self, life: _Life, out: StepOutput) -> Finished:
+        """The request finished here first: MainDecode still gets every token for its DRC."""
+        for task in life.tasks:
+            task.cancel()
+        job = life.job
+        await self._wait_md(life)
+        call = life.md.token_handoff()
+        outputs = life.outputs[: out.position + 1]
+        await call.send(_batch(job, outputs, 0, final=True, request_finished=True))
+        await call.done()
+        metrics.HANDOFFS.labels(job.handoff_mode.value, "finished").inc()
+        return Finished(out.finish_reason, out.position + 1)
+
+    async def _wait_md(self, life: _Life) -> float:
+        """Wait until MainDecode holds the request's KV; returns its decode interval (s, 0 if
+        unknown)."""
+        rid = life.job.request_id
+        deadline = time.monotonic() + self.config.finished_handoff_timeout_s
         while True:
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0:
                 raise DeadlineExceededError(f"main_decode did not receive the KV of {rid} in time")
-            resp = await md.WaitKvReady(
-                md_pb.WaitKvReadyRequest(request_id=rid, timeout_ms=min(left_ms, 30_000)),
-                metadata=outgoing_metadata(),
-            )
-            if resp.ready:
-                return resp.decode_interval_ms / 1000
+            readiness = await life.md.wait_kv_ready(rid, min(left_ms, 30_000))
+            if readiness.ready:
+                return readiness.decode_interval_ms / 1000
 
-    async def _handoff(self, md, job: RelayJob, queue: asyncio.Queue, pacer: StreamPacer) -> None:
-        """Hand the request over; puts ("handed_off", HandedOff) on the request's queue.
+    async def _wait_kv(self, life: _Life) -> KvReady:
+        return KvReady(await self._wait_md(life))
 
-        Releases ``pacer`` once MainDecode has acknowledged the final batch: it speaks next.
-        """
-        rid = job.request_id
+    def _begin_handoff(self, life: _Life, interval_s: float) -> None:
+        """MainDecode holds the KV: hand the request over beside the stream."""
+        if life.job.handoff_mode is HandoffMode.CATCH_UP:
+            life.pacer.pace(interval_s)
+        self._spawn(life, self._handoff(life))
+
+    async def _handoff(self, life: _Life) -> HandoffDone | None:
+        """Hand the request over (None: it finished here meanwhile; ``decode`` hands it over as
+        finished). Releases the pacer once MainDecode has acknowledged the final batch: it
+        speaks next."""
         t0 = time.perf_counter()
-        mode = job.handoff_mode
-        rounds_left = self.config.max_catch_up_rounds if mode is HandoffMode.CATCH_UP else 0
-        call = md.TokenHandoff(metadata=outgoing_metadata())
-        sent = computed = rounds = 0
+        call = life.md.token_handoff()
         try:
-            while rounds_left > 0:
-                outputs = await self.runner.call(self._read, rid)
-                if outputs is None:
-                    call.cancel()
-                    return  # NOTE: it finished here meanwhile; decode() hands it over as finished
-                # NOTE: MainDecode decodes ahead between rounds; what it computed needs no extend step.
-                if len(outputs) - computed <= self.config.catch_up_gap:
-                    break
-                await call.write(
-                    md_pb.TokenHandoffRequest(
-                        request_id=rid,
-                        start_position=sent,
-                        token_ids=outputs[sent:],
-                        mode=handoff_to_pb(mode),
-                    )
-                )
-                ack = await call.read()
-                sent, rounds, rounds_left = ack.extended_through, rounds + 1, rounds_left - 1
-                computed = ack.computed_through
-                pacer.pace(ack.decode_interval_ms / 1000)
-            # NOTE: after pause returns, every output of the last step is already on the queue.
-            outputs = await self.runner.call(self._pause_and_read, rid)
-            if outputs is None:
+            caught_up = await self._catch_up(life, call)
+            final = None if caught_up is None else await self._send_final(life, call, caught_up[0])
+            if caught_up is None or final is None:
                 call.cancel()
-                return
-            t_final, lag_s = time.perf_counter(), pacer.lag_s
-            await call.write(
-                md_pb.TokenHandoffRequest(
-                    request_id=rid,
-                    start_position=sent,
-                    token_ids=outputs[sent:],
-                    final=True,
-                    mode=handoff_to_pb(mode),
-                )
-            )
-            await call.read()
-            pacer.release()
-            switch_s = time.perf_counter() - t_final
-            self._switch_times.observe((job.main_decode.address, mode), switch_s)
-            metrics.SWITCH_TIME.labels(mode.value).observe(switch_s)
-            await call.done_writing()
-        except grpc.aio.AioRpcError:
+                return None  # NOTE: it finished here meanwhile; decode() hands it over as finished
+            await call.done()
+        except PeerError:
             call.cancel()
             raise
-        rounds += 1
+        return self._handed_off(life, t0, caught_up[1] + 1, *final)
+
+    async def _catch_up(self, life: _Life, call: HandoffStream) -> tuple[int, int] | None:
+        """The catch-up rounds (none one-shot): (outputs sent, rounds), None if it finished."""
+        job = life.job
+        rounds_left = (
+            self.config.max_catch_up_rounds if job.handoff_mode is HandoffMode.CATCH_UP else 0
+        )
+        sent = computed = rounds = 0
+        while rounds_left > 0:
+            outputs = await self.runner.call(self._read, job.request_id)
+            if outputs is None:
+                return None
+            # NOTE: MainDecode decodes ahead between rounds; what it computed needs no extend step.
+            if len(outputs) - computed <= self.config.catch_up_gap:
+                break
+            ack = await call.send(_batch(job, outputs, sent))
+            sent, rounds, rounds_left = ack.extended_through, rounds + 1, rounds_left - 1
+            computed = ack.computed_through
+            life.pacer.pace(ack.decode_interval_ms / 1000)
+        return sent, rounds
+
+    async def _send_final(
+        self, life: _Life, call: HandoffStream, sent: int
+    ) -> tuple[int, float, float] | None:
+        """Pause, send the rest as the final batch: (outputs handed over, switch s, lag s), None
+        if it finished here meanwhile."""
+        job = life.job
+        # NOTE: after pause returns, every output of the last step is already on the queue.
+        outputs = await self.runner.call(self._pause_and_read, job.request_id)
+        if outputs is None:
+            return None
+        t_final, lag_s = time.perf_counter(), life.pacer.lag_s
+        await call.send(_batch(job, outputs, sent, final=True))
+        life.pacer.release()
+        switch_s = time.perf_counter() - t_final
+        self._switch_times.observe((job.main_decode.address, job.handoff_mode), switch_s)
+        metrics.SWITCH_TIME.labels(job.handoff_mode.value).observe(switch_s)
+        return len(outputs), switch_s, lag_s
+
+    def _handed_off(
+        self, life: _Life, t0: float, rounds: int, at: int, switch_s: float, lag_s: float
+    ) -> HandoffDone:
+        mode = life.job.handoff_mode
         metrics.HANDOFFS.labels(mode.value, "live").inc()
         metrics.HANDOFF_TIME.labels(mode.value).observe(time.perf_counter() - t0)
         log.info(
             "handed_off",
-            at=len(outputs),
+            at=at,
             mode=mode.value,
             rounds=rounds,
             switch_ms=round(switch_s * 1000, 2),
-            lead_ms=round(pacer.lead_s * 1000, 2),
+            lead_ms=round(life.pacer.lead_s * 1000, 2),
             lag_ms=round(lag_s * 1000, 2),
         )
-        queue.put_nowait(
-            ("handed_off", HandedOff(len(outputs), mode, rounds, (time.perf_counter() - t0) * 1000))
-        )
+        return HandoffDone(HandedOff(at, mode, rounds, (time.perf_counter() - t0) * 1000))
 
     def _read(self, rid: str) -> list[int] | None:
         return self.engine.output_token_ids(rid) if self.engine.holds_request(rid) else None
@@ -326,21 +456,11 @@ class Relay:
         self.engine.pause(rid)
         return self.engine.output_token_ids(rid)
 
-    async def _hand_over_finished(self, md, job: RelayJob, outputs: list[int]) -> None:
-        """The request finished here first: MainDecode still gets every token for its DRC."""
-        rid = job.request_id
-        await self._wait_md(md, rid)
-        call = md.TokenHandoff(metadata=outgoing_metadata())
-        await call.write(
-            md_pb.TokenHandoffRequest(
-                request_id=rid,
-                start_position=0,
-                token_ids=outputs,
-                final=True,
-                request_finished=True,
-                mode=handoff_to_pb(job.handoff_mode),
-            )
-        )
-        await call.read()
-        await call.done_writing()
-        metrics.HANDOFFS.labels(job.handoff_mode.value, "finished").inc()
+    def _clean_up(self, life: _Life) -> None:
+        rid = life.job.request_id
+        for task in life.tasks:
+            task.cancel()
+        self._active.discard(rid)
+        self.runner.close(rid)
+        self.fast.cancel(rid)
+        self.runner.submit(self.engine.abort, rid)  # NOTE: not awaited: runs even when cancelled

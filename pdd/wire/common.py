@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 import functools
-import math
 
-from pdd.core.errors import InvalidArgumentError
+from pdd.core.errors import InvalidArgumentError, field_prefix
 from pdd.core.instance import InstanceRef, Role
-from pdd.core.pipeline import HandoffMode, Pipeline
+from pdd.core.pipeline import HandoffMode, Pipeline, Stage
 from pdd.core.sampling_params import (
-    LOGIT_BIAS_LIMIT,
-    MAX_LOGPROBS,
-    PENALTY_LIMIT,
     Logprob,
     SamplingParams,
 )
@@ -91,63 +87,39 @@ def sampling_to_pb(sp: SamplingParams) -> common_pb2.SamplingParams:
 
 
 def sampling_from_pb(msg: common_pb2.SamplingParams, field: str = "sampling") -> SamplingParams:
-    """Validated sampling; an unset top_p (0) means 1.0 (no truncation), an unset repetition_penalty 1.0."""
-    if msg.max_tokens == 0:
-        raise InvalidArgumentError(f"{field}.max_tokens", "must be positive")
-    if not msg.temperature >= 0.0:  # also rejects NaN
-        raise InvalidArgumentError(f"{field}.temperature", f"must be >= 0, got {msg.temperature}")
-    top_p = msg.top_p or 1.0
-    if not 0.0 < top_p <= 1.0:
-        raise InvalidArgumentError(f"{field}.top_p", f"must be in (0, 1], got {msg.top_p}")
-    extra = extra_sampling_from(msg, field)
-    return SamplingParams(
-        max_tokens=msg.max_tokens,
-        temperature=msg.temperature,
-        top_p=top_p,
-        top_k=msg.top_k,
-        seed=msg.seed if msg.HasField("seed") else None,
-        stop_token_ids=tuple(msg.stop_token_ids),
-        ignore_eos=msg.ignore_eos,
-        **extra,
-    )
-
-
-def extra_sampling_from(msg, field: str = "", vocab_size: int | None = None) -> dict[str, object]:
-    """The sampling fields the gateway's request and the stages' ``SamplingParams`` share beyond the
-    basics — penalties, logit bias, logprobs, grammar — validated (0 repetition means 1: off; bias
-    token ids checked against ``vocab_size`` when given)."""
-    prefix = f"{field}." if field else ""
-    out = {}
-    for name in ("presence_penalty", "frequency_penalty"):
-        v = getattr(msg, name)
-        if not -PENALTY_LIMIT <= v <= PENALTY_LIMIT:  # also rejects NaN
-            raise InvalidArgumentError(
-                prefix + name, f"must be in [-{PENALTY_LIMIT:g}, {PENALTY_LIMIT:g}], got {v}"
-            )
-        out[name] = v
-    r = msg.repetition_penalty or 1.0
-    if not (r > 0 and math.isfinite(r)):
-        raise InvalidArgumentError(
-            prefix + "repetition_penalty", f"must be a finite number > 0, got {r}"
+    """Validated (by ``SamplingParams`` itself, the field named under ``field``); an unset top_p
+    (0) means 1.0 (no truncation), an unset repetition_penalty 1.0."""
+    with field_prefix(field):
+        return SamplingParams(
+            max_tokens=msg.max_tokens,
+            temperature=msg.temperature,
+            top_p=msg.top_p or 1.0,
+            top_k=msg.top_k,
+            seed=msg.seed if msg.HasField("seed") else None,
+            stop_token_ids=tuple(msg.stop_token_ids),
+            ignore_eos=msg.ignore_eos,
+            **extra_sampling_from(msg),
         )
-    out["repetition_penalty"] = r
-    for token, bias in msg.logit_bias.items():
+
+
+def extra_sampling_from(msg, vocab_size: int | None = None) -> dict[str, object]:
+    """The sampling fields the gateway's request and the stages' ``SamplingParams`` share beyond the
+    basics — penalties, logit bias, logprobs, grammar — as ``SamplingParams`` arguments (0
+    repetition means 1: off); ``SamplingParams`` validates them. Bias token ids are checked against
+    ``vocab_size`` when given (the gateway knows the model; a stage's engine checks its own)."""
+    for token in msg.logit_bias:
         if vocab_size is not None and token >= vocab_size:
             raise InvalidArgumentError(
-                f"{prefix}logit_bias[{token}]",
+                f"logit_bias[{token}]",
                 f"token id {token} is outside the vocabulary (size {vocab_size})",
             )
-        if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:  # also rejects NaN
-            raise InvalidArgumentError(
-                f"{prefix}logit_bias[{token}]",
-                f"must be in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}], got {bias}",
-            )
-    out["logit_bias"] = tuple(msg.logit_bias.items())
+    out: dict[str, object] = {
+        "presence_penalty": msg.presence_penalty,
+        "frequency_penalty": msg.frequency_penalty,
+        "repetition_penalty": msg.repetition_penalty or 1.0,
+        "logit_bias": tuple(msg.logit_bias.items()),
+    }
     if msg.HasField("logprobs"):
-        if msg.logprobs > MAX_LOGPROBS:
-            raise InvalidArgumentError(
-                f"{prefix}logprobs", f"must be in [0, {MAX_LOGPROBS}], got {msg.logprobs}"
-            )
         out["logprobs"] = msg.logprobs
     if msg.grammar:
         out["grammar"] = msg.grammar
@@ -268,3 +240,18 @@ def cache_report_to_pb(report: CacheReport, response_type):
         request_holds_kv=report.request_holds_kv,
         block_size=report.block_size,
     )
+
+
+_STAGE = {
+    Stage.PREFILL: common_pb2.STAGE_PREFILL,
+    Stage.RELAY: common_pb2.STAGE_RELAY,
+    Stage.MAIN_DECODE: common_pb2.STAGE_MAIN_DECODE,
+}
+
+
+def stage_to_pb(stage: Stage | None) -> int:
+    return _STAGE[stage] if stage is not None else common_pb2.STAGE_UNSPECIFIED
+
+
+def stage_from_pb(value: int, field: str = "stage", *, optional: bool = True) -> Stage | None:
+    return _from(_STAGE, value, field, optional)

@@ -6,7 +6,6 @@ Every way a ``GenerateRequest`` can be wrong is rejected here with an
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Sequence
 
@@ -24,6 +23,7 @@ from pdd.wire.common import (
     logprob_to_pb,
     pipeline_from_pb,
     pipeline_to_pb,
+    stage_to_pb,
 )
 
 _ID = re.compile(r"^[\x21-\x7e]{0,128}$")
@@ -74,20 +74,11 @@ def generate_from_pb(msg: pb.GenerateRequest, info: ModelInfo) -> GenerateJob:
         raise InvalidArgumentError(
             which, f"prompt has {len(ids)} tokens; the model's context is {ctx}"
         )
-    if msg.max_tokens == 0:
-        raise InvalidArgumentError("max_tokens", "must be positive")
     if len(ids) + msg.max_tokens > ctx:
         raise InvalidArgumentError(
             "max_tokens",
             f"prompt ({len(ids)}) + max_tokens ({msg.max_tokens}) exceeds the model's context ({ctx})",
         )
-    if not (msg.temperature >= 0 and math.isfinite(msg.temperature)):
-        raise InvalidArgumentError(
-            "temperature", f"must be a finite number >= 0, got {msg.temperature}"
-        )
-    top_p = msg.top_p or 1.0
-    if not 0 < top_p <= 1:
-        raise InvalidArgumentError("top_p", f"must be in (0, 1], got {msg.top_p}")
     if msg.top_k > info.vocab_size:
         raise InvalidArgumentError("top_k", f"must be <= the vocabulary size {info.vocab_size}")
     _check_tokens(msg.stop_token_ids, info.vocab_size, "stop_token_ids")
@@ -98,10 +89,12 @@ def generate_from_pb(msg: pb.GenerateRequest, info: ModelInfo) -> GenerateJob:
             )
         if error := grammar.validate(msg.grammar):
             raise InvalidArgumentError("grammar", f"does not compile: {error[:500]}")
+    # NOTE: SamplingParams validates every sampling rule itself; only what needs the model
+    # (context, vocabulary, tokenizer) is checked above.
     sampling = SamplingParams(
         max_tokens=msg.max_tokens,
         temperature=msg.temperature,
-        top_p=top_p,
+        top_p=msg.top_p or 1.0,
         top_k=msg.top_k,
         seed=msg.seed if msg.HasField("seed") else None,
         stop_token_ids=tuple(msg.stop_token_ids),
@@ -148,7 +141,7 @@ def event_to_pb(
         return pb.GenerateResponse(
             token_ids=list(ev.token_ids),
             text=text,
-            stage=ev.stage,
+            stage=stage_to_pb(ev.stage),
             start_position=ev.start_position,
             request_id=request_id,
             logprobs=[logprob_to_pb(lp) for lp in ev.logprobs],

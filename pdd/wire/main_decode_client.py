@@ -1,8 +1,8 @@
 """The typed client of a MainDecode instance: domain objects in, domain objects out.
 
-Used by the gateway (``decode``, and ``token_handoff`` when it drives a handoff itself), the
-relay (``wait_kv_ready``, ``token_handoff``) and prefill (``kv_pusher``: the WAN push of a KV
-delta). Every call forwards the current request id (``outgoing_metadata``).
+Used by the gateway (``decode``, and ``token_handoff`` when it drives a handoff itself) and the
+relay (``wait_kv_ready``, ``token_handoff``); prefill's WAN push of a KV delta is
+``pdd.wire.kv_clients.KvPushClient``. Every call forwards the current request id.
 """
 
 from __future__ import annotations
@@ -18,8 +18,6 @@ from pdd.core.stage_events import (
 )
 from pdd.gen.main_decode.v1 import main_decode_service_pb2 as pb
 from pdd.gen.main_decode.v1 import main_decode_service_pb2_grpc as pb_grpc
-from pdd.kv.stream_pool import StreamPool
-from pdd.kv.wan import KvPusher, PusherConfig
 from pdd.server.interceptors import outgoing_metadata
 from pdd.wire import main_decode as conv
 from pdd.wire.call import EventStream, HandoffCall, unary
@@ -48,7 +46,3 @@ class MainDecodeClient:
     def token_handoff(self) -> HandoffCall[HandoffBatch, HandoffAck]:
         call = self._stub.TokenHandoff(metadata=outgoing_metadata(), timeout=self.timeout_s)
         return HandoffCall(PEER, call, conv.handoff_batch_to_pb, conv.handoff_ack_from_pb)
-
-    def kv_pusher(self, pool: StreamPool, config: PusherConfig = PusherConfig()) -> KvPusher:
-        """A resumable pusher of KV ranges to this MainDecode, through ``pool``'s stream slots."""
-        return KvPusher.for_stub(self._stub, config=config, pool=pool, metadata=outgoing_metadata())

@@ -24,8 +24,9 @@ from pdd.gen.main_decode.v1 import main_decode_service_pb2_grpc as md_grpc
 from pdd.kv import messages as kv_convert
 from pdd.kv.compression import decode_tensor
 from pdd.kv.receiver import KvReceiver
+from pdd.server.tls import TlsConfig
 from pdd.serving.channels import Channels
-from pdd.serving.engine_runner import EngineRunner
+from pdd.serving.engine_loop import EngineLoop
 from pdd.serving.model_spec import load_model
 from pdd.serving.prefill import Prefill, PrefillConfig
 
@@ -51,7 +52,7 @@ class RecordingMainDecode(md_grpc.MainDecodeServiceServicer):
 
 
 class _Instance:
-    def __init__(self, engine: Engine, runner: EngineRunner) -> None:
+    def __init__(self, engine: Engine, runner: EngineLoop) -> None:
         self.engine, self.runner = engine, runner
 
 
@@ -62,9 +63,9 @@ async def test_push_starts_before_prefill_finishes_and_delivers_exact_kv():
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     engine = Engine(load_model(MODEL), EngineConfig(block_size=4, max_num_batched_tokens=16))
-    runner = EngineRunner(engine)
+    runner = EngineLoop(engine)
     await runner.start()
-    channels = Channels()
+    channels = Channels(TlsConfig())
     try:
         # NOTE: 1 KiB chunks so each 16-token prefill step yields several chunks to send at once.
         prefill = Prefill(_Instance(engine, runner), channels, PrefillConfig(wan_chunk_bytes=1024))

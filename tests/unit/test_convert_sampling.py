@@ -6,14 +6,22 @@ import pytest
 
 from pdd.core.errors import InvalidArgumentError
 from pdd.core.model_info import ModelInfo
+from pdd.core.pipeline import Stage
 from pdd.core.request import TokenEvent
 from pdd.core.sampling_params import Logprob, SamplingParams
 from pdd.engine import grammar
 from pdd.gen.common.v1 import common_pb2
 from pdd.gen.gateway.v1 import gateway_service_pb2 as pb
-from pdd.serving.gateway import _Merge
-from pdd.wire.common import logprob_from_pb, logprob_to_pb, sampling_from_pb, sampling_to_pb
-from pdd.wire.gateway import generate_from_pb
+from pdd.serving.token_merge import TokenMerge
+from pdd.wire.common import (
+    logprob_from_pb,
+    logprob_to_pb,
+    sampling_from_pb,
+    sampling_to_pb,
+    stage_from_pb,
+    stage_to_pb,
+)
+from pdd.wire.gateway import event_to_pb, generate_from_pb
 
 INFO = ModelInfo("m", vocab_size=100, max_context_tokens=64)
 
@@ -110,17 +118,39 @@ def test_logprobs_request_and_values_on_the_wire():
 def test_merged_stream_keeps_each_tokens_logprob_whichever_stage_sent_it():
     """The gateway's merge: out-of-order deltas, an overlap two stages both sent, stages grouped."""
     lp = {pos: Logprob(-float(pos)) for pos in range(6)}
-    merge = _Merge()
-    assert merge.add(0, [10], 1, [lp[0]]) == [TokenEvent(0, (10,), 1, (lp[0],))]
-    assert merge.add(3, [13, 14], 3, [lp[3], lp[4]]) == []  # ahead of the relay: held
+    merge = TokenMerge()
+    assert merge.add(0, [10], Stage.PREFILL, [lp[0]]) == [
+        TokenEvent(0, (10,), Stage.PREFILL, (lp[0],))
+    ]
+    # ahead of the relay: held
+    assert merge.add(3, [13, 14], Stage.MAIN_DECODE, [lp[3], lp[4]]) == []
     out = merge.add(
-        1, [11, 12, 99], 2, [lp[1], lp[2], Logprob(-9.0)]
+        1, [11, 12, 99], Stage.RELAY, [lp[1], lp[2], Logprob(-9.0)]
     )  # 99 at 3: MainDecode's 13 came first
     assert out == [
-        TokenEvent(1, (11, 12), 2, (lp[1], lp[2])),
-        TokenEvent(3, (13, 14), 3, (lp[3], lp[4])),
+        TokenEvent(1, (11, 12), Stage.RELAY, (lp[1], lp[2])),
+        TokenEvent(3, (13, 14), Stage.MAIN_DECODE, (lp[3], lp[4])),
     ]
-    assert merge.add(5, [15], 3) == [TokenEvent(5, (15,), 3)]  # not asked for: none
+    # not asked for: none
+    assert merge.add(5, [15], Stage.MAIN_DECODE) == [TokenEvent(5, (15,), Stage.MAIN_DECODE)]
+
+
+def test_a_token_events_stage_crosses_the_gateways_wire():
+    assert [stage_to_pb(s) for s in Stage] == [
+        common_pb2.STAGE_PREFILL,
+        common_pb2.STAGE_RELAY,
+        common_pb2.STAGE_MAIN_DECODE,
+    ]
+    assert all(stage_from_pb(stage_to_pb(s)) is s for s in Stage)
+    assert stage_from_pb(common_pb2.STAGE_UNSPECIFIED) is None
+    with pytest.raises(InvalidArgumentError):
+        stage_from_pb(99)
+    msg = event_to_pb(TokenEvent(3, (7, 8), Stage.MAIN_DECODE), "r-1")
+    assert (msg.stage, msg.start_position, list(msg.token_ids)) == (
+        common_pb2.STAGE_MAIN_DECODE,
+        3,
+        [7, 8],
+    )
 
 
 def test_grammar_is_checked_by_the_gateway_and_crosses_every_hop():

@@ -1,4 +1,4 @@
-"""EngineRunner's measured step interval (what MainDecode reports to the relay for pacing)."""
+"""EngineLoop's measured step interval (what MainDecode reports to the relay for pacing)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from pdd.engine import Engine, EngineConfig
 from pdd.engine.sampling import SamplingParams
-from pdd.serving.engine_runner import EngineRunner
+from pdd.serving.engine_loop import EngineLoop
 from pdd.serving.model_spec import load_model
 
 
@@ -61,7 +61,7 @@ async def _drain(q: asyncio.Queue) -> None:
 
 async def test_interval_follows_busy_steps_and_ignores_idle_gaps():
     engine = SlowEngine(0.02)
-    runner = EngineRunner(engine)
+    runner = EngineLoop(engine)
     await runner.start()
     try:
         assert runner.step_interval_s == 0.0  # unknown until measured
@@ -85,7 +85,7 @@ async def test_interval_measured_on_a_real_engine():
     engine = Engine(
         load_model("tiny:3,ctx=256,layers=2,hidden=64,inter=128"), EngineConfig(block_size=4)
     )
-    runner = EngineRunner(engine)
+    runner = EngineLoop(engine)
     await runner.start()
     try:
         q = runner.open("r")

@@ -17,6 +17,7 @@ import pytest
 from pdd.core.errors import UnavailableError
 from pdd.core.instance import Instance, InstanceRef, Role
 from pdd.core.model_info import ModelInfo
+from pdd.core.pipeline import Stage
 from pdd.core.request import FinalEvent, RequestStats, TokenEvent
 from pdd.core.sampling_params import Logprob
 from pdd.http.config import HttpConfig
@@ -77,7 +78,7 @@ class ScriptedGateway:
                     if k is None
                     else (Logprob(-i / 8, ((ord(ch), -i / 8), (ord("?"), -5.0))[:k]),)
                 )
-                yield TokenEvent(i, (ord(ch),), 2, lps)
+                yield TokenEvent(i, (ord(ch),), Stage.RELAY, lps)
             n = min(len(text), job.sampling.max_tokens)
             end = "finished"
             yield FinalEvent(

@@ -1,15 +1,16 @@
-"""An asyncio face for the (synchronous, single-threaded) engine.
+"""An asyncio face for the (synchronous, single-threaded) engine: its step loop.
 
 The engine is not thread-safe, so every touch of it — a step, adding or
 aborting a request, importing or exporting KV — runs on one dedicated worker
 thread, in submission order. The step loop runs on that thread too: between
 two steps, queued mutations run. Each step's outputs are routed to the
-asyncio queue of the request they belong to.
+asyncio queue of the request they belong to (the items: ``pdd.serving.mailbox``).
 
-Life of a request through the runner: ``open(request_id)`` gives its token
-queue → ``call(engine.add_request, ...)`` → the loop steps while the engine
-has schedulable work → each ``StepOutput`` lands in the queue → a finished
-output closes it (``None`` follows) → ``close(request_id)``.
+Life of a request through the loop: ``open(request_id)`` gives its queue →
+``call(engine.add_request, ...)`` → the loop steps while the engine has
+schedulable work → a watched request gets ``Computed(n)`` after each step →
+each ``StepOutput`` lands in the queue (a failed step: ``StepFailed``) →
+``close(request_id)``.
 """
 
 from __future__ import annotations
@@ -21,8 +22,13 @@ from typing import Any, TypeVar
 
 import structlog
 
+from pdd.serving.mailbox import Computed, StepFailed
+
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
+
+# One engine step, as seen from the loop: outputs, whether anything moved, watched progress.
+_StepResult = tuple[list, bool, list[tuple[str, int]]]
 
 
 def _log_failure(future: concurrent.futures.Future) -> None:
@@ -30,14 +36,14 @@ def _log_failure(future: concurrent.futures.Future) -> None:
         log.error("engine_call_failed", error=repr(future.exception()))
 
 
-class EngineRunner:
+class EngineLoop:
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="engine"
         )
         self._queues: dict[str, asyncio.Queue] = {}
-        # Requests whose computed-token count is reported after every step ("computed", n).
+        # Requests whose computed-token count is reported after every step (``Computed``).
         self._watched: set[str] = set()
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -61,13 +67,14 @@ class EngineRunner:
 
     async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run ``fn(*args, **kwargs)`` on the engine thread between steps."""
-        assert self._loop is not None, "EngineRunner.start() was not awaited"
+        assert self._loop is not None, "EngineLoop.start() was not awaited"
         result = await self._loop.run_in_executor(self._pool, lambda: fn(*args, **kwargs))
         self._wake.set()
         return result
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Queue ``fn(*args)`` on the engine thread without waiting (cleanup that must not be cancelled)."""
+        """Queue ``fn(*args)`` on the engine thread without waiting (cleanup that must not be
+        cancelled)."""
         future = self._pool.submit(fn, *args)
         future.add_done_callback(_log_failure)
         self._wake.set()
@@ -87,7 +94,7 @@ class EngineRunner:
         self._watched.discard(request_id)
 
     def watch(self, request_id: str) -> None:
-        """Also put ``("computed", n)`` on the request's queue after each step (KV streaming)."""
+        """Also put ``Computed(n)`` on the request's queue after each step (KV streaming)."""
         self._watched.add(request_id)
 
     def wake(self) -> None:
@@ -95,7 +102,6 @@ class EngineRunner:
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
-        schedulable = self.engine.has_schedulable
         last_step: float | None = None  # when the previous step ended, if the engine stayed busy
         while True:
             try:
@@ -110,10 +116,7 @@ class EngineRunner:
                 continue
             if result is None:
                 last_step = None
-                self._wake.clear()
-                # NOTE: re-check after clearing: a call() may have landed in between.
-                if not await loop.run_in_executor(self._pool, schedulable):
-                    await self._wake.wait()
+                await self._idle()
                 continue
             outputs, progressed, computed = result
             self.steps += 1
@@ -122,34 +125,49 @@ class EngineRunner:
                 self._note_interval(now - last_step)
             last_step = now if outputs else None
             if not progressed:
-                # NOTE: nothing fit (pool full of paused/kept requests); wait for a change, don't spin.
-                self._wake.clear()
-                try:
-                    await asyncio.wait_for(self._wake.wait(), 0.05)
-                except TimeoutError:
-                    pass
-            # NOTE: progress before outputs: a request's last chunk is reported before its token.
-            for request_id, n in computed:
-                q = self._queues.get(request_id)
-                if q is not None:
-                    q.put_nowait(("computed", n))
-            for out in outputs:
-                q = self._queues.get(out.request_id)
-                if q is not None:
-                    q.put_nowait(out)
+                await self._stalled()
+            self._route(outputs, computed)
+
+    async def _idle(self) -> None:
+        """Nothing schedulable: sleep until a call or a wake."""
+        self._wake.clear()
+        # NOTE: re-check after clearing: a call() may have landed in between.
+        schedulable = await asyncio.get_running_loop().run_in_executor(
+            self._pool, self.engine.has_schedulable
+        )
+        if not schedulable:
+            await self._wake.wait()
+
+    async def _stalled(self) -> None:
+        # NOTE: nothing fit (pool full of paused/kept requests); wait for a change, don't spin.
+        self._wake.clear()
+        try:
+            await asyncio.wait_for(self._wake.wait(), 0.05)
+        except TimeoutError:
+            pass
+
+    def _route(self, outputs: list, computed: list[tuple[str, int]]) -> None:
+        # NOTE: progress before outputs: a request's last chunk is reported before its token.
+        for request_id, n in computed:
+            q = self._queues.get(request_id)
+            if q is not None:
+                q.put_nowait(Computed(n))
+        for out in outputs:
+            q = self._queues.get(out.request_id)
+            if q is not None:
+                q.put_nowait(out)
 
     def _note_interval(self, seconds: float) -> None:
-        # NOTE: an EWMA over ~10 steps: follows load changes within a few handoffs, ignores one slow step.
+        # NOTE: an EWMA over ~10 steps: follows load changes within a few handoffs, ignores one
+        # slow step.
         self.step_interval_s = (
             seconds if self.step_interval_s == 0 else 0.9 * self.step_interval_s + 0.1 * seconds
         )
 
-    def _step_if_schedulable(
-        self, watched: tuple[str, ...]
-    ) -> tuple[list, bool, list[tuple[str, int]]] | None:
+    def _step_if_schedulable(self, watched: tuple[str, ...]) -> _StepResult | None:
         return self._step(watched) if self.engine.has_schedulable() else None
 
-    def _step(self, watched: tuple[str, ...]) -> tuple[list, bool, list[tuple[str, int]]]:
+    def _step(self, watched: tuple[str, ...]) -> _StepResult:
         """One engine step on the engine thread: outputs, whether anything moved, watched progress."""
         eng = self.engine
         before = eng.num_computed_total()
@@ -159,7 +177,7 @@ class EngineRunner:
 
     async def _fail_all(self) -> None:
         for request_id, q in list(self._queues.items()):
-            q.put_nowait(RuntimeError("engine step failed"))
+            q.put_nowait(StepFailed(RuntimeError("engine step failed")))
             try:
                 await self.call(self.engine.abort, request_id)
             except Exception:  # noqa: BLE001

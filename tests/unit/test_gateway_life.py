@@ -1,0 +1,385 @@
+"""The gateway's request life against in-process peers (no gRPC): the thing under test is
+``Gateway.generate`` — routing, opening the stage streams, the merge, the takeover when the relay
+dies, the gap check, cancellation. The peers are fakes with the typed clients' methods that play
+back scripted domain events (``FakeStream``), so every assertion is about what the gateway did
+with them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+
+import pytest
+from prometheus_client import REGISTRY
+
+from pdd.core.errors import FailedPreconditionError, PeerError
+from pdd.core.instance import Instance, InstanceRef, Role
+from pdd.core.pipeline import HandoffMode, Pipeline, Stage
+from pdd.core.request import FinalEvent, GenerateJob, TokenEvent
+from pdd.core.sampling_params import Logprob, SamplingParams
+from pdd.core.stage_events import (
+    Accepted,
+    Finished,
+    FirstToken,
+    HandedOff,
+    HandoffAck,
+    HandoffBatch,
+    Tokens,
+    TransferDone,
+)
+from pdd.prefix_index.store import Hit
+from pdd.serving.gateway import Gateway
+
+PREFILL = Instance(InstanceRef("p0", "127.0.0.1:7001", Role.PREFILL), 4)
+RELAY = Instance(InstanceRef("r0", "127.0.0.1:7002", Role.RELAY), 4)
+MAIN_DECODE = Instance(InstanceRef("m0", "127.0.0.1:7003", Role.MAIN_DECODE, "remote"), 4)
+PROMPT = tuple(range(1, 9))
+
+HOLD = object()  # script item: the stream stays open (no event) until it is cancelled
+
+
+class Signal:
+    """Script item: set ``event`` and go on (lets one stream wait for another's progress)."""
+
+    def __init__(self, event: asyncio.Event) -> None:
+        self.event = event
+
+
+class FakeStream:
+    """An ``EventStream`` stand-in. Script items: a domain event (returned by ``read``), an
+    ``asyncio.Event`` (wait for it), a ``Signal``, an exception (raised by ``read``), ``HOLD``.
+    Cancelled, a pending or later ``read`` raises CANCELLED, as a cancelled gRPC call does."""
+
+    def __init__(self, peer: str, script: list) -> None:
+        self.peer = peer
+        self.script = list(script)
+        self.cancelled = False
+        self.first_read = asyncio.Event()
+        self._cancel = asyncio.Event()
+
+    async def read(self):
+        self.first_read.set()
+        while True:
+            if self.cancelled:
+                raise PeerError("CANCELLED", "cancelled", self.peer)
+            if not self.script:
+                return None
+            item = self.script.pop(0)
+            if item is HOLD:
+                self.script.insert(0, HOLD)
+                await self._until(self._cancel)
+            elif isinstance(item, asyncio.Event):
+                await self._until(item)
+            elif isinstance(item, Signal):
+                item.event.set()
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                return item
+
+    async def _until(self, gate: asyncio.Event) -> None:
+        waits = [asyncio.ensure_future(gate.wait()), asyncio.ensure_future(self._cancel.wait())]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        self._cancel.set()
+
+
+class FakeHandoff:
+    """A ``HandoffCall`` stand-in: records each batch and ``done``; sets ``handed`` on a final
+    batch (MainDecode's fake stream waits for it)."""
+
+    def __init__(self, handed: asyncio.Event) -> None:
+        self.batches: list[HandoffBatch] = []
+        self.done_wait: bool | None = None
+        self.cancelled = False
+        self._handed = handed
+
+    async def send(self, batch: HandoffBatch) -> HandoffAck:
+        self.batches.append(batch)
+        end = batch.start_position + len(batch.token_ids)
+        if batch.final:
+            self._handed.set()
+        return HandoffAck(extended_through=end, computed_through=end)
+
+    async def done(self, *, wait: bool = False) -> None:
+        self.done_wait = wait
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class FakeKvstore:
+    def __init__(self, hits: list[Hit]) -> None:
+        self.hits = hits
+
+    async def list(self, role=None) -> list[Instance]:
+        return [h.instance for h in self.hits]
+
+    async def predict(self, prompt, salt: str = "") -> list[Hit]:
+        return self.hits
+
+
+class FakePeers:
+    """Every peer of one request: the streams each stage call returns, and what was asked."""
+
+    def __init__(self, md: list, prefill: list | None = None, relay: list | None = None) -> None:
+        self.md = FakeStream("main_decode", md)
+        self.prefill_stream = FakeStream("prefill", prefill or [])
+        self.relay_stream = FakeStream("relay", relay or [])
+        self.handed = asyncio.Event()  # MainDecode got the gateway's final handoff batch
+        self.handoff = FakeHandoff(self.handed)
+        self.jobs: dict[str, object] = {}
+        self.accepted_before_prefill: list[bool] = []
+        self.kv = FakeKvstore([Hit(i, 0, 0.0) for i in (PREFILL, RELAY, MAIN_DECODE)])
+        self.closed = False
+
+    def kvstore(self) -> FakeKvstore:
+        return self.kv
+
+    def prefill(self, address: str):
+        assert address == PREFILL.ref.address
+        peers = self
+
+        class Client:
+            def prefill(self, job):
+                peers.jobs["prefill"] = job
+                # the decoding stages' first reads (their Accepted) must be done by now
+                peers.accepted_before_prefill.append(
+                    peers.md.first_read.is_set()
+                    and (
+                        job.pipeline is not Pipeline.P_RLD_MD
+                        or peers.relay_stream.first_read.is_set()
+                    )
+                )
+                return peers.prefill_stream
+
+        return Client()
+
+    def relay(self, address: str):
+        assert address == RELAY.ref.address
+        peers = self
+
+        class Client:
+            def decode(self, job):
+                peers.jobs["relay"] = job
+                return peers.relay_stream
+
+        return Client()
+
+    def main_decode(self, address: str):
+        assert address == MAIN_DECODE.ref.address
+        peers = self
+
+        class Client:
+            def decode(self, job):
+                peers.jobs["main_decode"] = job
+                return peers.md
+
+            def token_handoff(self):
+                return peers.handoff
+
+        return Client()
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+def job(pipeline: Pipeline, **sampling) -> GenerateJob:
+    return GenerateJob(
+        "req-1",
+        PROMPT,
+        SamplingParams(max_tokens=8, **sampling),
+        force_pipeline=pipeline,
+        handoff_mode=HandoffMode.ONE_SHOT if pipeline is Pipeline.P_RLD_MD else None,
+    )
+
+
+async def run(peers: FakePeers, request: GenerateJob) -> tuple[list[TokenEvent], FinalEvent]:
+    gateway = Gateway("127.0.0.1:7000", rng=random.Random(7), peers=peers)
+    events = [ev async for ev in gateway.generate(request)]
+    await gateway.close()
+    assert peers.closed
+    *tokens, final = events
+    assert isinstance(final, FinalEvent) and all(isinstance(t, TokenEvent) for t in tokens)
+    return tokens, final
+
+
+def flat(tokens: list[TokenEvent]) -> tuple[list[int], list[Stage]]:
+    ids = [t for ev in tokens for t in ev.token_ids]
+    stages = [ev.stage for ev in tokens for _ in ev.token_ids]
+    positions = [ev.start_position for ev in tokens]
+    assert positions == [sum(len(e.token_ids) for e in tokens[:i]) for i in range(len(tokens))]
+    return ids, stages
+
+
+def first_token(token_id: int = 20, logprob: Logprob | None = None) -> FirstToken:
+    return FirstToken(token_id, len(PROMPT), 0, 1.0, logprob)
+
+
+TRANSFER = TransferDone(0, 4096, 0.0, 2.5, 0.0, "")
+
+
+async def test_p_md_merges_prefills_first_token_with_main_decodes_tokens():
+    peers = FakePeers(
+        # MainDecode's tokens may come before prefill's first one: they wait in the merge
+        md=[Accepted(3), Tokens(1, (21, 22)), Tokens(3, (23,)), Finished("length", 4, 3)],
+        prefill=[first_token(), TRANSFER],
+    )
+    tokens, final = await run(peers, job(Pipeline.P_MD, temperature=0.8))
+    assert flat(tokens) == ([20, 21, 22, 23], [Stage.PREFILL] + [Stage.MAIN_DECODE] * 3)
+    s = final.stats
+    assert final.finish_reason == "length" and s.pipeline is Pipeline.P_MD
+    assert (s.completion_tokens, s.md_tokens, s.rld_tokens) == (4, 3, 0)
+    assert (s.md_cached_tokens, s.wan_kv_bytes, s.wan_transfer_ms) == (3, 4096, 2.5)
+    assert (s.prefill_instance, s.main_decode_instance, s.relay_instance) == ("p0", "m0", "")
+    assert s.ttft_ms > 0 and s.e2e_ms >= s.ttft_ms
+    # prefill pushes MainDecode's missing KV from where MainDecode said its hit ends
+    p, md = peers.jobs["prefill"], peers.jobs["main_decode"]
+    assert p.main_decode_cached_tokens == 3 and p.relay is None and p.pipeline is Pipeline.P_MD
+    assert p.main_decode == MAIN_DECODE.ref and peers.accepted_before_prefill == [True]
+    # a sampled request without a seed: the gateway picks one, the same for every stage
+    assert md.sampling.seed is not None and p.sampling.seed == md.sampling.seed
+    assert "relay" not in peers.jobs and not peers.handoff.batches
+
+
+@pytest.mark.parametrize("first_token_last", [False, True], ids=["streamed", "buffered"])
+async def test_p_rld_md_drops_what_both_relay_and_main_decode_sent(first_token_last):
+    """The overlap arrives once the relay's copy was streamed, or while both wait in the merge
+    behind a late first token: either way the first copy of a position is the one kept."""
+    relay_handed_off = asyncio.Event()
+    relay_reading = asyncio.Event()
+    md_sent = asyncio.Event()
+    prefill = [md_sent] if first_token_last else []
+    peers = FakePeers(
+        # MainDecode accepts only once the relay's stream is being read too: the gateway must
+        # open both and wait for both at once, or this request never starts
+        md=[
+            relay_reading,
+            Accepted(0),
+            relay_handed_off,
+            Tokens(2, (22, 23, 24, 25)),
+            Signal(md_sent),
+            Finished("stop", 6, 4),
+        ],
+        prefill=[*prefill, first_token(), TRANSFER],
+        relay=[
+            Signal(relay_reading),
+            Accepted(),
+            Tokens(1, (21, 22, 23)),
+            HandedOff(3, HandoffMode.ONE_SHOT, 1, 1.5),
+            Signal(relay_handed_off),
+        ],
+    )
+    tokens, final = await asyncio.wait_for(run(peers, job(Pipeline.P_RLD_MD)), 10)
+    ids, stages = flat(tokens)
+    assert ids == [20, 21, 22, 23, 24, 25]  # positions 2 and 3 came twice: each kept once
+    assert stages == [Stage.PREFILL] + [Stage.RELAY] * 3 + [Stage.MAIN_DECODE] * 2
+    s = final.stats
+    assert final.finish_reason == "stop" and s.pipeline is Pipeline.P_RLD_MD
+    assert (s.completion_tokens, s.rld_tokens, s.md_tokens, s.handoff_at_token) == (6, 3, 2, 3)
+    assert s.relay_instance == "r0" and peers.accepted_before_prefill == [True]
+    r = peers.jobs["relay"]
+    assert r.main_decode == MAIN_DECODE.ref and r.handoff_mode is HandoffMode.ONE_SHOT
+    assert peers.jobs["prefill"].relay == RELAY.ref
+    assert not peers.handoff.batches  # the relay handed over itself
+
+
+def handoffs_by_gateway() -> float:
+    labels = {"mode": "one-shot", "kind": "gateway"}
+    return REGISTRY.get_sample_value("pdd_handoffs_total", labels) or 0.0
+
+
+async def test_a_relay_lost_mid_stream_is_handed_to_main_decode_by_the_gateway():
+    first_sent = asyncio.Event()
+    peers = FakePeers(md=[Accepted(0)], prefill=[first_token(), Signal(first_sent), TRANSFER])
+    # MainDecode goes on from what the gateway handed it, and only once it was handed
+    peers.md.script += [peers.handed, Tokens(3, (23, 24)), Finished("length", 5, 2)]
+    peers.relay_stream.script = [
+        Accepted(),
+        first_sent,
+        Tokens(1, (21, 22)),
+        PeerError("UNAVAILABLE", "connection reset by peer", "relay"),
+    ]
+    before = handoffs_by_gateway()
+    tokens, final = await asyncio.wait_for(run(peers, job(Pipeline.P_RLD_MD)), 10)
+    assert peers.handoff.batches == [
+        HandoffBatch("req-1", 0, (20, 21, 22), final=True, mode=HandoffMode.ONE_SHOT)
+    ]
+    assert peers.handoff.done_wait is True
+    assert flat(tokens) == (
+        [20, 21, 22, 23, 24],
+        [Stage.PREFILL, Stage.RELAY, Stage.RELAY, Stage.MAIN_DECODE, Stage.MAIN_DECODE],
+    )
+    assert final.finish_reason == "length" and final.stats.handoff_at_token == 3
+    assert handoffs_by_gateway() == before + 1
+
+
+async def test_a_relay_failing_after_its_handoff_fails_the_request():
+    """Only a relay lost before it handed over is taken over; after, its error is the request's."""
+    peers = FakePeers(
+        md=[Accepted(0), HOLD],
+        prefill=[first_token(), TRANSFER],
+        relay=[Accepted(), HandedOff(1, HandoffMode.ONE_SHOT, 1, 1.0), PeerError("INTERNAL", "x")],
+    )
+    with pytest.raises(PeerError, match="x"):
+        await asyncio.wait_for(run(peers, job(Pipeline.P_RLD_MD)), 10)
+    assert not peers.handoff.batches and peers.md.cancelled
+
+
+async def test_a_gap_in_the_merged_stream_fails_the_request():
+    peers = FakePeers(
+        md=[Accepted(0), Tokens(2, (22,)), Finished("length", 3, 1)],
+        prefill=[first_token(), TRANSFER],
+    )
+    with pytest.raises(FailedPreconditionError, match="gap: delivered 1 of 3 tokens"):
+        await run(peers, job(Pipeline.P_MD))
+
+
+async def test_a_stage_short_of_the_logprobs_asked_for_fails_the_request():
+    lp = Logprob(-0.5)
+    peers = FakePeers(
+        md=[Accepted(0), Tokens(1, (21, 22), (lp,)), Finished("length", 3, 2)],
+        prefill=[first_token(logprob=lp), TRANSFER],
+    )
+    with pytest.raises(FailedPreconditionError, match="main_decode sent 1 logprobs for 2 tokens"):
+        await run(peers, job(Pipeline.P_MD, logprobs=0))
+    peers = FakePeers(md=[Accepted(0), HOLD], prefill=[first_token(), TRANSFER])
+    with pytest.raises(FailedPreconditionError, match="prefill sent its token without"):
+        await run(peers, job(Pipeline.P_MD, logprobs=0))
+
+
+def requests(outcome: str) -> float:
+    labels = {"pipeline": "p-rld-md", "outcome": outcome}
+    return REGISTRY.get_sample_value("pdd_requests_total", labels) or 0.0
+
+
+async def test_a_client_going_away_cancels_every_stage_call():
+    peers = FakePeers(
+        md=[Accepted(0), HOLD],
+        prefill=[first_token(), HOLD],
+        relay=[Accepted(), Tokens(1, (21,)), HOLD],
+    )
+    gateway = Gateway("127.0.0.1:7000", rng=random.Random(7), peers=peers)
+    before = requests("cancelled")
+    got: list[int] = []
+    async with contextlib.aclosing(gateway.generate(job(Pipeline.P_RLD_MD))) as events:
+        async for ev in events:
+            got.extend(ev.token_ids)
+            if len(got) == 2:
+                break
+        streams = (peers.md, peers.prefill_stream, peers.relay_stream)
+        assert not any(s.cancelled for s in streams)  # the stream is open until the client goes
+    assert got == [20, 21]
+    assert all(s.cancelled for s in streams)
+    assert requests("cancelled") == before + 1
+    for _ in range(5):  # the readers' tasks end once cancelled
+        await asyncio.sleep(0)
+    assert asyncio.all_tasks() == {asyncio.current_task()}

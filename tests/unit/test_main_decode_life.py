@@ -1,0 +1,223 @@
+"""MainDecode's request life against in-process peers: the KV arrives through its real
+``KvReceiver``, exported by a second engine (prefill's) on the same tiny random model; handoff
+batches are handed to ``MainDecode.handoff`` as the relay's typed client would.
+
+Every stream is compared with a single engine's greedy output for the same prompt (and, after a
+rollback, for the prompt followed by the tokens the relay decided), up to a near-tie (see
+``tests/conftest.py``'s ``Oracle``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+
+import pytest
+
+from pdd.core.pipeline import Pipeline
+from pdd.core.stage_events import Accepted, DecodeJob, Finished, HandoffBatch, Tokens
+from pdd.engine.config import EngineConfig
+from pdd.engine.engine import Engine
+from pdd.engine.sampling import SamplingParams
+from pdd.kv.chunking import split
+from pdd.kv.receiver import KvReceiver
+from pdd.kv.transfer import Commit
+from pdd.serving.engine_loop import EngineLoop
+from pdd.serving.kv_bridge import export_tokens, range_header, wire_bytes
+from pdd.serving.main_decode import MainDecode
+from pdd.serving.model_spec import load_model
+
+MODEL = "tiny:3,ctx=256,layers=2,hidden=64,inter=128"
+BLOCK = 4
+SALT = "tenant-a"
+PROMPT = [1 + (i * 7) % 250 for i in range(22)]
+
+
+@pytest.fixture(scope="module")
+def ckpt():
+    return load_model(MODEL)
+
+
+@pytest.fixture(scope="module")
+def oracle(llama_oracle, ckpt):
+    return llama_oracle(ckpt)
+
+
+def _engine(ckpt) -> Engine:
+    return Engine(ckpt, EngineConfig(block_size=BLOCK, num_blocks=256))
+
+
+def _greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+def _single(ckpt, prompt: Sequence[int], n: int) -> list[int]:
+    """A single engine's greedy outputs: what the whole pipeline must produce."""
+    return _engine(ckpt).generate([list(prompt)], _greedy(n))[0]
+
+
+class _Instance:
+    """What MainDecode reads of an ``EngineInstance``: its engine and the loop stepping it."""
+
+    def __init__(self, engine: Engine, runner: EngineLoop) -> None:
+        self.engine, self.runner = engine, runner
+
+
+class Node:
+    """A MainDecode on its own engine, and prefill's engine that exports the KV it receives."""
+
+    def __init__(self, ckpt) -> None:
+        self.prefill = _engine(ckpt)
+        self.engine = _engine(ckpt)
+        self.loop = EngineLoop(self.engine)
+        self.receiver = KvReceiver()
+        self.md = MainDecode(_Instance(self.engine, self.loop), self.receiver, kv_timeout_s=30)
+
+    async def push(self, rid: str, prompt: Sequence[int], start: int) -> int:
+        """Prefill ``prompt`` and push tokens ``[start, n)`` of its KV as a WAN push delivers
+        them (header, chunks in reverse order, commit); prefill's first token."""
+        eng = self.prefill
+        eng.add_request(rid, list(prompt), _greedy(1), salt=SALT, keep_after_finish=True)
+        while not (outs := [o for o in eng.step() if o.request_id == rid]):
+            pass
+        (first,) = outs
+        kv = export_tokens(eng, rid, start, len(prompt))  # [n - start, L, 2, KV, D]
+        eng.release(rid)
+        header = range_header(eng, rid, start, len(prompt), prompt, SALT, chunk_bytes=2048)
+        chunks = list(split(header, bytes(wire_bytes(kv, header.layout))))
+        assert len(chunks) > 1
+
+        async def items():
+            for item in (header, *reversed(chunks), Commit(rid, (first.token_id,))):
+                yield item
+
+        assert (await self.receiver.receive(items())).complete
+        return first.token_id
+
+    async def outputs(self, rid: str) -> list[int]:
+        """The engine's outputs of ``rid`` now (read on the engine thread)."""
+        return await self.loop.call(self.engine.output_token_ids, rid)
+
+    async def __aenter__(self) -> Node:
+        await self.loop.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.loop.stop()
+
+
+async def _rest(stream: AsyncIterator) -> list:
+    return [ev async for ev in stream]
+
+
+def _tokens(events: list) -> tuple[int, list[int]]:
+    """The first position streamed and the tokens, checking they are contiguous."""
+    tokens = [ev for ev in events if isinstance(ev, Tokens)]
+    assert tokens, f"no tokens in {events}"
+    out: list[int] = []
+    for ev in tokens:
+        assert ev.start_position == tokens[0].start_position + len(out), events
+        out += ev.token_ids
+    return tokens[0].start_position, out
+
+
+async def test_p_md_request_decodes_from_prefills_first_token(ckpt, oracle):
+    n = 12
+    async with Node(ckpt) as node:
+        job = DecodeJob("r1", tuple(PROMPT), _greedy(n), SALT, Pipeline.P_MD)
+        stream = node.md.decode(job)
+        assert await anext(stream) == Accepted(0)  # nothing cached: the whole prompt is pushed
+        first = await node.push("r1", PROMPT, 0)
+        events = await asyncio.wait_for(_rest(stream), 60)
+        start, tokens = _tokens(events)
+        assert start == 1  # position 0 is prefill's; MainDecode speaks from the next one
+        fin = events[-1]
+        assert isinstance(fin, Finished)
+        assert (fin.finish_reason, fin.completion_tokens, fin.md_tokens) == ("length", n, n - 1)
+        assert fin.wan_kv_bytes > 0
+        oracle.assert_greedy_equal(PROMPT, [first, *tokens], _single(ckpt, PROMPT, n))
+        assert not node.engine.holds_request("r1") and node.receiver.pop("r1") is None
+
+
+async def test_handoff_rolls_back_what_main_decode_decoded_ahead(ckpt, oracle):
+    """Two batches (catch-up): the second disagrees with what MainDecode decoded meanwhile;
+    MainDecode drops its own path and continues from the relay's tokens."""
+    n = 64
+    ref = _single(ckpt, PROMPT, n)
+    async with Node(ckpt) as node:
+        job = DecodeJob("r2", tuple(PROMPT), _greedy(n), SALT, Pipeline.P_RLD_MD)
+        stream = node.md.decode(job)
+        assert await anext(stream) == Accepted(0)
+        await node.push("r2", PROMPT, 0)
+        rest = asyncio.create_task(_rest(stream))
+        ack = await node.md.handoff(HandoffBatch("r2", 0, tuple(ref[:4])))
+        assert ack.extended_through == 4
+        # MainDecode decodes ahead of the relay between rounds.
+        while len(ahead := await node.outputs("r2")) < 8:
+            await asyncio.sleep(0.005)
+        assert not rest.done()  # it speaks only after the final batch
+        # The relay sampled another token at output 6 than MainDecode did.
+        x = next(t for t in range(1, 250) if t not in (ahead[6], ref[6]))
+        decided = [*ref[:6], x]
+        after = _single(ckpt, PROMPT + decided, n - len(decided))
+        assert after != ref[len(decided) :]  # else a missed rollback would go unnoticed
+        ack = await node.md.handoff(HandoffBatch("r2", 4, tuple(decided[4:]), final=True))
+        assert ack.extended_through == 7 and ack.computed_through >= 7
+        events = await asyncio.wait_for(rest, 60)
+        start, tokens = _tokens(events)
+        assert start == 7
+        assert events[-1].completion_tokens == n and events[-1].md_tokens == n - 7
+        oracle.assert_greedy_equal(PROMPT + decided, tokens, after)
+
+
+async def test_a_request_finished_upstream_is_extended_into_the_drc(ckpt, oracle):
+    n = 8
+    ref = _single(ckpt, PROMPT, n)
+    async with Node(ckpt) as node:
+        job = DecodeJob("r3", tuple(PROMPT), _greedy(n), SALT, Pipeline.P_RLD_MD)
+        stream = node.md.decode(job)
+        assert await anext(stream) == Accepted(0)
+        rest = asyncio.create_task(_rest(stream))  # NOTE: the stream is read on, as a servicer does
+        await node.push("r3", PROMPT, 0)
+        ack = await node.md.handoff(
+            HandoffBatch("r3", 0, tuple(ref), final=True, request_finished=True)
+        )
+        assert ack.extended_through == n
+        events = await asyncio.wait_for(rest, 60)
+        assert [type(ev) for ev in events] == [Finished]  # it emits nothing of its own
+        assert (events[0].completion_tokens, events[0].md_tokens) == (n, 0)
+
+        # The DRC holds prompt + output (full blocks): the session's next turn hits here.
+        convo = PROMPT + ref
+        cached = len(convo) // BLOCK * BLOCK
+        assert await node.loop.call(node.engine.prefix_match_len, convo, SALT) == cached
+        turn = [*convo, 17, 18, 19, 20, 21]
+        stream = node.md.decode(DecodeJob("r4", tuple(turn), _greedy(6), SALT, Pipeline.P_MD))
+        assert await anext(stream) == Accepted(cached)
+        first = await node.push("r4", turn, cached)  # only the delta crosses
+        _, tokens = _tokens(await asyncio.wait_for(_rest(stream), 60))
+        oracle.assert_greedy_equal(turn, [first, *tokens], _single(ckpt, turn, 6))
+
+
+@pytest.mark.parametrize("how", ["closed", "cancelled"])
+async def test_a_request_ended_early_is_aborted_and_its_kv_freed(ckpt, how):
+    async with Node(ckpt) as node:
+        job = DecodeJob("r5", tuple(PROMPT), _greedy(8), SALT, Pipeline.P_RLD_MD)
+        stream = node.md.decode(job)
+        assert await anext(stream) == Accepted(0)
+        assert node.engine.holds_request("r5")
+        if how == "closed":  # the gateway's call ended between two events
+            await stream.aclose()
+        else:  # ... or while MainDecode waits for its KV
+            task = asyncio.create_task(anext(stream))
+            await asyncio.sleep(0.05)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        await node.loop.call(lambda: None)  # the abort was queued on the engine thread
+        assert not node.engine.holds_request("r5")
+        assert node.engine.kv_usage()[0] == 0
+        # A push arriving late finds no waiter; the next request of that id starts afresh.
+        stream = node.md.decode(job)
+        assert await anext(stream) == Accepted(0)
+        await stream.aclose()

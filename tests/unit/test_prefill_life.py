@@ -1,0 +1,208 @@
+"""Prefill's request life against in-process peers: MainDecode's typed client replaced by one
+whose ``kv_pusher`` pushes (the real ``KvPusher``) into a real ``KvReceiver``, the relay's by one
+answered by a real ``FastLinkReceiver`` over shared memory.
+
+The engine prefills in 16-token chunks, so both pushes are fed while the prompt is still being
+computed. What arrives must be exactly the delta ``[main_decode_cached_tokens, n)`` (and, for
+the relay, the whole prompt), equal to a fresh engine's export of the same prompt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from pdd.core.errors import PeerError
+from pdd.core.instance import InstanceRef, Role
+from pdd.core.pipeline import Pipeline
+from pdd.core.stage_events import FirstToken, PrefillJob, TransferDone
+from pdd.engine.config import EngineConfig
+from pdd.engine.engine import Engine
+from pdd.engine.sampling import SamplingParams
+from pdd.kv import messages as kv_messages
+from pdd.kv.compression import decode_tensor
+from pdd.kv.fast_link.receiver import FastLinkReceiver
+from pdd.kv.fast_link.region import Completion, PrepareRequest, Reservation
+from pdd.kv.fast_link.shm import ShmReceiverBackend
+from pdd.kv.fast_link.state import TransferState
+from pdd.kv.fast_link.tcp import TcpSenderBackend
+from pdd.kv.receiver import KvReceiver
+from pdd.kv.stream_pool import StreamPool
+from pdd.kv.wan import KvPusher
+from pdd.serving.engine_loop import EngineLoop
+from pdd.serving.model_spec import load_model
+from pdd.serving.prefill import Prefill, PrefillConfig, PrefillPeers
+
+MODEL = "tiny:3,ctx=256,layers=2,hidden=64,inter=128"
+CONFIG = EngineConfig(block_size=4, max_num_batched_tokens=16)
+PROMPT = tuple(1 + (i * 5) % 250 for i in range(120))
+MD = InstanceRef("md-0", "md:1", Role.MAIN_DECODE)
+RELAY = InstanceRef("relay-0", "relay:1", Role.RELAY)
+
+
+@pytest.fixture(scope="module")
+def ckpt():
+    return load_model(MODEL)
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt):
+    """A fresh engine's first token and KV ``[n, L, 2, KV, D]`` of ``PROMPT``."""
+    eng = Engine(ckpt, CONFIG)
+    eng.add_request("x", PROMPT, SamplingParams(max_tokens=1), keep_after_finish=True)
+    while not (outs := eng.step()):
+        pass
+    kv = eng.export_kv("x", 0, len(PROMPT)).to_tensor().permute(2, 0, 1, 3, 4)
+    return outs[0].token_id, kv
+
+
+class InProcessMainDecode:
+    """``KvPushClient.kv_pusher``: the real pusher, its stream delivered to a real receiver
+    (the servicer's conversions included) instead of a gRPC call."""
+
+    def __init__(self, receiver: KvReceiver) -> None:
+        self.receiver = receiver
+
+    def kv_pusher(self, pool: StreamPool) -> KvPusher:
+        async def push(requests):
+            items = kv_messages.push_items_from_pb(requests)
+            return kv_messages.push_response_to_pb(await self.receiver.receive(items))
+
+        async def get_transfer(request_id: str):
+            return kv_messages.transfer_status_to_pb(self.receiver.status(request_id))
+
+        return KvPusher(push, get_transfer, pool=pool)
+
+
+class InProcessRelay:
+    """``FastLinkClient``'s calls answered by a relay's ``FastLinkReceiver`` (shm)."""
+
+    def __init__(self, fast: FastLinkReceiver, *, down: bool = False) -> None:
+        self.fast = fast
+        self.down = down
+
+    async def prepare_transfer(self, request: PrepareRequest) -> Reservation:
+        if self.down:
+            raise PeerError("UNAVAILABLE", "connection refused", "relay")
+        return await self.fast.prepare(request)
+
+    async def complete_transfer(self, completion: Completion) -> bool:
+        return await self.fast.complete(completion) is TransferState.COMPLETED
+
+    def tcp_backend(self) -> TcpSenderBackend:
+        async def unreachable(requests):
+            raise AssertionError("shared memory was offered; TCP must not be used")
+
+        return TcpSenderBackend(unreachable)
+
+
+class Node:
+    """Prefill on its own engine, with the peers it asked for recorded."""
+
+    def __init__(self, ckpt, relay_down: bool = False) -> None:
+        self.engine = Engine(ckpt, CONFIG)
+        self.loop = EngineLoop(self.engine)
+        self.receiver = KvReceiver()
+        self.fast = FastLinkReceiver([ShmReceiverBackend()])
+        self.asked: list[tuple[str, ...]] = []
+        peers = PrefillPeers(self._main_decode, self._relay)
+        self.relay = InProcessRelay(self.fast, down=relay_down)
+        config = PrefillConfig(wan_chunk_bytes=1024, fast_link="shm", relay_same_host=True)
+        self.prefill = Prefill(_Instance(self.engine, self.loop), config=config, peers=peers)
+
+    def _main_decode(self, address: str, lane: str) -> InProcessMainDecode:
+        self.asked.append((address, lane))
+        return InProcessMainDecode(self.receiver)
+
+    def _relay(self, address: str) -> InProcessRelay:
+        self.asked.append((address,))
+        return self.relay
+
+    async def __aenter__(self) -> Node:
+        await self.loop.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.loop.stop()
+
+
+class _Instance:
+    def __init__(self, engine: Engine, runner: EngineLoop) -> None:
+        self.engine, self.runner = engine, runner
+
+
+def _job(rid: str, pipeline: Pipeline, md_from: int) -> PrefillJob:
+    relay = RELAY if pipeline is Pipeline.P_RLD_MD else None
+    return PrefillJob(rid, PROMPT, SamplingParams(max_tokens=8), "", pipeline, MD, md_from, relay)
+
+
+async def _events(node: Node, job: PrefillJob) -> tuple[FirstToken, TransferDone]:
+    events = [ev async for ev in node.prefill.prefill(job)]
+    assert [type(ev) for ev in events] == [FirstToken, TransferDone]
+    return events[0], events[1]
+
+
+async def test_p_md_pushes_exactly_the_delta_main_decode_lacks(ckpt, reference):
+    token, kv = reference
+    md_from = 40
+    async with Node(ckpt) as node:
+        first, done = await asyncio.wait_for(_events(node, _job("r1", Pipeline.P_MD, md_from)), 60)
+        assert (first.token_id, first.prompt_tokens, first.cached_tokens) == (token, 120, 0)
+        assert node.asked == [("md:1", "urgent")]  # P-MD deltas ride the urgent lane
+        received = node.receiver.pop("r1")
+        assert received.output_token_ids == (token,)  # the commit carries the first token
+        header = received.header
+        assert (header.start_token, header.num_tokens) == (md_from, 120 - md_from)
+        got = decode_tensor(received.payload, header.layout, header.num_tokens)
+        torch.testing.assert_close(got, kv[md_from:], rtol=1e-4, atol=1e-5)
+        assert done.wan_kv_bytes == header.total_bytes and done.relay_kv_bytes == 0
+        assert done.fast_link == ""
+        await node.loop.call(lambda: None)
+        assert not node.engine.holds_request("r1")  # released right after export
+
+
+async def test_p_rld_md_sends_the_whole_prompt_to_the_relay_and_the_delta_to_main_decode(
+    ckpt, reference
+):
+    token, kv = reference
+    async with Node(ckpt) as node:
+        first, done = await asyncio.wait_for(_events(node, _job("r2", Pipeline.P_RLD_MD, 100)), 60)
+        assert first.token_id == token
+        assert sorted(node.asked) == [("md:1", "bulk"), ("relay:1",)]
+        region = await node.fast.wait_complete("r2", 5)
+        assert (region.header.start_token, region.header.num_tokens) == (0, 120)
+        assert region.output_token_ids == (token,)
+        got = decode_tensor(region.view, region.header.layout, 120)
+        torch.testing.assert_close(got, kv, rtol=1e-4, atol=1e-5)
+        node.fast.release(region.transfer_id)
+        wan = node.receiver.pop("r2")
+        assert (wan.header.start_token, wan.header.num_tokens) == (100, 20)
+        torch.testing.assert_close(
+            decode_tensor(wan.payload, wan.header.layout, 20), kv[100:], rtol=1e-4, atol=1e-5
+        )
+        assert (done.fast_link, done.relay_kv_bytes) == ("shm", region.header.total_bytes)
+
+
+async def test_a_lost_relay_does_not_fail_the_request(ckpt, reference):
+    token, _ = reference
+    async with Node(ckpt, relay_down=True) as node:
+        first, done = await asyncio.wait_for(_events(node, _job("r3", Pipeline.P_RLD_MD, 0)), 60)
+        assert first.token_id == token
+        assert (done.fast_link, done.relay_kv_bytes) == ("failed", 0)
+        # MainDecode still has the KV over the WAN.
+        assert node.receiver.pop("r3").header.num_tokens == 120
+
+
+async def test_a_request_ended_after_its_first_token_is_dropped(ckpt):
+    async with Node(ckpt) as node:
+        stream = node.prefill.prefill(_job("r4", Pipeline.P_MD, 0))
+        assert isinstance(await anext(stream), FirstToken)
+        await stream.aclose()  # the gateway's call ended: the kept request must not linger
+        await node.loop.call(lambda: None)
+        assert not node.engine.holds_request("r4")
+        node.receiver.discard("r4")
+        # the id is free again
+        first, _ = await asyncio.wait_for(_events(node, _job("r4", Pipeline.P_MD, 0)), 60)
+        assert first.prompt_tokens == 120

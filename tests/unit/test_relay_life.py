@@ -1,0 +1,337 @@
+"""The relay's request life against in-process peers: prefill's KV over the real fast link, a
+real MainDecode taking the request over through an adapter with ``MainDecodeClient``'s names.
+
+Three engines on one tiny random model, as the services run them: a prefill engine computes
+the prompt and exports its KV, which reaches the relay through a ``FastLinkReceiver`` (shared
+memory, written by a ``FastLinkSender``) and MainDecode through its ``KvReceiver`` (header,
+chunks, commit, as a WAN push delivers them). Greedy tokens — prefill's first, the relay's,
+then MainDecode's from the handoff on — must equal a single engine's (up to a near-tie, see
+``tests/conftest.py``'s ``Oracle``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import pytest
+
+from pdd.core.errors import PddError, PeerError
+from pdd.core.instance import InstanceRef, Role
+from pdd.core.pipeline import HandoffMode, Pipeline
+from pdd.core.stage_events import (
+    Accepted,
+    DecodeJob,
+    Finished,
+    HandedOff,
+    HandoffAck,
+    HandoffBatch,
+    KvReadiness,
+    RelayJob,
+    Tokens,
+)
+from pdd.engine.config import EngineConfig
+from pdd.engine.engine import Engine
+from pdd.engine.sampling import SamplingParams
+from pdd.kv.chunking import split
+from pdd.kv.fast_link.receiver import FastLinkReceiver
+from pdd.kv.fast_link.region import PrepareRequest
+from pdd.kv.fast_link.sender import FastLinkSender
+from pdd.kv.fast_link.shm import ShmReceiverBackend, ShmSenderBackend
+from pdd.kv.fast_link.state import TransferState, Transport
+from pdd.kv.receiver import KvReceiver
+from pdd.kv.source import BytesSource
+from pdd.kv.transfer import Commit
+from pdd.server.errors import status_for
+from pdd.server.tls import TlsConfig
+from pdd.serving.channels import Channels
+from pdd.serving.engine_loop import EngineLoop
+from pdd.serving.kv_bridge import export_tokens, range_header, wire_bytes
+from pdd.serving.main_decode import MainDecode
+from pdd.serving.model_spec import load_model
+from pdd.serving.relay import Relay, RelayConfig
+
+MODEL = "tiny:3,ctx=256,layers=2,hidden=64,inter=128"
+BLOCK = 4
+MD_REF = InstanceRef("md-0", "in-process:0", Role.MAIN_DECODE)
+
+
+@pytest.fixture(scope="module")
+def ckpt():
+    return load_model(MODEL)
+
+
+@pytest.fixture(scope="module")
+def oracle(llama_oracle, ckpt):
+    return llama_oracle(ckpt)
+
+
+def _engine(ckpt) -> Engine:
+    return Engine(ckpt, EngineConfig(block_size=BLOCK, num_blocks=256))
+
+
+class _Instance:
+    """What the roles read of an ``EngineInstance``: its engine and the loop stepping it."""
+
+    def __init__(self, engine: Engine, runner: EngineLoop) -> None:
+        self.engine, self.runner = engine, runner
+
+
+class _Handoff:
+    """A handoff call answered by ``MainDecode.handoff``; its failures as the client's PeerError."""
+
+    def __init__(self, peer: InProcessMainDecode) -> None:
+        self.peer = peer
+        self.finished = self.cancelled = False
+
+    async def send(self, batch: HandoffBatch) -> HandoffAck:
+        self.peer.batches.append(batch)
+        try:
+            return await self.peer.md.handoff(batch)
+        except PddError as exc:
+            code, details = status_for(exc)  # NOTE: what the servicer's status would carry
+            raise PeerError(code.name, details, "main_decode") from None
+
+    async def done(self, *, wait: bool = False) -> None:
+        self.finished = True
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class InProcessMainDecode:
+    """``MainDecodeClient``'s calls the relay makes, answered by a MainDecode in this process."""
+
+    def __init__(self, md: MainDecode) -> None:
+        self.md = md
+        self.batches: list[HandoffBatch] = []
+        self.calls: list[_Handoff] = []
+
+    async def wait_kv_ready(self, request_id: str, timeout_ms: int) -> KvReadiness:
+        return await self.md.wait_kv_ready(request_id, timeout_ms)
+
+    def token_handoff(self) -> _Handoff:
+        self.calls.append(_Handoff(self))
+        return self.calls[-1]
+
+
+class Stack:
+    """Prefill's engine, a relay and a MainDecode, each on an engine of its own."""
+
+    def __init__(self, ckpt, config: RelayConfig) -> None:
+        self.prefill = _engine(ckpt)
+        self.relay_engine, self.md_engine = _engine(ckpt), _engine(ckpt)
+        self.relay_loop, self.md_loop = EngineLoop(self.relay_engine), EngineLoop(self.md_engine)
+        self.fast = FastLinkReceiver([ShmReceiverBackend()])
+        self.receiver = KvReceiver()
+        self.md = MainDecode(_Instance(self.md_engine, self.md_loop), self.receiver)
+        self.peer = InProcessMainDecode(self.md)
+        self.relay = Relay(
+            _Instance(self.relay_engine, self.relay_loop),
+            self.fast,
+            Channels(TlsConfig()),
+            config,
+            main_decode=self._main_decode,
+        )
+        self._kv: dict[str, tuple] = {}
+
+    def _main_decode(self, ref: InstanceRef) -> InProcessMainDecode:
+        assert ref == MD_REF, f"the relay asked for {ref}, the job named {MD_REF}"
+        return self.peer
+
+    def prefilled(self, rid: str, prompt: list[int], salt: str):
+        """Prefill ``prompt`` (max_tokens=1, kept): its token-major KV and first token."""
+        if rid not in self._kv:
+            eng = self.prefill
+            eng.add_request(
+                rid, prompt, SamplingParams(max_tokens=1), salt=salt, keep_after_finish=True
+            )
+            (out,) = [o for o in eng.step() if o.request_id == rid]
+            assert out.finished and out.position == 0
+            self._kv[rid] = (export_tokens(eng, rid, 0, len(prompt)), out.token_id)
+            eng.release(rid)
+        return self._kv[rid]
+
+    async def send_fast(self, rid: str, prompt: list[int], salt: str) -> None:
+        """Prefill → relay over shared memory, as prefill's ``_send_fast`` does."""
+        kv, first = self.prefilled(rid, prompt, salt)
+        header = range_header(self.prefill, rid, 0, len(prompt), prompt, salt)
+        reservation = await self.fast.prepare(
+            PrepareRequest(
+                rid, header.layout, header.num_tokens, header.total_bytes, (Transport.SHM,)
+            )
+        )
+        report = await FastLinkSender([ShmSenderBackend()]).send(
+            reservation,
+            header,
+            BytesSource(bytes(wire_bytes(kv, header.layout))),
+            self.fast.complete,
+            [first],
+        )
+        assert report.state is TransferState.COMPLETED
+
+    async def push_wan(self, rid: str, prompt: list[int], salt: str) -> None:
+        """Prefill → MainDecode: the whole prompt's KV as one push (header, chunks, commit)."""
+        kv, first = self.prefilled(rid, prompt, salt)
+        header = range_header(self.prefill, rid, 0, len(prompt), prompt, salt, chunk_bytes=4096)
+        payload = bytes(wire_bytes(kv, header.layout))
+
+        async def items():
+            for item in (header, *split(header, payload), Commit(rid, (first,))):
+                yield item
+
+        assert (await self.receiver.receive(items())).complete
+
+    async def __aenter__(self) -> Stack:
+        await self.relay_loop.start()
+        await self.md_loop.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.relay_loop.stop()
+        await self.md_loop.stop()
+
+
+async def _drain(events: AsyncIterator, into: list) -> None:
+    async for ev in events:
+        into.append(ev)
+
+
+async def _open_md(stack: Stack, job: DecodeJob, events: list) -> asyncio.Task:
+    """MainDecode's decode stream, read into ``events`` by a task; returns once it accepted."""
+    task = asyncio.create_task(_drain(stack.md.decode(job), events))
+    while not events and not task.done():
+        await asyncio.sleep(0.001)
+    assert isinstance(events[0], Accepted)
+    return task
+
+
+def _jobs(rid, prompt, n, mode, pipeline=Pipeline.P_RLD_MD, salt="s"):
+    sampling = SamplingParams(max_tokens=n, ignore_eos=True)
+    return (
+        RelayJob(rid, tuple(prompt), sampling, salt, MD_REF, mode),
+        DecodeJob(rid, tuple(prompt), sampling, salt, pipeline),
+    )
+
+
+def _positions(events) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for ev in events:
+        if isinstance(ev, Tokens):
+            for i, tok in enumerate(ev.token_ids):
+                assert ev.start_position + i not in out, "a position streamed twice"
+                out[ev.start_position + i] = tok
+    return out
+
+
+async def _read_through(stream: AsyncIterator, position: int) -> list:
+    """The relay's events up to (and with) the one carrying output ``position``."""
+    events: list = []
+    while position not in _positions(events):
+        events.append(await stream.__anext__())
+    return events
+
+
+def _reference(ckpt, prompt, n) -> list[int]:
+    return _engine(ckpt).generate([prompt], SamplingParams(max_tokens=n, ignore_eos=True))[0]
+
+
+PROMPT = [(i * 37) % 251 + 1 for i in range(29)]
+
+
+@pytest.mark.parametrize("mode", [HandoffMode.ONE_SHOT, HandoffMode.CATCH_UP])
+async def test_handoff_output_equals_a_single_engine(ckpt, oracle, mode):
+    n = 120
+    # NOTE: gap 0: every catch-up round that finds the relay ahead sends; at least one does.
+    async with Stack(ckpt, RelayConfig(catch_up_gap=0)) as stack:
+        relay_job, md_job = _jobs("r1", PROMPT, n, mode)
+        md_events: list = []
+        md_task = await _open_md(stack, md_job, md_events)
+        await stack.send_fast("r1", PROMPT, "s")
+        stream = stack.relay.decode(relay_job)
+        # NOTE: MainDecode's KV arrives once the relay streamed a few tokens, as over a WAN.
+        relay_events = await _read_through(stream, 8)
+        await stack.push_wan("r1", PROMPT, "s")
+        relay_events += [ev async for ev in stream]
+        await asyncio.wait_for(md_task, 30)
+
+        assert isinstance(relay_events[0], Accepted)
+        handed = relay_events[-1]
+        assert isinstance(handed, HandedOff) and handed.mode is mode
+        at = handed.at_position
+        assert 8 < at < n, "the relay should hand over mid-stream"
+        if mode is HandoffMode.CATCH_UP:
+            assert handed.rounds >= 2 and len(stack.peer.batches) == handed.rounds
+        else:
+            assert handed.rounds == 1 and len(stack.peer.batches) == 1
+        final = stack.peer.batches[-1]
+        assert final.final and not final.request_finished
+        assert final.start_position + len(final.token_ids) == at
+        relayed, md_out = _positions(relay_events), _positions(md_events)
+        # The relay streams its own tokens (prefill's first is not its) up to the handoff,
+        # MainDecode from there on: no gap, no overlap.
+        assert sorted(relayed) == list(range(1, at)) and sorted(md_out) == list(range(at, n))
+        assert isinstance(md_events[-1], Finished) and md_events[-1].completion_tokens == n
+        first = stack.prefilled("r1", PROMPT, "s")[1]
+        tokens = [first] + [relayed[p] for p in range(1, at)] + [md_out[p] for p in range(at, n)]
+        oracle.assert_greedy_equal(PROMPT, tokens, _reference(ckpt, PROMPT, n))
+        # The relay freed the request's KV at once.
+        assert not await stack.relay_loop.call(stack.relay_engine.holds_request, "r1")
+        assert stack.peer.calls[-1].finished and not stack.peer.calls[-1].cancelled
+
+
+async def test_request_finishing_on_the_relay_still_hands_its_tokens_over(ckpt, oracle):
+    n = 6
+    # NOTE: 22 + 6 fills 7 blocks: MainDecode computed the last output's KV too (an extension).
+    prompt = PROMPT[:22]
+    async with Stack(ckpt, RelayConfig()) as stack:
+        relay_job, md_job = _jobs("r2", prompt, n, HandoffMode.CATCH_UP, salt="fin")
+        md_events: list = []
+        md_task = await _open_md(stack, md_job, md_events)
+        await stack.send_fast("r2", prompt, "fin")
+        stream = stack.relay.decode(relay_job)
+        # NOTE: MainDecode gets its KV only once the relay has streamed its last token: the
+        # request finishes here first, and the relay waits for MainDecode to hold the KV.
+        relay_events = await _read_through(stream, n - 1)
+        assert stack.peer.batches == []
+        await stack.push_wan("r2", prompt, "fin")
+        relay_events += [ev async for ev in stream]
+        await asyncio.wait_for(md_task, 30)
+
+        assert relay_events[-1] == Finished("length", n)
+        assert not any(isinstance(ev, HandedOff) for ev in relay_events)
+        first = stack.prefilled("r2", prompt, "fin")[1]
+        relayed = _positions(relay_events)
+        tokens = [first] + [relayed[p] for p in range(1, n)]
+        oracle.assert_greedy_equal(prompt, tokens, _reference(ckpt, prompt, n))
+        (batch,) = stack.peer.batches
+        assert batch.request_finished and batch.final and batch.start_position == 0
+        assert list(batch.token_ids) == tokens
+        # MainDecode extended every token into its DRC and emitted none of them.
+        assert _positions(md_events) == {} and isinstance(md_events[-1], Finished)
+        held = await stack.md_loop.call(stack.md_engine.prefix_match_len, prompt + tokens, "fin")
+        assert held == (len(prompt) + n) // BLOCK * BLOCK
+
+
+async def test_a_failed_handoff_fails_the_relay_stream_with_the_peer_error(ckpt):
+    # MainDecode decodes a P-MD request itself: it holds the KV but refuses a handoff.
+    async with Stack(ckpt, RelayConfig()) as stack:
+        relay_job, md_job = _jobs("r3", PROMPT, 120, HandoffMode.ONE_SHOT, pipeline=Pipeline.P_MD)
+        md_events: list = []
+        md_task = await _open_md(stack, md_job, md_events)
+        await stack.push_wan("r3", PROMPT, "s")
+        await stack.send_fast("r3", PROMPT, "s")
+        relay_events = []
+        with pytest.raises(PeerError) as failed:
+            async for ev in stack.relay.decode(relay_job):
+                relay_events.append(ev)
+        assert failed.value.code == "FAILED_PRECONDITION" and failed.value.peer == "main_decode"
+        assert "only P-RLD-MD requests are handed over" in failed.value.details
+        assert not any(isinstance(ev, (HandedOff, Finished)) for ev in relay_events)
+        assert len(stack.peer.batches) == 1 and stack.peer.calls[-1].cancelled
+        # The failed stream aborted the request: its KV is free.
+        assert not await stack.relay_loop.call(stack.relay_engine.holds_request, "r3")
+        md_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await md_task
