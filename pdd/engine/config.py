@@ -29,23 +29,23 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
-            raise ValueError(f"block_size must be positive, got {self.block_size}")
+            raise ValueError(f"block_size: must be positive, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks <= 0:
-            raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
+            raise ValueError(f"num_blocks: must be positive, got {self.num_blocks}")
         if self.kv_cache_bytes <= 0:
-            raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+            raise ValueError(f"kv_cache_bytes: must be positive, got {self.kv_cache_bytes}")
         if self.max_num_batched_tokens <= 0:
             raise ValueError(
-                f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}"
+                f"max_num_batched_tokens: must be positive, got {self.max_num_batched_tokens}"
             )
         if self.max_num_seqs <= 0:
-            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+            raise ValueError(f"max_num_seqs: must be positive, got {self.max_num_seqs}")
         if self.max_model_len is not None and self.max_model_len <= 0:
-            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+            raise ValueError(f"max_model_len: must be positive, got {self.max_model_len}")
         if self.dtype is not None:
             parse_dtype(self.dtype)
         if self.device != "auto" and not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
-            raise ValueError(f"device must be 'cpu', 'cuda[:N]' or 'auto', got {self.device!r}")
+            raise ValueError(f"device: must be 'cpu', 'cuda[:N]' or 'auto', got {self.device!r}")
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

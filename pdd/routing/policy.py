@@ -4,7 +4,7 @@ Pure policy (no gRPC, no Redis): inputs are plain data — the live instances
 with their load and the kvstore's predicted prefix hits — and a
 ``random.Random`` for tie-breaks, so every decision is reproducible.
 
-Life of a decision (DESIGN.md §3), Filter → Scorer → Picker per role:
+Life of a decision (docs/architecture.md, "A request's path"), Filter → Scorer → Picker per role:
   1. filter: instances of the role whose KV pool still has room;
   2. score: prefix affinity (predicted cached tokens) minus a load penalty
      (prefill, main_decode), or plain load (relay — it holds no prefix);

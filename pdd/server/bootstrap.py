@@ -3,8 +3,8 @@
 Life of a server: build an asyncio ``grpc.aio`` server with the context
 interceptor → the service registers its servicers → ``grpc.health.v1`` and
 reflection are added → the domain's ``start()`` runs (connect Redis, load the
-model, ...) → the server starts → ``serving(port)`` runs (register with
-kvstore) → health turns SERVING and one line ``PDD_LISTENING <service>
+model, ...) → the server starts (TLS as ``config.tls`` says) → ``serving(port)``
+runs (register with kvstore) → health turns SERVING and one line ``PDD_LISTENING <service>
 <host:port>`` is printed on stdout (launchers parse it when port 0 was asked),
 after what is alive was frozen out of garbage collection (``gc_pauses``)
 → SIGTERM/SIGINT: health turns NOT_SERVING, in-flight calls get ``grace_s``
@@ -28,8 +28,8 @@ from grpc_reflection.v1alpha import reflection
 from pdd.server import tls
 from pdd.server.config import ServerConfig
 from pdd.server.interceptors import ContextInterceptor
+from pdd.server.telemetry_interceptor import TelemetryInterceptor
 from pdd.telemetry import gc_pauses
-from pdd.telemetry.grpc_telemetry import TelemetryInterceptor
 from pdd.telemetry.metrics import start_metrics_server
 
 log = structlog.get_logger(__name__)
@@ -59,13 +59,10 @@ class ServiceSpec:
 class GrpcServer:
     """A started server; ``port`` is the bound one."""
 
-    def __init__(
-        self, config: ServerConfig, spec: ServiceSpec, tls_config: tls.TlsConfig | None = None
-    ) -> None:
+    def __init__(self, config: ServerConfig, spec: ServiceSpec) -> None:
         self.config = config
         self.spec = spec
-        # NOTE: default: the process's TLS settings, installed from the service's flags.
-        self.tls = tls.installed() if tls_config is None else tls_config
+        self.tls = config.tls
         self._health_server: grpc.aio.Server | None = None
         options = [
             ("grpc.max_receive_message_length", config.max_message_bytes),
@@ -143,8 +140,8 @@ async def serve(config: ServerConfig, spec: ServiceSpec) -> None:
     log.info("gc_startup_frozen", objects=gc_pauses.freeze_startup_objects())
     gc_pauses.watch()
     if config.metrics_port:
-        _, port = start_metrics_server(config.host, config.metrics_port, tls.installed())
-        log.info("metrics_started", address=f"{config.host}:{port}", tls=bool(tls.installed().cert))
+        _, port = start_metrics_server(config.host, config.metrics_port, config.tls)
+        log.info("metrics_started", address=f"{config.host}:{port}", tls=bool(config.tls.cert))
     print(f"PDD_LISTENING {spec.name} {config.host}:{server.port}", flush=True)
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()

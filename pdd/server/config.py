@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from pdd.server.tls import TlsConfig
 
 
 @dataclass(frozen=True)
@@ -17,6 +19,8 @@ class ServerConfig:
     log_json: bool = True
     # Prometheus /metrics port of this process; 0 = off.
     metrics_port: int = 0
+    # TLS of the gRPC port, /metrics and every channel the service opens (passed to each).
+    tls: TlsConfig = field(default_factory=TlsConfig)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

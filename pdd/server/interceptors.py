@@ -12,13 +12,14 @@ The interceptor wraps each method handler so that, for the life of one call:
 from __future__ import annotations
 
 import uuid
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 
 import grpc
 import structlog
 
 from pdd.server.errors import is_domain_error, status_for
+from pdd.server.handlers import wrap_handler
 
 REQUEST_ID_KEY = "x-request-id"
 log = structlog.get_logger(__name__)
@@ -47,33 +48,15 @@ def _bind(context: grpc.aio.ServicerContext, method: str) -> None:
     )
 
 
-def _wrap_unary(
-    behavior: Callable[..., Awaitable[Any]], method: str
-) -> Callable[..., Awaitable[Any]]:
-    async def wrapped(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
-        _bind(context, method)
-        try:
-            return await behavior(request_or_iterator, context)
-        except grpc.aio.AbortError:
-            raise
-        except Exception as exc:  # noqa: BLE001 — mapped to a status, never swallowed
-            await _fail(context, exc)
-
-    return wrapped
-
-
-def _wrap_stream(behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
-    async def wrapped(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
-        _bind(context, method)
-        try:
-            async for item in behavior(request_or_iterator, context):
-                yield item
-        except grpc.aio.AbortError:
-            raise
-        except Exception as exc:  # noqa: BLE001
-            await _fail(context, exc)
-
-    return wrapped
+@asynccontextmanager
+async def _call_context(context: grpc.aio.ServicerContext, method: str) -> AsyncIterator[None]:
+    _bind(context, method)
+    try:
+        yield
+    except grpc.aio.AbortError:
+        raise
+    except Exception as exc:  # noqa: BLE001 — mapped to a status, never swallowed
+        await _fail(context, exc)
 
 
 class ContextInterceptor(grpc.aio.ServerInterceptor):
@@ -88,25 +71,7 @@ class ContextInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return handler
         method = handler_call_details.method
-        kw = dict(
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
-        if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(
-                _wrap_unary(handler.unary_unary, method), **kw
-            )
-        if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(
-                _wrap_unary(handler.stream_unary, method), **kw
-            )
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(
-                _wrap_stream(handler.unary_stream, method), **kw
-            )
-        return grpc.stream_stream_rpc_method_handler(
-            _wrap_stream(handler.stream_stream, method), **kw
-        )
+        return wrap_handler(handler, lambda context: _call_context(context, method))
 
 
 def outgoing_metadata() -> tuple[tuple[str, str], ...]:

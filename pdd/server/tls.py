@@ -1,9 +1,10 @@
 """TLS (and optional mutual TLS) for every gRPC hop between PDD services.
 
 Life: a service's ``__main__`` parses ``--tls-cert/--tls-key/--tls-ca/--tls-client-auth``
-(env ``PDD_TLS_*``, see ``pdd.server.flags``) into a ``TlsConfig`` and installs it as the
-process's → the bootstrap listens with ``server_credentials()`` → every outgoing channel
-(``pdd.serving.channels.Channels``, ``pdd.serving.membership``) is opened by ``open_channel``
+(env ``PDD_TLS_*``, see ``pdd.server.flags``) into a ``TlsConfig``, carried by its
+``ServerConfig.tls`` → the bootstrap listens with ``server_credentials()`` → the service's
+``build()`` hands the same config to every outgoing channel it makes
+(``pdd.serving.channels.Channels``, ``pdd.serving.membership``), opened by ``open_channel``
 with ``channel_credentials()``, presenting the service's own certificate when the peer asks
 for one (mutual TLS). Naming no file leaves everything plaintext (tests, ``pdd up``).
 
@@ -106,25 +107,14 @@ def _read(path: str, what: str) -> bytes:
         raise ValueError(f"tls_{what}: cannot read {path}: {exc.strerror}") from exc
 
 
-_installed = TlsConfig()
-
-
-def install(config: TlsConfig) -> None:
-    """Make ``config`` the process's TLS settings (called once, from a service's flags)."""
-    global _installed
-    _installed = config
-
-
-def installed() -> TlsConfig:
-    """The process's TLS settings; plaintext unless ``install`` was called."""
-    return _installed
+# What ``open_channel`` returns, named so that callers above need not import grpc themselves.
+Channel = grpc.aio.Channel
 
 
 def open_channel(
-    address: str, config: TlsConfig | None = None, options: Sequence[tuple[str, object]] = ()
-) -> grpc.aio.Channel:
-    """An asyncio channel to ``address``: TLS when ``config`` (default: the installed one) is on."""
-    config = installed() if config is None else config
+    address: str, config: TlsConfig, options: Sequence[tuple[str, object]] = ()
+) -> Channel:
+    """An asyncio channel to ``address``: TLS when ``config`` is on, plaintext otherwise."""
     if not config.enabled:
         return grpc.aio.insecure_channel(address, options=list(options))
     return grpc.aio.secure_channel(

@@ -24,15 +24,12 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import structlog
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
-
-if TYPE_CHECKING:
-    from pdd.server.tls import TlsConfig
 
 log = structlog.get_logger(__name__)
 
@@ -304,7 +301,16 @@ class RequestTracker:
         )
 
 
-def start_metrics_server(host: str, port: int, tls: TlsConfig | None = None) -> tuple[Any, int]:
+class TlsIdentity(Protocol):
+    """What /metrics needs of a TLS config (``pdd.server.tls.TlsConfig`` has it; "" = unset)."""
+
+    cert: str
+    key: str
+    ca: str
+    require_client_cert: bool
+
+
+def start_metrics_server(host: str, port: int, tls: TlsIdentity | None = None) -> tuple[Any, int]:
     """Serve ``/metrics`` on ``host:port`` from a daemon thread; returns (server, bound port).
 
     With a ``tls`` certificate it is HTTPS only, with the service's identity (and with client

@@ -7,14 +7,15 @@ from dataclasses import dataclass, field
 from pdd.http.config import HttpConfig
 from pdd.routing.policy import RoutingConfig
 from pdd.server.config import ServerConfig
+from services.stack_defaults import KVSTORE_ADDRESS, MODEL
 
 
 @dataclass(frozen=True)
 class GatewayConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
-    kvstore_address: str = "127.0.0.1:50051"
+    kvstore_address: str = KVSTORE_ADDRESS
     # Model spec (name, path or tiny:SEED); the gateway loads only its tokenizer and config.
-    model: str = "smollm2"
+    model: str = MODEL
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     # The OpenAI-compatible HTTP API (port 0: off).
     http: HttpConfig = field(default_factory=HttpConfig)

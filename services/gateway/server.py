@@ -52,6 +52,7 @@ def build(config: GatewayConfig) -> ServiceSpec:
         config.routing,
         random.Random(config.seed) if config.seed is not None else random.Random(),
         config.stage_timeout_s,
+        tls=config.server.tls,
     )
     servicer = GatewayServicer(gateway, info, decode)
     http = OpenAIServer(gateway, info, decode, config.http) if config.http.port else None

@@ -61,7 +61,7 @@ class MainDecodeServicer(pb_grpc.MainDecodeServiceServicer):
 
 
 def build(config: MainDecodeConfig) -> ServiceSpec:
-    instance = EngineInstance(config.instance)
+    instance = EngineInstance(config.instance, tls=config.server.tls)
     receiver = KvReceiver(config.receiver)
     md = MainDecode(instance, receiver, kv_timeout_s=config.kv_timeout_s)
     servicer = MainDecodeServicer(instance, md, receiver)

@@ -5,71 +5,60 @@ from __future__ import annotations
 import argparse
 
 from pdd.core.instance import Role
+from pdd.kv.layout import KvDtype
 from pdd.server.bootstrap import run
-from pdd.server.flags import (
-    add_engine_flags,
-    add_instance_flags,
-    add_server_flags,
-    env,
-    instance_config,
-    server_config,
-)
+from pdd.server.flags import add_server_flags, server_config
+from pdd.server.settings import KB, Flag, Settings, parse_config
+from pdd.serving.prefill import PrefillConfig
 from pdd.telemetry.logging import configure_logging
+from services.instance_flags import add_instance_flags, instance_config
+from services.prefill.config import PrefillServiceConfig
 
 DEFAULT_PORT = 50052
 
+PREFILL = Settings(
+    PrefillConfig,
+    Flag("wan_streams", "concurrent KV pushes per WAN link"),
+    Flag("wan_chunk_bytes", "KV chunk size on the WAN", unit=KB),
+    Flag(
+        "wan_dtype",
+        "KV dtype on the WAN: '' (the engine's), bfloat16, float16, float8_e4m3",
+        parse=KvDtype.of,
+    ),
+    Flag("wan_compression", "compression of each WAN chunk"),
+    Flag("fast_link", "auto | comma list of rdma,shm,tcp"),
+    Flag(
+        "relay_same_host",
+        "the relay shares this host (shared-memory transport); off: it is on another host",
+        off="relay-remote-host",
+    ),
+    title="prefill",
+)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m services.prefill", description=__doc__)
+    add_server_flags(p, DEFAULT_PORT)
+    add_instance_flags(p, Role.PREFILL)
+    PREFILL.add(p)
+    return p
+
+
+def config(args: argparse.Namespace) -> PrefillServiceConfig:
+    server = server_config(args)
+    return PrefillServiceConfig(
+        server=server,
+        instance=instance_config(args, Role.PREFILL, server.host),
+        prefill=PREFILL.build(args),
+    )
+
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m services.prefill", description=__doc__)
-    add_server_flags(parser, DEFAULT_PORT)
-    add_instance_flags(parser, "prefill")
-    add_engine_flags(parser)
-    parser.add_argument(
-        "--wan-streams",
-        type=int,
-        default=int(env("PDD_WAN_STREAMS", "4")),
-        help="concurrent KV pushes per WAN link (env PDD_WAN_STREAMS)",
-    )
-    parser.add_argument("--wan-chunk-kb", type=int, default=int(env("PDD_WAN_CHUNK_KB", "1024")))
-    parser.add_argument(
-        "--wan-dtype",
-        default=env("PDD_WAN_DTYPE", ""),
-        help="KV dtype on the WAN: '' (the engine's), bfloat16, float16, float8_e4m3",
-    )
-    parser.add_argument(
-        "--wan-compression", choices=("none", "zlib"), default=env("PDD_WAN_COMPRESSION", "none")
-    )
-    parser.add_argument(
-        "--fast-link",
-        default=env("PDD_FAST_LINK", "auto"),
-        help="auto | comma list of rdma,shm,tcp (env PDD_FAST_LINK)",
-    )
-    parser.add_argument(
-        "--relay-remote-host",
-        action="store_true",
-        help="the relay is on another host: no shared-memory transport",
-    )
-    args = parser.parse_args(argv)
-    server = server_config(args)
-    configure_logging("prefill", level=server.log_level, json=server.log_json)
-    from pdd.kv.layout import KvDtype  # NOTE: after logging: imports torch
-    from pdd.kv.transfer import Compression
-    from pdd.serving.prefill import PrefillConfig
-    from services.prefill.config import PrefillServiceConfig
-    from services.prefill.server import build
+    cfg = parse_config(parser(), argv, config)
+    configure_logging("prefill", level=cfg.server.log_level, json=cfg.server.log_json)
+    from services.prefill.server import build  # NOTE: after logging: loads the fast-link backends
 
-    prefill = PrefillConfig(
-        wan_streams=args.wan_streams,
-        wan_chunk_bytes=args.wan_chunk_kb * 1024,
-        wan_dtype=KvDtype.of(args.wan_dtype) if args.wan_dtype else None,
-        wan_compression=Compression(args.wan_compression),
-        fast_link=args.fast_link,
-        relay_same_host=not args.relay_remote_host,
-    )
-    config = PrefillServiceConfig(
-        server=server, instance=instance_config(args, Role.PREFILL), prefill=prefill
-    )
-    run(config.server, build(config))
+    run(cfg.server, build(cfg))
 
 
 if __name__ == "__main__":

@@ -35,8 +35,8 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
 
 
 def build(config: PrefillServiceConfig) -> ServiceSpec:
-    instance = EngineInstance(config.instance)
-    channels = Channels()
+    instance = EngineInstance(config.instance, tls=config.server.tls)
+    channels = Channels(config.server.tls)
     servicer = PrefillServicer(instance, Prefill(instance, channels, config.prefill))
 
     async def stop() -> None:

@@ -82,9 +82,9 @@ def _backends(transports: str) -> list:
 
 
 def build(config: RelayServiceConfig) -> ServiceSpec:
-    instance = EngineInstance(config.instance, publish_cache_events=False)
+    instance = EngineInstance(config.instance, tls=config.server.tls, publish_cache_events=False)
     fast = FastLinkReceiver(_backends(config.transports), config.fast_link)
-    channels = Channels()
+    channels = Channels(config.server.tls)
     relay = Relay(instance, fast, channels, config.relay)
     servicer = RelayServicer(instance, relay, fast)
     sweeper: list[asyncio.Task] = []

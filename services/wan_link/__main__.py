@@ -12,14 +12,33 @@ import argparse
 import asyncio
 import signal
 
-from pdd.server.flags import env
+from pdd.server.flags import LOGGING
+from pdd.server.settings import Flag, Settings, parse_config
 from pdd.telemetry.logging import configure_logging
 from pdd.testbed.link_emulator import LinkConfig, LinkEmulator
+from services.wan_link.config import WanLinkConfig
+
+WAN = Settings(
+    WanLinkConfig,
+    Flag("listen", "host:port to listen on, port 0 = any free port", aliases=("listen",)),
+    Flag("upstream", "host:port of the remote service", aliases=("upstream",)),
+    prefix="wan",
+    title="wan link",
+)
+LINK = Settings(
+    LinkConfig,
+    Flag("mbps", "bandwidth of each direction, 0 = unlimited", aliases=("mbps",)),
+    Flag("delay_ms", "one-way delay", aliases=("delay-ms",)),
+    Flag("jitter_ms", "random extra delay, uniform in [0, jitter]", aliases=("jitter-ms",)),
+    Flag("seed", "seed of the jitter", aliases=("seed",)),
+    prefix="wan",
+    title="wan link",
+)
 
 
-async def serve(config: LinkConfig, listen: str, upstream: str) -> None:
-    host, _, port = listen.rpartition(":")
-    emulator = LinkEmulator(config, upstream, host=host or "127.0.0.1", port=int(port or 0))
+async def serve(config: WanLinkConfig) -> None:
+    host, _, port = config.listen.rpartition(":")
+    emulator = LinkEmulator(config.link, config.upstream, host=host or "127.0.0.1", port=int(port))
     address = await emulator.start()
     print(f"PDD_LISTENING wan_link {address}", flush=True)
     stopping = asyncio.Event()
@@ -30,25 +49,20 @@ async def serve(config: LinkConfig, listen: str, upstream: str) -> None:
     await emulator.stop()
 
 
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m services.wan_link", description=__doc__)
+    WAN.add(p)
+    LINK.add(p)
+    LOGGING.add(p)
+    return p
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m services.wan_link", description=__doc__)
-    parser.add_argument("--listen", default=env("PDD_WAN_LISTEN", "127.0.0.1:0"))
-    parser.add_argument("--upstream", required=True, help="host:port of the remote service")
-    parser.add_argument(
-        "--mbps", type=float, default=float(env("PDD_WAN_MBPS", "0")), help="0 = unlimited"
-    )
-    parser.add_argument("--delay-ms", type=float, default=float(env("PDD_WAN_DELAY_MS", "0")))
-    parser.add_argument("--jitter-ms", type=float, default=float(env("PDD_WAN_JITTER_MS", "0")))
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--log-format", choices=("json", "console"), default=env("PDD_LOG_FORMAT", "json")
-    )
-    args = parser.parse_args(argv)
-    configure_logging("wan_link", json=args.log_format == "json")
-    config = LinkConfig(
-        mbps=args.mbps, delay_ms=args.delay_ms, jitter_ms=args.jitter_ms, seed=args.seed
-    )
-    asyncio.run(serve(config, args.listen, args.upstream))
+    p = parser()
+    args, cfg = parse_config(p, argv, lambda a: (a, WAN.build(a, link=LINK.build(a))))
+    log = LOGGING.values(args)
+    configure_logging("wan_link", level=log["log_level"], json=log["log_json"])
+    asyncio.run(serve(cfg))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pdd.core.instance import Instance, InstanceRef, Role
 from pdd.gen.kvstore.v1 import kvstore_service_pb2 as pb
 from pdd.gen.kvstore.v1 import kvstore_service_pb2_grpc as pb_grpc
-from pdd.server import tls
 from pdd.server.bootstrap import GrpcServer
 from pdd.server.config import ServerConfig
 from pdd.server.tls import TlsConfig, open_channel
@@ -27,6 +26,7 @@ from pdd.serving.channels import Channels
 from pdd.serving.membership import Membership
 from pdd.testbed.link_emulator import LinkConfig, LinkEmulator
 from pdd.tools import certs
+from pdd.wire.kvstore_client import KvstoreClient
 from services.kvstore.config import KvstoreConfig
 from services.kvstore.server import build
 from tests.conftest import ROOT, free_port
@@ -55,14 +55,13 @@ async def kvstore(redis_url, key_prefix, pki, request):
     """A kvstore server speaking TLS (mutual TLS when the test is marked with ``mtls``)."""
     mtls = getattr(request, "param", False)
     folder, _ = pki
+    served = identity(folder, "kvstore", require_client_cert=mtls, health_port=free_port())
     config = KvstoreConfig(
-        server=ServerConfig(port=0, grace_s=0.5), redis_url=redis_url, key_prefix=key_prefix
+        server=ServerConfig(port=0, grace_s=0.5, tls=served),
+        redis_url=redis_url,
+        key_prefix=key_prefix,
     )
-    server = GrpcServer(
-        config.server,
-        build(config),
-        identity(folder, "kvstore", require_client_cert=mtls, health_port=free_port()),
-    )
+    server = GrpcServer(config.server, build(config))
     port = await server.start()
     yield server, f"127.0.0.1:{port}"
     await server.stop()
@@ -136,11 +135,11 @@ async def test_membership_registers_through_the_wan_emulator_over_mtls(kvstore, 
     emulator = LinkEmulator(LinkConfig(delay_ms=5), address)
     hop = await emulator.start()
     md = identity(folder, "main-decode", server_name="wan-link-kvstore")
+    channel = open_channel(hop, md)
     member = Membership(
-        hop,
+        KvstoreClient(channel),
         Instance(InstanceRef("md-tls", "wan-link:50054", Role.MAIN_DECODE, "remote"), 4, "tiny"),
         ttl_ms=60_000,
-        tls=md,
     )
     try:
         await member.start()
@@ -151,14 +150,14 @@ async def test_membership_registers_through_the_wan_emulator_over_mtls(kvstore, 
         )  # it did cross the link
     finally:
         await member.stop()
+        await channel.close()
         await emulator.stop()
 
 
-async def test_channels_use_the_installed_process_tls(kvstore, pki, monkeypatch):
+async def test_channels_use_the_tls_they_are_given(kvstore, pki):
     _, address = kvstore
     folder, _ = pki
-    monkeypatch.setattr(tls, "_installed", identity(folder, "gateway"))
-    channels = Channels()
+    channels = Channels(identity(folder, "gateway"))
     try:
         assert channels.tls == identity(folder, "gateway")
         assert await _list(channels.get(address)) == []

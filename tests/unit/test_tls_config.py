@@ -93,11 +93,11 @@ def test_flags_and_env_build_the_config(monkeypatch):
     assert tls_config(args) == TlsConfig("x.crt", "x.key", "ca.crt", False, "pdd.internal", 0)
 
 
-def test_server_config_installs_the_process_tls(monkeypatch):
-    monkeypatch.setattr(tls, "_installed", TlsConfig())
+def test_server_config_carries_the_tls_it_was_given(monkeypatch):
+    # NOTE: no process-wide TLS state: the ServerConfig is what the service passes on.
     args = _parse(["--tls-ca", "ca.crt"], monkeypatch)
-    server_config(args)
-    assert tls.installed() == TlsConfig(ca="ca.crt")
+    assert server_config(args).tls == TlsConfig(ca="ca.crt")
+    assert not hasattr(tls, "install") and not hasattr(tls, "installed")
 
 
 def _backends():

@@ -1,0 +1,68 @@
+"""Flags of an engine-bearing service (prefill, relay, main_decode): its instance and engine.
+
+Each flag derives from an ``InstanceRef``/``InstanceConfig``/``EngineConfig`` field by the rule of
+``pdd.server.settings``; the role picks the defaults a field does not have (id, cluster).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from pdd.core.instance import InstanceRef, Role
+from pdd.engine.config import EngineConfig
+from pdd.server.settings import MB, Flag, Settings
+from pdd.serving.engine_instance import InstanceConfig
+from services.stack_defaults import KVSTORE_ADDRESS, MODEL
+
+INSTANCE_REF = Settings(
+    InstanceRef,
+    Flag("instance_id"),
+    Flag("cluster"),
+    Flag(
+        "address",
+        "host:port others use to reach this instance (default: the bound address)",
+        name="advertise-address",
+    ),
+    title="instance",
+)
+INSTANCE = Settings(
+    InstanceConfig,
+    Flag("kvstore_address", "host:port of kvstore", name="kvstore"),
+    Flag("model", "smollm2 | PATH (.gguf or HF dir) | tiny:SEED[,k=v]"),
+    Flag("lease_ttl_ms", "kvstore forgets an instance silent this long"),
+    Flag("threads", "torch intra-op threads, 0 = torch's default"),
+    title="instance",
+)
+ENGINE = Settings(
+    EngineConfig,
+    Flag("block_size", "tokens per KV block"),
+    Flag("kv_cache_bytes", "KV pool size", unit=MB),
+    Flag("max_num_seqs", "running requests at once"),
+    Flag("max_num_batched_tokens", "per-step token budget"),
+    Flag("dtype", "compute/KV dtype, '' = the checkpoint's"),
+    Flag("device", "cpu | cuda[:N] | auto"),
+    title="engine",
+)
+
+
+def add_instance_flags(parser: argparse.ArgumentParser, role: Role) -> None:
+    main_decode = role is Role.MAIN_DECODE
+    INSTANCE_REF.add(
+        parser,
+        instance_id=f"{role.value}-0",
+        address="",
+        **({"cluster": "remote"} if main_decode else {}),
+    )
+    INSTANCE.add(parser, kvstore_address=KVSTORE_ADDRESS, model=MODEL)
+    ENGINE.add(parser)
+
+
+def instance_config(args: argparse.Namespace, role: Role, host: str) -> InstanceConfig:
+    """``add_instance_flags``' values as a config; no advertised address: ``host``:bound port."""
+    ref = INSTANCE_REF.values(args)
+    address = ref["address"] or f"{host}:0"
+    return INSTANCE.build(
+        args,
+        ref=InstanceRef(ref["instance_id"], address, role, ref["cluster"]),
+        engine=ENGINE.build(args),
+    )
