@@ -5,20 +5,34 @@ pdd generate  stream a completion from a running gateway
 pdd demo      the main job: stack + agentic trace in three modes + report
 pdd bench     benchmarks: [run] one serving mode, compare, sim, link, engine
 pdd trace     traces: gen (agentic), mooncake (map a Mooncake trace)
+
+A mistake (a missing file, a bad flag value, an unreachable gateway) ends in one line on stderr
+and a non-zero exit; `pdd --debug ...` shows the traceback instead.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
+import shlex
 import signal
+import ssl
 import sys
 import threading
+import time
+import urllib.error
+import urllib.request
+from importlib import metadata
 from pathlib import Path
 
+from pdd.core.errors import PddError
 from pdd.server.flags import add_client_tls_flags
 from pdd.testbed.stack import LinkSettings, Stack, StackConfig
+
+# How long `pdd up` waits for the gateway's /ready (every role registered) before its last lines.
+READY_TIMEOUT_S = 60.0
 
 
 def _add_stack_flags(p: argparse.ArgumentParser) -> None:
@@ -74,20 +88,18 @@ def cmd_up(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: done.set())
     stack.start()
     try:
-        print(f"redis        {stack.redis_url}")
+        started = stack.redis_binary
+        which = f"started {started.describe()}" if started else "given by --redis-url"
+        print(f"redis        {stack.redis_url:<22} {which}")
         for p in stack.processes:
             metrics = (
                 f"metrics {stack.metrics[p.name]:<22}" if p.name in stack.metrics else " " * 30
             )
             print(f"{p.name:<12} {p.address:<22} {metrics} log {p.log_path}")
-        if stack.http_address:
-            # NOTE: every process reads the same PDD_TLS_* environment: with a certificate, HTTPS.
-            scheme = "https" if os.environ.get("PDD_TLS_CERT") else "http"
-            print(f"openai-api   {scheme}://{stack.http_address}/v1   (/health /ready /metrics)")
-        print(
-            f'\nready: pdd generate --gateway {stack.gateway.address} "Hello"   (Ctrl-C stops everything)',
-            flush=True,
-        )
+        print(flush=True)
+        for line in next_steps(stack, args, done):
+            print(line)
+        print("Ctrl-C stops everything.", flush=True)
         while not done.wait(1.0):
             dead = [p.name for p in stack.processes if not p.alive()]
             if dead:
@@ -99,35 +111,138 @@ def cmd_up(args: argparse.Namespace) -> int:
         print("stopped:", ", ".join(f"{k}={v}" for k, v in codes.items()))
 
 
+def _program() -> str:
+    """How the user ran ``pdd`` (``.venv/bin/pdd`` after ``make venv``), to repeat it back."""
+    argv0 = sys.argv[0] if sys.argv else ""
+    return argv0 if os.path.basename(argv0) == "pdd" else "pdd"
+
+
+def _api_keys(args: argparse.Namespace) -> bool:
+    # NOTE: the gateway takes its keys from --api-key or, failing that, from PDD_API_KEYS.
+    return bool(args.api_key or [k for k in os.environ.get("PDD_API_KEYS", "").split(",") if k])
+
+
+def _wait_ready(base: str, timeout_s: float, stop: threading.Event) -> str:
+    """Poll the gateway's ``/ready`` until every role has registered: "" then, else the reason."""
+    ca = os.environ.get("PDD_TLS_CA") or None
+    context = ssl.create_default_context(cafile=ca) if base.startswith("https") else None
+    deadline, reason = time.monotonic() + timeout_s, "no answer"
+    while time.monotonic() < deadline and not stop.is_set():
+        try:
+            with urllib.request.urlopen(f"{base}/ready", timeout=2, context=context) as r:
+                if r.status == 200:
+                    return ""
+        except urllib.error.HTTPError as exc:  # 503: a role has not registered yet
+            try:
+                body = json.loads(exc.read())
+                reason = body.get("reason") or f"no {', '.join(body.get('missing', []))} yet"
+            except (ValueError, AttributeError):
+                reason = f"HTTP {exc.code}"
+        except urllib.error.URLError as exc:
+            if isinstance(exc.reason, ssl.SSLError):  # no use retrying
+                return f"TLS: {exc.reason}"
+            reason = str(exc.reason)
+        except (OSError, ValueError) as exc:
+            reason = str(exc)
+        time.sleep(0.2)
+    return reason if not stop.is_set() else "stopping"
+
+
+def _has_tokenizer(model: str) -> bool:
+    if model.startswith("tiny:"):
+        return False
+    from pdd.engine.model_source import resolve_model_source
+
+    try:
+        return resolve_model_source(model).has_tokenizer
+    except (OSError, ValueError):  # the gateway read it; text is the likelier way in
+        return True
+
+
+def next_steps(stack: Stack, args: argparse.Namespace, stop: threading.Event) -> list[str]:
+    """The three lines a user needs once the stack is up: base URL, a ``curl``, ``pdd generate``."""
+    gateway = stack.gateway.address
+    # NOTE: a model without a tokenizer (tiny:...) takes token ids, not text.
+    text = _has_tokenizer(stack.config.model)
+    prompt = "Hello" if text else [1, 2, 3, 4]
+    generate = shlex.join(
+        [_program(), "generate", "--gateway", gateway]
+        + (["Hello"] if text else ["--token-ids", "1,2,3,4"])
+    )
+    if not stack.http_address:
+        return ["ready (the OpenAI API is off: --http-port 0)", f"  generate: {generate}"]
+    # NOTE: every process reads the same PDD_TLS_* environment: with a certificate, HTTPS.
+    scheme = "https" if os.environ.get("PDD_TLS_CERT") else "http"
+    base = f"{scheme}://{stack.http_address}"
+    not_ready = _wait_ready(base, READY_TIMEOUT_S, stop)
+    if not_ready:
+        print(f"warning: the gateway is not ready yet: {not_ready}", file=sys.stderr)
+    model = os.environ.get("PDD_SERVED_MODEL_NAME") or stack.config.model
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 32})
+    curl = ["curl", "-sS", f"{base}/v1/completions", "-H", "Content-Type: application/json"]
+    if _api_keys(args):
+        curl += ["-H", "Authorization: Bearer <API_KEY>"]
+    if scheme == "https" and os.environ.get("PDD_TLS_CA"):
+        curl += ["--cacert", os.environ["PDD_TLS_CA"]]
+    return [
+        "ready" if not not_ready else "started (not ready yet)",
+        f"  OpenAI base URL: {base}/v1   (also /health /ready /metrics)",
+        f"  curl:            {shlex.join([*curl, '-d', body])}",
+        f"  generate:        {generate}",
+    ]
+
+
+def _token_ids(text: str) -> list[int]:
+    """``"1,2,3"`` → ``[1, 2, 3]`` (``pdd generate --token-ids``)."""
+    try:
+        ids = [int(t) for t in text.replace(" ", ",").split(",") if t]
+    except ValueError:
+        raise ValueError(f"prompt: expected comma-separated token ids, got {text!r}") from None
+    if not ids:
+        raise ValueError("prompt: no token ids")
+    return ids
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
+    from pdd.bench.runner import wait_for_gateway
     from pdd.client import generate_stream
     from pdd.server.flags import client_tls_config
 
     try:
         tls = client_tls_config(args)
+        if args.connect_timeout <= 0:
+            raise ValueError(f"--connect-timeout: must be > 0, got {args.connect_timeout}")
     except ValueError as exc:
-        print(f"pdd generate: {exc}", file=sys.stderr)
+        print(f"pdd generate: error: {exc}", file=sys.stderr)
         return 2
+
+    prompt = _token_ids(args.prompt) if args.token_ids else args.prompt
 
     async def run() -> int:
         import grpc
 
-        final = None
+        await wait_for_gateway(args.gateway, tls, args.connect_timeout)
+        final, printed = None, False
         try:
             async for resp in generate_stream(
                 args.gateway,
-                args.prompt,
+                prompt,
                 max_tokens=args.max_tokens,
                 temperature=args.temperature,
                 seed=args.seed,
                 tls=tls,
             ):
-                if resp.text:
-                    print(resp.text, end="", flush=True)
+                # With --token-ids, the output as ids too (a model without a tokenizer has no text).
+                out = "".join(f"{t} " for t in resp.token_ids) if args.token_ids else resp.text
+                if out:
+                    print(out, end="", flush=True)
+                    printed = True
                 if resp.HasField("stats"):
                     final = resp
         except grpc.aio.AioRpcError as exc:
-            print(f"\npdd generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            if printed:
+                print()
+            print(f"pdd generate: error: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
         print()
         if final is not None and args.stats:
@@ -159,13 +274,71 @@ def _tool(table: dict[str, str], default: str | None, argv: list[str], prog: str
             file=sys.stdout if argv else sys.stderr,
         )
         return 0 if argv else 2
+    if argv[:1] and argv[0] not in table and (default is None or not argv[0].startswith("-")):
+        print(
+            f"{prog}: error: unknown command {argv[0]!r} (choose from {', '.join(table)})",
+            file=sys.stderr,
+        )
+        return 2
     name, rest = (argv[0], argv[1:]) if argv[:1] and argv[0] in table else (default, argv)
     code = importlib.import_module(table[name]).main(rest)
     return code if isinstance(code, int) else 0
 
 
+def _version() -> str:
+    try:
+        return metadata.version("pdd")
+    except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
+def _error_line(exc: BaseException) -> str:
+    """One line saying what went wrong: the message of an expected error, else its type too."""
+    if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
+        return f"{exc.filename}: {exc.strerror}"
+    grpc = sys.modules.get("grpc")
+    if grpc is not None and isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
+        return f"{exc.code().name}: {exc.details()}"
+    lines = str(exc).strip().splitlines()
+    text = lines[0] if lines else ""
+    if isinstance(exc, ValueError | OSError | PddError | RuntimeError) and text:
+        return text
+    return f"{type(exc).__name__}: {text} (pdd --debug ... shows the traceback)"
+
+
+def _command(argv: list[str]) -> str:
+    """``pdd bench run``, ``pdd up``, ...: the prefix of an error line."""
+    head, name = argv[:1], argv[1] if len(argv) > 1 else ""
+    if head == ["bench"]:
+        return f"pdd bench {name if name in BENCH else 'run'}"
+    if head == ["trace"] and name in TRACE:
+        return f"pdd trace {name}"
+    if head and head[0] in ("up", "generate", "demo", "trace"):
+        return f"pdd {head[0]}"
+    return "pdd"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # NOTE: --debug is taken from anywhere before a "--", so each tool's own parser never sees it.
+    cut = argv.index("--") if "--" in argv else len(argv)
+    debug = "--debug" in argv[:cut]
+    argv = [a for a in argv[:cut] if a != "--debug"] + argv[cut:]
+    try:
+        return _dispatch(argv)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"{_command(argv)}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 — the one place a mistake becomes one line
+        if debug:
+            raise
+        print(f"{_command(argv)}: error: {_error_line(exc)}", file=sys.stderr)
+        return 1
+
+
+def _dispatch(argv: list[str]) -> int:
     if argv[:1] == ["bench"]:
         return _tool(BENCH, "run", argv[1:], "pdd bench")
     if argv[:1] == ["trace"]:
@@ -176,6 +349,10 @@ def main(argv: list[str] | None = None) -> int:
         return demo.main(argv[1:])
     parser = argparse.ArgumentParser(
         prog="pdd", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--version", action="version", version=f"pdd {_version()}")
+    parser.add_argument(
+        "--debug", action="store_true", help="on an error, show the traceback (any position)"
     )
     sub = parser.add_subparsers(dest="cmd", required=True)
 
@@ -207,6 +384,17 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stats", action="store_true", help="print the request's stats to stderr")
+    gen.add_argument(
+        "--token-ids",
+        action="store_true",
+        help="the prompt is comma-separated token ids (a model without a tokenizer: tiny:...)",
+    )
+    gen.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=3.0,
+        help="seconds the gateway may take to accept a connection",
+    )
     add_client_tls_flags(gen)
     gen.set_defaults(fn=cmd_generate)
 

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
+import structlog
 import torch
 
 # NOTE: one definition of a near-tie, shared with the benchmark's output-agreement check.
@@ -34,13 +35,23 @@ from pdd.testbed.launcher import free_port  # noqa: F401 — tests import it fro
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(autouse=True)
+def _fresh_logging() -> Iterator[None]:
+    """A test that runs a command in-process (``pdd ... main([...])``) configures structlog to
+    print to that test's captured stderr; later tests must not log into the closed capture."""
+    yield
+    if structlog.is_configured():
+        structlog.reset_defaults()
+        structlog.contextvars.clear_contextvars()
+
+
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     if url := os.environ.get("PDD_TEST_REDIS_URL"):
         yield url
         return
     from pdd.core.errors import UnavailableError
-    from pdd.testbed.launcher import start_redis
+    from pdd.prefix_index.redis_server import start_redis
 
     try:
         proc, url = start_redis(tmp_path_factory.mktemp("redis"))

@@ -2,7 +2,7 @@
 
 Greedy decoding through P-MD, P-RLD-MD and one engine must give the same
 tokens, except where two correct float paths (batched vs single, extend vs
-step) order a near-tie differently (DESIGN.md §4). For each request whose
+step) order a near-tie differently (docs/engine-performance.md). For each request whose
 outputs differ between modes:
 
   cascade   its prompts differ — an earlier turn of the session diverged and

@@ -30,7 +30,7 @@ from pdd.bench.record import RequestResult
 from pdd.bench.runner import DEFAULT_SLO, ModeOutcome, add_testbed_flags, run_mode, testbed_from
 from pdd.bench.trace import TraceConfig, describe, generate, write_trace
 
-# The report's scale (DESIGN.md §1, simulator defaults): what the testbed's ratios are held against.
+# The report's scale (arXiv 2609.13161; the simulator's defaults): what the testbed's ratios are held against.
 REPORT_CONTEXT_TOKENS = 65536
 REPORT_KV_BYTES_PER_TOKEN = 160_000
 REPORT_WAN_GBPS = 20.0

@@ -2,7 +2,7 @@
 
 A mode is a deployment, not a flag: each gets its own stack (fresh Redis,
 fresh DRC), built from one ``Testbed`` (model, engine sizes, WAN), so the
-three differ only where the mode says they do (DESIGN.md §6):
+three differ only where the mode says they do (docs/benchmark.md):
 
   idc-pd  P → MD over an unshaped link (the same-datacenter baseline): no
           relay, the WAN emulator passes bytes at full speed, no delay.

@@ -19,7 +19,6 @@ line into the generator's ``TraceRequest``:
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from collections.abc import Iterable, Mapping, Sequence
@@ -28,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pdd.bench.trace import TraceRequest, describe, write_trace
+from pdd.bench.trace import TraceRequest, describe, json_line, write_trace
 
 
 @dataclass(frozen=True)
@@ -66,19 +65,47 @@ def block_tokens(hash_id: int, cfg: MooncakeConfig) -> list[int]:
     return rng.integers(cfg.vocab_low, cfg.vocab_high, size=cfg.block_tokens).tolist()
 
 
+MOONCAKE_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
+
+
 def read_mooncake(path: str | Path) -> list[dict]:
-    """The trace's rows, each checked for the four fields."""
+    """The trace's rows, each checked for the four fields (``ValueError``: file, line, field)."""
     rows = []
     with open(path) as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            row = json.loads(line)
-            for key in ("timestamp", "input_length", "output_length", "hash_ids"):
+            row = json_line(line, path, n)
+            for key in MOONCAKE_FIELDS:
                 if key not in row:
-                    raise ValueError(f"{path}:{n}: {key}: missing")
+                    hint = (
+                        " (this is a PDD trace: `pdd bench --trace` takes it as it is)"
+                        if "prompt_token_ids" in row
+                        else ""
+                    )
+                    raise ValueError(f"{path}:{n}: {key}: missing{hint}")
+            problem = _row_problem(row)
+            if problem:
+                raise ValueError(f"{path}:{n}: {problem}")
             rows.append(row)
     return rows
+
+
+def _row_problem(row: Mapping) -> str:
+    """What is wrong with one row's four fields ("" when nothing): the field, then why."""
+
+    def integer(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    if not isinstance(row["timestamp"], int | float) or isinstance(row["timestamp"], bool):
+        return f"timestamp: expected a number of ms, got {row['timestamp']!r}"
+    for key in ("input_length", "output_length"):
+        if not integer(row[key]) or row[key] < 0:
+            return f"{key}: expected an integer >= 0, got {row[key]!r}"
+    ids = row["hash_ids"]
+    if not isinstance(ids, list) or not all(integer(h) for h in ids):
+        return f"hash_ids: expected a list of integers, got {ids!r}"[:200]
+    return ""
 
 
 def to_requests(rows: Iterable[Mapping], cfg: MooncakeConfig) -> list[TraceRequest]:
@@ -164,6 +191,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         p.error(str(e))
     reqs = load_mooncake(a.trace, cfg)
+    if not reqs:
+        raise ValueError(f"{a.trace}: no requests")
     write_trace(reqs, a.out)
     print(f"{a.out}: {describe(reqs)}")
     return 0

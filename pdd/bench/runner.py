@@ -30,21 +30,29 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import grpc
+
 from pdd.bench import metrics, modes, pinning
 from pdd.bench.cpu import CpuMeter
 from pdd.bench.loadgen import LoadConfig, check_vocab, run_load
-from pdd.bench.mooncake import MooncakeConfig, load_mooncake
+from pdd.bench.mooncake import MOONCAKE_FIELDS, MooncakeConfig, load_mooncake
 from pdd.bench.record import RequestResult, records_path, write_records
-from pdd.bench.trace import TraceRequest, read_trace
+from pdd.bench.trace import TraceRequest, json_line, read_trace
+from pdd.core.errors import UnavailableError
+from pdd.gen.gateway.v1 import gateway_service_pb2 as pb
+from pdd.gen.gateway.v1 import gateway_service_pb2_grpc as pb_grpc
 from pdd.server.flags import add_client_tls_flags, auto_or_ms, client_tls_config
-from pdd.server.tls import TlsConfig
-from pdd.testbed.stack import Stack
+from pdd.server.tls import TlsConfig, open_channel
+from pdd.serving.model_info import load_model_info
+from pdd.testbed.stack import Stack, check_model
 
 # Per-request SLO at testbed scale, on the report's TTFT (our TTFDT) only, as its SLA:
 # 10 s there is ~2.8 whole-context prefills (64K tokens at ~18K tokens/s); a whole
 # testbed context (~1.5K tokens) prefills in ~0.35 s idle, so 1 s here.
 DEFAULT_SLO = "ttfdt_ms:1000"
 CLIENT = "bench_client"
+# How long a given gateway may take to accept a connection before the bench gives up on it.
+CONNECT_TIMEOUT_S = 3.0
 
 
 @dataclass
@@ -96,6 +104,92 @@ async def warm_up(
             raise RuntimeError(
                 f"warm-up request ({pipeline}) failed: {rec.error_code} {rec.error_message}"
             )
+
+
+async def wait_for_gateway(
+    address: str, tls: TlsConfig = TlsConfig(), timeout_s: float = CONNECT_TIMEOUT_S
+) -> None:
+    """Return once ``address`` accepts a gRPC connection, else raise ``UnavailableError``: at once
+    when a connection attempt fails (refused, no route, a TLS mismatch), after ``timeout_s`` when
+    none completes (a host that drops packets, a server that never answers).
+
+    NOTE: without it, a call to an unreachable host fails only after gRPC's own connect timeout
+    (~20 s), and a bench would spend its warm-up and every request finding that out.
+    """
+    ready, failed = grpc.ChannelConnectivity.READY, grpc.ChannelConnectivity.TRANSIENT_FAILURE
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    async with open_channel(address, tls) as channel:
+        state = channel.get_state(try_to_connect=True)
+        while state != ready:
+            if state == failed:
+                raise UnavailableError(
+                    f"gateway {address}: UNAVAILABLE: cannot connect (nothing listening there, or "
+                    "a TLS mismatch; is `pdd up` running? --gateway HOST:PORT)"
+                )
+            try:
+                await asyncio.wait_for(
+                    channel.wait_for_state_change(state), max(0.0, deadline - loop.time())
+                )
+            except TimeoutError:
+                raise UnavailableError(
+                    f"gateway {address}: UNAVAILABLE: not reachable within {timeout_s:g} s "
+                    "(is `pdd up` running there? --gateway HOST:PORT)"
+                ) from None
+            state = channel.get_state(try_to_connect=True)
+
+
+def is_mooncake_row(row: dict) -> bool:
+    """A Mooncake line (``pdd trace mooncake``'s input) rather than one of ours."""
+    return "prompt_token_ids" not in row and all(k in row for k in MOONCAKE_FIELDS)
+
+
+def is_mooncake_file(path: Path) -> bool:
+    """Whether the file's first line is a Mooncake line (``ValueError`` when it is no JSON object)."""
+    with open(path) as f:
+        first = next(((n, line) for n, line in enumerate(f, 1) if line.strip()), None)
+    return first is not None and is_mooncake_row(json_line(first[1], path, first[0]))
+
+
+def load_trace(
+    path: Path, *, mooncake: bool | None = None, block_tokens: int = 16, vocab_size: int = 0
+) -> list[TraceRequest]:
+    """Our trace, or a Mooncake one (``mooncake``; None: recognised by its first line's fields).
+
+    A recognised Mooncake trace is mapped as ``pdd trace mooncake`` maps it, and said so on stderr;
+    ``vocab_size`` (the served model's, when known) bounds the token ids its blocks are drawn from.
+    A file that cannot be read raises ``OSError``/``ValueError`` (file, line number and field).
+    """
+    recognised = mooncake is None and is_mooncake_file(path)
+    if mooncake or recognised:
+        d = MooncakeConfig()
+        cfg = MooncakeConfig(
+            block_tokens=block_tokens,
+            vocab_low=min(d.vocab_low, vocab_size // 2) if vocab_size else d.vocab_low,
+            vocab_high=min(d.vocab_high, vocab_size) if vocab_size else d.vocab_high,
+        )
+        if recognised:
+            print(
+                f"[pdd bench] {path}: a Mooncake trace ({', '.join(MOONCAKE_FIELDS)}): mapped as "
+                f"`pdd trace mooncake` maps it, {block_tokens} tokens per hash block "
+                f"(--block-tokens), token ids in [{cfg.vocab_low}, {cfg.vocab_high})",
+                file=sys.stderr,
+            )
+        trace = load_mooncake(path, cfg)
+    else:
+        trace = read_trace(path)
+    if not trace:
+        raise ValueError(f"{path}: no requests")
+    return trace
+
+
+async def served_vocab(target: str, tls: TlsConfig = TlsConfig()) -> int:
+    """The vocabulary size the gateway at ``target`` reports (0: it does not say)."""
+    async with open_channel(target, tls) as channel:
+        info = await pb_grpc.GatewayServiceStub(channel).GetModelInfo(
+            pb.GetModelInfoRequest(), timeout=10
+        )
+    return info.vocab_size
 
 
 def _pids(stack: Stack | None) -> dict[str, int]:
@@ -249,8 +343,11 @@ def add_testbed_flags(p: argparse.ArgumentParser) -> None:
 
 
 def testbed_from(a: argparse.Namespace) -> modes.Testbed:
+    """The testbed flags' ``Testbed``; its ``--model`` must name a model (``ValueError``)."""
     names = set(asdict(modes.Testbed()))
-    return modes.Testbed(**{k: v for k, v in vars(a).items() if k in names})
+    testbed = modes.Testbed(**{k: v for k, v in vars(a).items() if k in names})
+    check_model(testbed.model)  # NOTE: here, before any trace is made or any stack started
+    return testbed
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -264,9 +361,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "--trace", type=Path, required=True, help="trace JSONL (ours, or Mooncake with --mooncake)"
+        "--trace",
+        type=Path,
+        required=True,
+        help="trace JSONL: ours (`pdd trace gen`) or Mooncake's (recognised by its fields)",
     )
-    p.add_argument("--mooncake", action="store_true", help="the trace is Mooncake format")
+    p.add_argument(
+        "--mooncake", action="store_true", help="the trace is Mooncake format (else: recognised)"
+    )
     p.add_argument("--block-tokens", type=int, default=16, help="Mooncake: tokens per hash block")
     p.add_argument("--mode", required=True, choices=modes.MODES)
     p.add_argument("--out", type=Path, required=True, help="RESULT.json (records go beside it)")
@@ -276,6 +378,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         dest="gateway",
         default="",
         help="use this running gateway instead of starting the mode's stack",
+    )
+    p.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=CONNECT_TIMEOUT_S,
+        help="seconds a --gateway may take to accept a connection",
     )
     p.add_argument(
         "--log-dir", type=Path, default=None, help="service logs (default: beside --out)"
@@ -312,13 +420,28 @@ def main(argv: Sequence[str] | None = None) -> int:
             tls=client_tls_config(a),
         )
         LoadConfig(target="check", **load)
-        trace = (
-            load_mooncake(a.trace, MooncakeConfig(block_tokens=a.block_tokens))
-            if a.mooncake
-            else read_trace(a.trace)
-        )
-    except (OSError, ValueError) as e:
+        MooncakeConfig(block_tokens=a.block_tokens)
+        if a.connect_timeout <= 0:
+            raise ValueError(f"--connect-timeout: must be > 0, got {a.connect_timeout}")
+    except ValueError as e:
         p.error(str(e))
+    # NOTE: not p.error: a file's content is no usage mistake; `pdd` prints these in one line.
+    mooncake = a.mooncake or is_mooncake_file(a.trace)
+    if a.gateway:
+        asyncio.run(wait_for_gateway(a.gateway, load["tls"], a.connect_timeout))
+    vocab = 0
+    if mooncake:  # its token ids are ours to draw: below the served model's vocabulary
+        vocab = (
+            asyncio.run(served_vocab(a.gateway, load["tls"]))
+            if a.gateway
+            else load_model_info(testbed.model)[0].vocab_size
+        )
+    trace = load_trace(
+        a.trace,
+        mooncake=True if a.mooncake else None,
+        block_tokens=a.block_tokens,
+        vocab_size=vocab,
+    )
     outcome = run_mode(
         trace,
         a.mode,

@@ -12,6 +12,7 @@ import json
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict
+from pathlib import Path
 
 from pdd.bench.economics import economics
 from pdd.bench.simulator import MODES, SimConfig, fmt, simulate, table
@@ -38,6 +39,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     dists = DISTS if a["dist"] == "both" else (a["dist"],)
     modes = [m.strip() for m in a.pop("modes").split(",") if m.strip()]
     want_goodput, out = a.pop("goodput"), a.pop("json")
+    if out and not Path(out).resolve().parent.is_dir():  # NOTE: before the runs, not after them
+        p.error(f"--json: no folder {Path(out).resolve().parent}")
     try:
         cfgs = [SimConfig(**{**a, "dist": dist}) for dist in dists]
         runs = [simulate(c, m) for c in cfgs for m in modes]

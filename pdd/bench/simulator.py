@@ -4,7 +4,7 @@ Workload: Poisson arrivals at ``rps``; each request has a ``context_tokens``
 prompt (±10%), a prefix hit drawn from the trace generator's skewed or uniform
 distribution (``trace.sample_hit``), and a report-shaped output length. Prefill
 and MainDecode both hold the hit part, so prefill computes and the WAN carries
-only the miss ("delta", DESIGN.md §2 DRC).
+only the miss ("delta": the decode-side radix cache, docs/architecture.md).
 
 Life of a request:
   prefill   FIFO over ``prefill_instances``: overhead + miss / prefill rate.

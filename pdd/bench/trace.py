@@ -16,7 +16,7 @@ issuing turn k+1 (``TraceRequest.prompt_with_outputs``), and it asks for
 still self-contained: the placeholder tokens are ordinary prompt text, and only
 the previous *prompt* is a repeat.
 
-Per-request target hits (``sample_hit``), as in the report (DESIGN.md §1):
+Per-request target hits (``sample_hit``), as in the report (arXiv 2609.13161):
   skewed  — 75% of requests in U(0.955, 0.995), 25% in U(0.40, 0.95): mean 0.90.
             The low tail is the new sessions first (a new session shares only part
             of the system prompt) then long tool results in later turns.
@@ -104,18 +104,76 @@ class TraceRequest:
 
     @classmethod
     def from_json(cls, d: Mapping) -> TraceRequest:
+        """One trace line's object; a missing or malformed field raises ``ValueError`` naming it."""
+        request_id = _field(d, "request_id", str)
         return cls(
-            request_id=str(d["request_id"]),
-            session_id=str(d.get("session_id", d["request_id"])),
-            timestamp_ms=float(d.get("timestamp_ms", 0.0)),
-            prompt_token_ids=[int(t) for t in d["prompt_token_ids"]],
-            max_tokens=int(d["max_tokens"]),
-            expected_hit=float(d.get("expected_hit", 0.0)),
-            turn=int(d.get("turn", 0)),
-            output_slots=tuple(
-                OutputSlot(int(a), int(b), str(c)) for a, b, c in d.get("output_slots", ())
-            ),
+            request_id=request_id,
+            session_id=_field(d, "session_id", str, request_id),
+            timestamp_ms=_field(d, "timestamp_ms", _non_negative(float), 0.0),
+            prompt_token_ids=_field(d, "prompt_token_ids", _token_ids),
+            max_tokens=_field(d, "max_tokens", _positive_int),
+            expected_hit=_field(d, "expected_hit", float, 0.0),
+            turn=_field(d, "turn", _non_negative(int), 0),
+            output_slots=_field(d, "output_slots", _output_slots, ()),
         )
+
+
+_REQUIRED = object()
+
+
+def _field(d: Mapping, name: str, convert, default=_REQUIRED):
+    if name not in d:
+        if default is _REQUIRED:
+            raise ValueError(f"{name}: missing")
+        return default
+    try:
+        return convert(d[name])
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{name}: {exc}") from None
+
+
+def _strict_int(value) -> int:
+    # NOTE: int(2.7) and int("3") would pass silently; a token id or a count must be an integer.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"expected an integer, got {value!r}")
+    return value
+
+
+def _positive_int(value) -> int:
+    if _strict_int(value) < 1:
+        raise ValueError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative(convert):
+    def check(value):
+        out = convert(_strict_int(value) if convert is int else value)
+        if out < 0:
+            raise ValueError(f"must be >= 0, got {value}")
+        return out
+
+    return check
+
+
+def _token_ids(value) -> list[int]:
+    if not isinstance(value, list) or not value:
+        raise ValueError("expected a non-empty list of token ids")
+    ids = [_strict_int(t) for t in value]
+    if min(ids) < 0:
+        raise ValueError(f"token id {min(ids)} is negative")
+    return ids
+
+
+def _output_slots(value) -> tuple[OutputSlot, ...]:
+    if not isinstance(value, list):
+        raise ValueError("expected a list of [start, length, request_id]")
+    slots = []
+    for slot in value:
+        if not isinstance(slot, list) or len(slot) != 3:
+            raise ValueError(f"expected [start, length, request_id], got {slot!r}")
+        start, length, rid = slot
+        slots.append(OutputSlot(_strict_int(start), _strict_int(length), str(rid)))
+    return tuple(slots)
 
 
 @dataclass(frozen=True)
@@ -293,8 +351,30 @@ def write_trace(requests: Iterable[TraceRequest], path: str | Path) -> None:
 
 
 def read_trace(path: str | Path) -> list[TraceRequest]:
+    """The trace's requests; a bad line raises ``ValueError`` naming the file, the line and the field."""
+    out = []
     with open(path) as f:
-        return [TraceRequest.from_json(json.loads(line)) for line in f if line.strip()]
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            row = json_line(line, path, n)
+            try:
+                out.append(TraceRequest.from_json(row))
+            except ValueError as exc:
+                raise ValueError(f"{path}:{n}: {exc}") from None
+    return out
+
+
+def json_line(line: str, path: str | Path, n: int) -> dict:
+    """Line ``n`` of a JSONL file as an object (``ValueError`` naming ``path:n`` otherwise)."""
+    try:
+        row = json.loads(line)
+    except ValueError as exc:
+        msg = f"{exc.msg} at column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else exc
+        raise ValueError(f"{path}:{n}: not a JSON line ({msg})") from None
+    if not isinstance(row, dict):
+        raise ValueError(f"{path}:{n}: expected a JSON object, got {type(row).__name__}")
+    return row
 
 
 def describe(requests: Sequence[TraceRequest]) -> str:

@@ -6,7 +6,7 @@ Records and wire format
     ``compression``  dtype cast on the wire (bf16 / fp16 / fp8), per-chunk zlib
     ``chunking``     encode_chunk / split, Reassembler (any order, dedup, CRC)
     ``checksum``     fast CRC-32 of chunks and regions (ISA-L when installed)
-    ``convert``      every domain record ↔ proto message, validated
+    ``messages``     every KV-transfer record ↔ proto message, validated
     ``source``       KvSource: what a sender reads, lazily, with back-pressure
 
 WAN link (prefill / relay → MainDecode, gRPC ``PushKv``)
@@ -17,7 +17,5 @@ WAN link (prefill / relay → MainDecode, gRPC ``PushKv``)
 
 Fast link (prefill → relay): ``fast_link/`` (RDMA, shared memory, TCP)
 
-Testbed
-    ``link_emulator`` / ``link_shaper``  userspace WAN emulator (TCP proxy)
-    ``link_bench``   ``pdd bench link``: configured vs achieved
+The WAN emulator and the link benchmark are the testbed's: ``pdd.testbed``.
 """

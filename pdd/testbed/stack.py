@@ -16,7 +16,32 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdd.testbed.launcher import Process, free_port, start_module, start_redis
+from pdd.engine.model_source import resolve_model_source
+from pdd.prefix_index.redis_server import RedisBinary, redis_binary, start_redis
+from pdd.serving.model_spec import tiny_kwargs
+from pdd.testbed.launcher import Process, free_port, start_module
+
+MODEL_FORMS = "smollm2, a .gguf file, a Hugging Face directory or tiny:SEED[,k=v]"
+
+
+def check_model(spec: str) -> None:
+    """Refuse a ``--model`` that names nothing (``ValueError``), without loading it.
+
+    NOTE: every engine service would fail on it only after the stack started; this is the same
+    resolution they use (``model_spec``, ``model_source``), done once, before anything starts.
+    """
+    if spec.startswith("tiny:"):
+        tiny_kwargs(spec)
+        return
+    if spec != "smollm2" and not Path(spec).exists():
+        raise ValueError(f"model: {spec}: no such file or directory (expected {MODEL_FORMS})")
+    try:
+        source = resolve_model_source(spec)
+        if not source.is_gguf:  # the files the engines and the gateway read, not their contents
+            source.hf_config()
+            source.safetensors_files()
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"model: {exc} (expected {MODEL_FORMS})") from None
 
 
 @dataclass(frozen=True)
@@ -77,6 +102,11 @@ class StackConfig:
         for name in ("gateway_port", "http_port", "metrics_port_base"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name}: must be in 0..65535, got {getattr(self, name)}")
+        if self.redis_url and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(
+                f"redis_url: expected redis://, rediss:// or unix://, got {self.redis_url!r}"
+            )
+        check_model(self.model)
 
 
 class Stack:
@@ -84,6 +114,8 @@ class Stack:
         self.config = config
         self.processes: list[Process] = []
         self.redis: subprocess.Popen | None = None
+        # The redis-server this stack started (None: it was given ``redis_url``).
+        self.redis_binary: RedisBinary | None = None
         self.redis_url = config.redis_url
         # Service name → host:port of its Prometheus /metrics.
         self.metrics: dict[str, str] = {}
@@ -126,7 +158,8 @@ class Stack:
         cfg.log_dir.mkdir(parents=True, exist_ok=True)
         try:
             if not self.redis_url:
-                self.redis, self.redis_url = start_redis(cfg.log_dir)
+                self.redis_binary = redis_binary()
+                self.redis, self.redis_url = start_redis(cfg.log_dir, self.redis_binary)
             kv = self._start(
                 "kvstore",
                 "services.kvstore",
