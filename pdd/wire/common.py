@@ -87,25 +87,15 @@ def sampling_to_pb(sp: SamplingParams) -> common_pb2.SamplingParams:
 
 
 def sampling_from_pb(msg: common_pb2.SamplingParams, field: str = "sampling") -> SamplingParams:
-    """Validated (by ``SamplingParams`` itself, the field named under ``field``); an unset top_p
-    (0) means 1.0 (no truncation), an unset repetition_penalty 1.0."""
+    """A stage's sampling message, validated (the field named under ``field``)."""
     with field_prefix(field):
-        return SamplingParams(
-            max_tokens=msg.max_tokens,
-            temperature=msg.temperature,
-            top_p=msg.top_p or 1.0,
-            top_k=msg.top_k,
-            seed=msg.seed if msg.HasField("seed") else None,
-            stop_token_ids=tuple(msg.stop_token_ids),
-            ignore_eos=msg.ignore_eos,
-            **extra_sampling_from(msg),
-        )
+        return sampling_fields_from(msg)
 
 
-def extra_sampling_from(msg, vocab_size: int | None = None) -> dict[str, object]:
-    """The sampling fields the gateway's request and the stages' ``SamplingParams`` share beyond the
-    basics — penalties, logit bias, logprobs, grammar — as ``SamplingParams`` arguments (0
-    repetition means 1: off); ``SamplingParams`` validates them. Bias token ids are checked against
+def sampling_fields_from(msg, vocab_size: int | None = None) -> SamplingParams:
+    """``SamplingParams`` from the fields the gateway's request and the stages' ``SamplingParams``
+    message share (an unset top_p, 0, means 1.0: no truncation; an unset repetition_penalty 1.0).
+    ``SamplingParams`` validates every rule itself; bias token ids are checked against
     ``vocab_size`` when given (the gateway knows the model; a stage's engine checks its own)."""
     for token in msg.logit_bias:
         if vocab_size is not None and token >= vocab_size:
@@ -113,17 +103,21 @@ def extra_sampling_from(msg, vocab_size: int | None = None) -> dict[str, object]
                 f"logit_bias[{token}]",
                 f"token id {token} is outside the vocabulary (size {vocab_size})",
             )
-    out: dict[str, object] = {
-        "presence_penalty": msg.presence_penalty,
-        "frequency_penalty": msg.frequency_penalty,
-        "repetition_penalty": msg.repetition_penalty or 1.0,
-        "logit_bias": tuple(msg.logit_bias.items()),
-    }
-    if msg.HasField("logprobs"):
-        out["logprobs"] = msg.logprobs
-    if msg.grammar:
-        out["grammar"] = msg.grammar
-    return out
+    return SamplingParams(
+        max_tokens=msg.max_tokens,
+        temperature=msg.temperature,
+        top_p=msg.top_p or 1.0,
+        top_k=msg.top_k,
+        seed=msg.seed if msg.HasField("seed") else None,
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty or 1.0,
+        logit_bias=tuple(msg.logit_bias.items()),
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        grammar=msg.grammar or None,
+    )
 
 
 def logprob_to_pb(lp: Logprob) -> common_pb2.TokenLogprob:

@@ -12,17 +12,16 @@ from collections.abc import Sequence
 from pdd.core.errors import InvalidArgumentError
 from pdd.core.model_info import ModelInfo
 from pdd.core.request import FinalEvent, GenerateJob, RequestStats, TokenEvent, new_request_id
-from pdd.core.sampling_params import SamplingParams
 from pdd.engine import grammar
 from pdd.gen.gateway.v1 import gateway_service_pb2 as pb
 from pdd.wire.common import (
-    extra_sampling_from,
     finish_to_pb,
     handoff_from_pb,
     handoff_to_pb,
     logprob_to_pb,
     pipeline_from_pb,
     pipeline_to_pb,
+    sampling_fields_from,
     stage_to_pb,
 )
 
@@ -91,16 +90,7 @@ def generate_from_pb(msg: pb.GenerateRequest, info: ModelInfo) -> GenerateJob:
             raise InvalidArgumentError("grammar", f"does not compile: {error[:500]}")
     # NOTE: SamplingParams validates every sampling rule itself; only what needs the model
     # (context, vocabulary, tokenizer) is checked above.
-    sampling = SamplingParams(
-        max_tokens=msg.max_tokens,
-        temperature=msg.temperature,
-        top_p=msg.top_p or 1.0,
-        top_k=msg.top_k,
-        seed=msg.seed if msg.HasField("seed") else None,
-        stop_token_ids=tuple(msg.stop_token_ids),
-        ignore_eos=msg.ignore_eos,
-        **extra_sampling_from(msg, vocab_size=info.vocab_size),
-    )
+    sampling = sampling_fields_from(msg, vocab_size=info.vocab_size)
     return GenerateJob(
         request_id=_check_id(msg.request_id, "request_id") or new_request_id(),
         prompt_token_ids=tuple(ids),
