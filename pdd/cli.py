@@ -81,6 +81,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             metrics=args.metrics,
             metrics_port_base=args.metrics_port_base,
             gateway_flags=tuple(f for k in args.api_key for f in ("--api-key", k)),
+            restart=args.restart,
         )
     )
     done = threading.Event()
@@ -100,9 +101,11 @@ def cmd_up(args: argparse.Namespace) -> int:
         for line in next_steps(stack, args, done):
             print(line)
         print("Ctrl-C stops everything.", flush=True)
+        # NOTE: with --restart on-failure the stack's supervisor restarts what dies (and prints
+        # it); only with --restart no does one death stop the whole stack.
         while not done.wait(1.0):
             dead = [p.name for p in stack.processes if not p.alive()]
-            if dead:
+            if dead and stack.config.restart == "no":
                 print(f"service(s) exited: {', '.join(dead)}; stopping", file=sys.stderr)
                 return 1
         return 0
@@ -375,6 +378,13 @@ def _dispatch(argv: list[str]) -> int:
         help="Prometheus /metrics of the services on consecutive ports from here, 0 = free ports",
     )
     up.add_argument("--no-metrics", dest="metrics", action="store_false", help="no /metrics ports")
+    up.add_argument(
+        "--restart",
+        choices=("on-failure", "no"),
+        default="on-failure",
+        help="on-failure: a service that dies is restarted on its address, with backoff, while "
+        "the rest keeps serving; no: one death stops the stack",
+    )
     up.set_defaults(fn=cmd_up)
 
     gen = sub.add_parser("generate", help="stream a completion from a running gateway")

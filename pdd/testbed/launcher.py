@@ -4,7 +4,8 @@ Every service prints ``PDD_LISTENING <name> <host:port>`` once it is SERVING
 (see ``pdd.server.bootstrap``); the launcher starts ``python -m services.X``
 with port 0, reads that line, and keeps the process. Used by ``pdd up`` and
 by the end-to-end tests, so both exercise the same entry points the
-deployment files use.
+deployment files use. ``spawn_module`` returns at once (the supervisor's
+restarts); ``start_module`` also waits for the line.
 """
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ class Process:
     address: str = ""
     log_path: Path | None = None
     _log_thread: threading.Thread | None = field(default=None, repr=False)
+    # What started it: ``python -m module *args`` (a restart runs it again, its port pinned).
+    module: str = ""
+    args: tuple[str, ...] = ()
+    # Set once the PDD_LISTENING line was read (``address`` is then known) or the output ended.
+    _settled: threading.Event = field(default_factory=threading.Event, repr=False)
 
     @property
     def port(self) -> int:
@@ -39,6 +45,11 @@ class Process:
 
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    def wait_listening(self, timeout: float) -> bool:
+        """Wait for the PDD_LISTENING line; False when it did not come (exited or timed out)."""
+        self._settled.wait(timeout)
+        return bool(self.address)
 
     def stop(self, timeout: float = 15.0) -> int:
         """SIGTERM, wait, SIGKILL if it does not exit; returns the exit code."""
@@ -54,27 +65,27 @@ class Process:
         return self.proc.returncode
 
 
-def _pump(stream, sink, found: threading.Event, holder: list[str]) -> None:
+def _pump(stream, sink, p: Process) -> None:
     for raw in iter(stream.readline, b""):
         line = raw.decode("utf-8", "replace")
-        if not found.is_set() and line.startswith(LISTEN_PREFIX):
-            holder.append(line.split()[2])
-            found.set()
+        if not p.address and line.startswith(LISTEN_PREFIX):
+            p.address = line.split()[2]
+            p._settled.set()
         sink.write(line)
         sink.flush()
-    found.set()
+    sink.close()
+    p._settled.set()
 
 
-def start_module(
+def spawn_module(
     name: str,
     module: str,
     args: list[str],
     *,
     env: dict[str, str] | None = None,
     log_dir: Path | None = None,
-    timeout: float = 120.0,
 ) -> Process:
-    """Run ``python -m module args`` and wait for its PDD_LISTENING line."""
+    """Run ``python -m module args``; its ``address`` is filled in once it listens."""
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="pdd-logs-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
@@ -87,17 +98,31 @@ def start_module(
         env=full_env,
         start_new_session=True,
     )
-    found, holder = threading.Event(), []
-    thread = threading.Thread(target=_pump, args=(proc.stdout, sink, found, holder), daemon=True)
-    thread.start()
-    found.wait(timeout)
-    p = Process(name, proc, holder[0] if holder else "", log_path, thread)
-    if not holder:
+    p = Process(name, proc, "", log_path, module=module, args=tuple(args))
+    p._log_thread = threading.Thread(target=_pump, args=(proc.stdout, sink, p), daemon=True)
+    p._log_thread.start()
+    return p
+
+
+def start_module(
+    name: str,
+    module: str,
+    args: list[str],
+    *,
+    env: dict[str, str] | None = None,
+    log_dir: Path | None = None,
+    timeout: float = 120.0,
+) -> Process:
+    """Run ``python -m module args`` and wait for its PDD_LISTENING line."""
+    p = spawn_module(name, module, args, env=env, log_dir=log_dir)
+    if not p.wait_listening(timeout):
         p.stop(timeout=5)
+        log_path = p.log_path
+        assert log_path is not None
         tail = log_path.read_text()[-3000:]
         # NOTE: the first line stands alone (the CLI prints only it): the reason, then the log.
         raise UnavailableError(
-            f"{name} did not start (exit {proc.returncode}): {_last_reason(tail)}; "
+            f"{name} did not start (exit {p.proc.returncode}): {_last_reason(tail)}; "
             f"log {log_path}\n{tail}"
         )
     return p
@@ -116,6 +141,21 @@ def _last_reason(log_text: str) -> str:
     if isinstance(record, dict):
         last = str(record.get("error") or record.get("event") or last)
     return last if len(last) <= 300 else last[:297] + "..."
+
+
+def pinned_args(module: str, args: tuple[str, ...], address: str) -> list[str]:
+    """``args`` with every listen port replaced by the one ``address`` bound (a restart's flags).
+
+    NOTE: a service started with port 0 would get a new port on a restart; its peers, the WAN
+    emulator's upstream and kvstore's registry know only the old one.
+    """
+    flag, value = ("--listen", address) if module == "services.wan_link" else ("--port", "")
+    value = value or address.rpartition(":")[2]
+    out = list(args)
+    for i, arg in enumerate(out[:-1]):
+        if arg == flag:
+            out[i + 1] = value
+    return out
 
 
 def free_port() -> int:

@@ -6,20 +6,29 @@ byte to the "remote" cluster crosses the emulated link) → prefill and relay
 instances → gateway (with the OpenAI-compatible HTTP API when ``http_port``
 is set). Each prints where it listens; every service but the WAN emulators
 serves Prometheus ``/metrics`` on its own port (``metrics``); ``stop()``
-sends SIGTERM to all, in reverse order.
+sends SIGTERM to all, in reverse order. With ``restart="on-failure"`` a
+supervisor thread (``pdd.testbed.supervisor``) restarts a service that dies,
+on the address it had, with backoff.
 """
 
 from __future__ import annotations
 
+import socket
 import subprocess
-from collections.abc import Mapping
+import threading
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdd.core.errors import UnavailableError
 from pdd.engine.model_source import resolve_model_source
 from pdd.prefix_index.redis_server import RedisBinary, redis_binary, start_redis
 from pdd.serving.model_spec import tiny_kwargs
-from pdd.testbed.launcher import Process, free_port, start_module
+from pdd.testbed.launcher import Process, free_port, pinned_args, spawn_module, start_module
+from pdd.testbed.supervisor import Supervisor
+
+RESTART_POLICIES = ("no", "on-failure")
 
 MODEL_FORMS = "smollm2, a .gguf file, a Hugging Face directory or tiny:SEED[,k=v]"
 
@@ -94,8 +103,15 @@ class StackConfig:
     env: Mapping[str, str] = field(default_factory=dict)
     log_dir: Path = Path("pdd-logs")
     key_prefix: str = "pdd"
+    # "on-failure": a service (or the embedded Redis) that exits non-zero is restarted with
+    # backoff on its old address; "no": it stays dead (the e2e tests that kill one on purpose).
+    restart: str = "no"
 
     def __post_init__(self) -> None:
+        if self.restart not in RESTART_POLICIES:
+            raise ValueError(
+                f"restart: must be one of {', '.join(RESTART_POLICIES)}, got {self.restart!r}"
+            )
         for name in ("prefill", "relay", "main_decode"):
             if getattr(self, name) < (0 if name == "relay" else 1):
                 raise ValueError(f"{name}: too few instances ({getattr(self, name)})")
@@ -109,6 +125,10 @@ class StackConfig:
         check_model(self.model)
 
 
+def _print_now(line: str) -> None:
+    print(line, flush=True)
+
+
 class Stack:
     def __init__(self, config: StackConfig) -> None:
         self.config = config
@@ -119,6 +139,8 @@ class Stack:
         self.redis_url = config.redis_url
         # Service name → host:port of its Prometheus /metrics.
         self.metrics: dict[str, str] = {}
+        self._supervisor: threading.Thread | None = None
+        self._stopping = threading.Event()
 
     def by_name(self, name: str) -> Process:
         return next(p for p in self.processes if p.name == name)
@@ -232,9 +254,66 @@ class Stack:
         except BaseException:
             self.stop()
             raise
+        if cfg.restart == "on-failure":
+            self.supervise_in_background()
         return self
 
+    def supervise_in_background(self, say: Callable[[str], None] | None = None) -> None:
+        """Restart what dies until ``stop()`` (a daemon thread; ``pdd up`` prints its lines)."""
+        self._stopping.clear()
+        supervisor = Supervisor(
+            self, say=say or _print_now, log_path=self.config.log_dir / "supervisor.log"
+        )
+        self._supervisor = threading.Thread(
+            target=supervisor.run, args=(self._stopping,), name="pdd-supervisor", daemon=True
+        )
+        self._supervisor.start()
+
+    def restart(self, name: str) -> Process:
+        """Start ``name`` again with its command line, on the address it had; returns at once.
+
+        The new process takes the old one's place in ``processes`` (so ``stop()`` reaches it);
+        its ``address`` is filled in once it listens again.
+        """
+        i, old = next((i, p) for i, p in enumerate(self.processes) if p.name == name)
+        old.stop(timeout=5)
+        new = spawn_module(
+            name,
+            old.module,
+            pinned_args(old.module, old.args, old.address),
+            env=dict(self.config.env),
+            log_dir=self.config.log_dir,
+        )
+        self.processes[i] = new
+        return new
+
+    def restart_redis(self, timeout: float = 10.0) -> None:
+        """Start the embedded Redis again with its command line (so its port), wait for PONG."""
+        old = self.redis
+        if old is None:
+            raise UnavailableError("redis: this stack did not start one (it was given redis_url)")
+        with open(self.config.log_dir / "redis.log", "a") as log:
+            self.redis = subprocess.Popen(
+                old.args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        port = int(self.redis_url.rsplit(":", 1)[1].split("/")[0])
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.redis.poll() is None:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return
+            except OSError:
+                time.sleep(0.05)
+        raise UnavailableError(f"redis did not come back on port {port}")
+
     def stop(self) -> dict[str, int]:
+        # NOTE: the supervisor goes first, so nothing is restarted while the stack stops.
+        self._stopping.set()
+        if self._supervisor is not None:
+            self._supervisor.join(timeout=30)
+            self._supervisor = None
         codes = {p.name: p.stop() for p in reversed(self.processes)}
         self.processes.clear()
         self.metrics.clear()
