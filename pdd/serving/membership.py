@@ -3,7 +3,8 @@
 Life: ``start()`` registers the instance with kvstore (resetting its old
 index entries — a restarted instance holds no KV) → a background task
 heartbeats every ttl/3 with the current load, re-registering and
-republishing its whole cache if the lease had lapsed → cache events from the
+republishing its whole cache if the lease had lapsed, or once a batch of cache events could
+not be delivered (a gap in what kvstore saw) → cache events from the
 engine are queued by ``publish`` and sent in order, batched, by a second
 task → ``stop()`` deregisters.
 
@@ -176,3 +177,8 @@ class Membership:
             except (PddError, TimeoutError) as exc:
                 log.warning("publish_failed", attempt=attempt, error=str(exc) or "timed out")
                 await asyncio.sleep(0.2 * (attempt + 1))
+        # NOTE: a gap in the event sequence kvstore saw: its index may now claim blocks this
+        # instance evicted (or miss ones it stored). The next heartbeat that gets through
+        # re-registers with a reset index and republishes the whole cache (``_resync``).
+        log.warning("cache_events_dropped_resync_pending", events=len(batch))
+        self._resync_pending = True

@@ -30,6 +30,7 @@ KVSTORE = Settings(
     KvstoreConfig,
     Flag("redis_url", "unset: an embedded redis-server for the life of this process"),
     Flag("key_prefix", "namespace of every key"),
+    Flag("redis_timeout_s", "socket timeout of each Redis call; past it: UNAVAILABLE"),
     title="kvstore",
 )
 
@@ -85,6 +86,7 @@ def main(argv: list[str] | None = None) -> None:
             server=server,
             redis_url=redis_url_or_embedded(given["redis_url"]),
             key_prefix=given["key_prefix"],
+            redis_timeout_s=given["redis_timeout_s"],
         )
     except ValueError as exc:
         p.error(str(exc))

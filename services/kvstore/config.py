@@ -13,6 +13,9 @@ class KvstoreConfig:
     redis_url: str = "redis://127.0.0.1:6379/0"
     # Namespace of every key, so several stacks (or tests) can share one Redis.
     key_prefix: str = "pdd"
+    # Socket (and connect) timeout of every Redis call: how long kvstore waits on a Redis that
+    # went away before answering UNAVAILABLE (the gateway then routes from its last known list).
+    redis_timeout_s: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
@@ -21,3 +24,5 @@ class KvstoreConfig:
             )
         if not self.key_prefix or ":" in self.key_prefix:
             raise ValueError(f"key_prefix: must be non-empty without ':', got {self.key_prefix!r}")
+        if self.redis_timeout_s <= 0:
+            raise ValueError(f"redis_timeout_s: must be positive, got {self.redis_timeout_s}")

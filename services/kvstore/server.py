@@ -1,6 +1,9 @@
 """kvstore's gRPC face: proto → domain → ``PrefixStore`` → proto.
 
-The domain (registry + prefix index over Redis) lives in ``pdd.prefix_index``.
+The domain (registry + prefix index over Redis) lives in ``pdd.prefix_index``. A Redis that goes
+away while kvstore runs makes each call answer UNAVAILABLE (after at most ``redis_timeout_s``) and
+kvstore keeps serving; the next call after Redis returns reconnects. At start, an unreachable
+Redis fails kvstore at once, so a misconfigured ``--redis-url`` is seen, not served around.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from redis.asyncio import Redis
 
 from pdd.gen.kvstore.v1 import kvstore_service_pb2 as pb
 from pdd.gen.kvstore.v1 import kvstore_service_pb2_grpc as pb_grpc
+from pdd.prefix_index.redis_outage import redis_address, redis_outage
 from pdd.prefix_index.store import PrefixStore
 from pdd.server.bootstrap import ServiceSpec
 from pdd.wire import kvstore as conv
@@ -58,11 +62,18 @@ class KvstoreServicer(pb_grpc.KvstoreServiceServicer):
 
 def build(config: KvstoreConfig) -> ServiceSpec:
     """The kvstore as a ServiceSpec for the shared bootstrap."""
-    redis = Redis.from_url(config.redis_url)
+    redis = Redis.from_url(
+        config.redis_url,
+        socket_timeout=config.redis_timeout_s,
+        socket_connect_timeout=config.redis_timeout_s,
+    )
     servicer = KvstoreServicer(PrefixStore(redis, config.key_prefix))
 
     async def start() -> None:
-        await redis.ping()  # fail fast (and visibly) when Redis is not there
+        # NOTE: fail fast (and visibly) when Redis is not there at start; later outages are
+        # answered per call (UNAVAILABLE), never fatal.
+        with redis_outage(redis_address(redis)):
+            await redis.ping()
 
     async def stop() -> None:
         await redis.aclose()
