@@ -197,7 +197,12 @@ _LATER_KEYS = {"handoff_window_ms": {"p50": None, "p99": None}}
 
 def read_result(path: str | Path) -> dict:
     with open(path) as f:
-        result = json.load(f)
+        try:
+            result = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not a RESULT file (line {e.lineno}: {e.msg})") from None
+    if not isinstance(result, dict):
+        raise ValueError(f"{path}: not a RESULT file (a JSON {type(result).__name__})")
     for key, empty in _LATER_KEYS.items():
         result.setdefault(key, dict(empty))
     missing = [k for k in RESULT_KEYS if k not in result]

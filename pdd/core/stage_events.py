@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdd.core.errors import InvalidArgumentError
 from pdd.core.instance import InstanceRef
 from pdd.core.pipeline import HandoffMode, Pipeline
 from pdd.core.sampling_params import Logprob, SamplingParams
@@ -40,13 +41,28 @@ class RelayJob:
 
 @dataclass(frozen=True)
 class DecodeJob:
-    """A MainDecode request."""
+    """A MainDecode request. ``resume_token_ids``: the outputs already streamed to the client
+    (a request migrated from a lost stage, pipeline MD only): MainDecode makes them its outputs,
+    prefills prompt + those locally and speaks from position ``len(resume_token_ids)``."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
     cache_salt: str
     pipeline: Pipeline
+    resume_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.resume_token_ids and self.pipeline is not Pipeline.MD:
+            raise InvalidArgumentError(
+                "resume_token_ids", f"only with pipeline MD, got {self.pipeline.value}"
+            )
+        if len(self.resume_token_ids) >= self.sampling.max_tokens:
+            raise InvalidArgumentError(
+                "resume_token_ids",
+                f"{len(self.resume_token_ids)} outputs leave nothing to decode "
+                f"(max_tokens={self.sampling.max_tokens})",
+            )
 
 
 # --- events -----------------------------------------------------------------------------------

@@ -21,6 +21,17 @@ Life of a request:
 A client that goes away cancels every call, and each service frees the
 request's KV when its call is cancelled.
 
+Migration: when MainDecode's stream fails (or prefill's, before the request is done) and no
+relay is streaming, the gateway cancels the request's other stage calls and opens an MD
+``decode`` on another live MainDecode (for a prefill loss possibly the same one) with the tokens
+streamed so far as ``resume_token_ids``: MainDecode prefills prompt + those itself and speaks
+from the next position, so the merge goes on with nothing lost or repeated (draws depend only on
+seed and position; penalties and grammar follow the tokens). A relay still streaming when
+MainDecode dies is *not* kept decoding to the end: its own stream fails once its handoff (or its
+wait for MainDecode's KV) does, and the request then migrates from what was streamed. At most
+``max_migrations`` per request; beyond it, or with no other MainDecode, the original error
+stands.
+
 Each stage's stream is read by its own task into the request's queue (``StageEvent``,
 ``StageFailed``, ``StageEnded``); the merge reads the queue, so the peers are typed clients
 (``pdd.wire``) or, in tests, in-process fakes with the same methods (``peers=``).
@@ -38,8 +49,8 @@ from typing import Protocol
 
 import structlog
 
-from pdd.core.errors import FailedPreconditionError, PeerError, UnavailableError
-from pdd.core.instance import Instance
+from pdd.core.errors import FailedPreconditionError, PddError, PeerError, UnavailableError
+from pdd.core.instance import Instance, Role
 from pdd.core.pipeline import Pipeline, Stage
 from pdd.core.request import Ending, FinalEvent, GenerateJob, RequestStats, TokenEvent
 from pdd.core.sampling_params import SamplingParams
@@ -61,8 +72,9 @@ from pdd.core.stage_events import (
 from pdd.routing.policy import NoInstanceError, Route, RoutingConfig, route
 from pdd.server.tls import TlsConfig
 from pdd.serving.channels import Channels
+from pdd.serving.instance_view import InstanceView
 from pdd.serving.token_merge import TokenMerge
-from pdd.telemetry.metrics import HANDOFFS, RequestTracker
+from pdd.telemetry.metrics import HANDOFFS, MIGRATIONS, RequestTracker
 from pdd.wire.call import EventStream
 from pdd.wire.kvstore_client import KvstoreClient
 from pdd.wire.main_decode_client import MainDecodeClient
@@ -100,6 +112,22 @@ class StageEnded:
 
 StageItem = StageEvent | StageFailed | StageEnded
 
+MAIN_DECODE_LOST = "main_decode_lost"
+PREFILL_LOST = "prefill_lost"
+
+
+@dataclass(frozen=True)
+class _Loss:
+    """A stage lost mid-request: why the request moves to another MainDecode, and the error it
+    fails with if it cannot."""
+
+    cause: str
+    error: Exception
+
+    def __post_init__(self) -> None:
+        if self.cause not in (MAIN_DECODE_LOST, PREFILL_LOST):
+            raise ValueError(f"cause: {MAIN_DECODE_LOST} or {PREFILL_LOST}, got {self.cause!r}")
+
 
 # --- the peers ----------------------------------------------------------------------------------
 
@@ -121,14 +149,23 @@ class Peers(Protocol):
 class GrpcPeers:
     """The gateway's peers as typed gRPC clients, on one long-lived channel per address."""
 
-    def __init__(self, channels: Channels, kvstore_address: str, stage_timeout_s: float) -> None:
+    def __init__(
+        self,
+        channels: Channels,
+        kvstore_address: str,
+        stage_timeout_s: float,
+        index_timeout_s: float = 1.0,
+    ) -> None:
         self.channels = channels
         self.kvstore_address = kvstore_address
         self.stage_timeout_s = stage_timeout_s
+        self.index_timeout_s = index_timeout_s
 
     # NOTE: channels are made on first use, inside the server's event loop.
     def kvstore(self) -> KvstoreClient:
-        return KvstoreClient(self.channels.get(self.kvstore_address))
+        return KvstoreClient(
+            self.channels.get(self.kvstore_address), timeout_s=self.index_timeout_s
+        )
 
     def prefill(self, address: str) -> PrefillClient:
         return PrefillClient(self.channels.get(address), timeout_s=self.stage_timeout_s)
@@ -159,6 +196,14 @@ class _Run:
     relay_done: bool = False
     finish: str | None = None
     completion_tokens: int | None = None
+    # The tasks reading the stage streams into ``queue``, and the stages whose streams are open.
+    readers: list[asyncio.Task] = field(default_factory=list)
+    streaming: set[Stage] = field(default_factory=set)
+    # MainDecode instances lost for this request (never chosen again for it); a loss waiting
+    # for the relay's stream to end before the request migrates; migrations so far.
+    lost: set[str] = field(default_factory=set)
+    pending: _Loss | None = None
+    migrations: int = 0
 
     @property
     def logprobs(self) -> bool:
@@ -194,27 +239,40 @@ class Gateway:
         *,
         tls: TlsConfig | None = None,
         peers: Peers | None = None,
+        index_timeout_s: float = 1.0,
+        max_migrations: int = 2,
     ) -> None:
         """``peers``: where the kvstore, prefill, relay and MainDecode clients come from; by
-        default gRPC clients on channels with ``tls`` (then required)."""
+        default gRPC clients on channels with ``tls`` (then required). ``index_timeout_s``: the
+        deadline of each kvstore call, past which the request is routed without the index."""
         self.routing = routing
         self.rng = rng or random.Random()
         self.stage_timeout_s = stage_timeout_s
+        if max_migrations < 0:
+            raise ValueError(f"max_migrations: must be >= 0, got {max_migrations}")
+        # How many times one request may move to another MainDecode (a poisoned request must
+        # not walk the whole fleet).
+        self.max_migrations = max_migrations
         if peers is None:
             if tls is None:
                 raise ValueError("tls: required unless the gateway is given its peers")
-            peers = GrpcPeers(Channels(tls), kvstore_address, stage_timeout_s)
+            peers = GrpcPeers(Channels(tls), kvstore_address, stage_timeout_s, index_timeout_s)
         self.peers = peers
+        # The last known instances: routing goes on from them while the index is down.
+        self.view = InstanceView(peers.kvstore)
 
     async def close(self) -> None:
+        await self.view.close()
         await self.peers.close()
 
     async def instances(self) -> list[Instance]:
-        return await self.peers.kvstore().list()
+        """kvstore's live instances; the last known ones while it is unreachable."""
+        return await self.view.list()
 
     async def choose_route(self, job: GenerateJob) -> Route:
-        """The pipeline and instances for ``job``, from kvstore's predicted prefix hits."""
-        hits = await self.peers.kvstore().predict(job.prompt_token_ids, job.cache_salt)
+        """The pipeline and instances for ``job``, from kvstore's predicted prefix hits; while
+        the index is unreachable, from the last known instances, every hit 0 (``InstanceView``)."""
+        hits = await self.view.predict(job.prompt_token_ids, job.cache_salt)
         cached = {h.instance.ref.instance_id: h.cached_tokens for h in hits}
         try:
             return route(
@@ -273,17 +331,12 @@ class Gateway:
             relay=run.stats.relay_instance,
             main_decode=run.stats.main_decode_instance,
         )
-        readers: list[asyncio.Task] = []
         try:
-            streams = await self._open(run)
-            readers = [asyncio.create_task(self._pump(st, s, run.queue)) for st, s in streams]
-            async for event in self._merged(run, live=len(readers)):
+            self._read(run, await self._open(run))
+            async for event in self._merged(run):
                 yield event
         finally:
-            for task in readers:
-                task.cancel()
-            for call in run.calls:
-                call.cancel()
+            _stop(run)
 
     async def _open(self, run: _Run) -> list[tuple[Stage, EventStream]]:
         """Open the request's stage streams (prefill, main_decode, relay: the order they are read
@@ -330,6 +383,12 @@ class Gateway:
         run.calls.append(prefill)
         return [(Stage.PREFILL, prefill), *decoding]
 
+    def _read(self, run: _Run, streams: list[tuple[Stage, EventStream]]) -> None:
+        """Read ``streams`` into a fresh queue (what older readers left on theirs is dropped)."""
+        run.queue = asyncio.Queue()
+        run.readers = [asyncio.create_task(self._pump(st, s, run.queue)) for st, s in streams]
+        run.streaming = {st for st, _ in streams}
+
     async def _pump(
         self, stage: Stage, stream: EventStream, queue: asyncio.Queue[StageItem]
     ) -> None:
@@ -344,23 +403,119 @@ class Gateway:
             queue.put_nowait(StageFailed(stage, exc))
         queue.put_nowait(StageEnded(stage))
 
-    async def _merged(self, run: _Run, live: int) -> AsyncIterator[TokenEvent | FinalEvent]:
+    async def _merged(self, run: _Run) -> AsyncIterator[TokenEvent | FinalEvent]:
         # NOTE: every service ends its stream when its part is done (prefill after TransferDone,
         # relay after HandedOff/Finished, main_decode after Finished), so all ends = request done.
-        while live:
+        # A migration replaces run.queue and run.streaming: read both afresh each time.
+        while run.streaming:
             match await run.queue.get():
-                case StageEnded():
-                    live -= 1
-                case StageFailed(stage=Stage.RELAY, error=error) if not run.relay_done:
-                    # NOTE: the relay is gone mid-request: drive the handoff from the tokens streamed.
-                    await self._take_over(run, error)
-                case StageFailed(error=error):
-                    raise error
+                case StageEnded(stage=stage):
+                    run.streaming.discard(stage)
+                    if stage is Stage.RELAY and run.pending and run.finish is None:
+                        await self._migrate(run, run.pending)
+                case StageFailed(stage=stage, error=error):
+                    await self._on_failed(run, stage, error)
                 case StageEvent(stage=stage, event=event):
                     for ev in self._apply(run, stage, event):
                         _count(run, ev)
                         yield ev
+        if run.pending is not None and run.finish is None:
+            raise run.pending.error
         yield _final(run)
+
+    async def _on_failed(self, run: _Run, stage: Stage, error: Exception) -> None:
+        """A stage's stream broke: hand over for a lost relay, move the request to another
+        MainDecode for a lost MainDecode or prefill, or fail the request."""
+        if stage is Stage.RELAY and not run.relay_done:
+            if run.pending is not None:  # MainDecode (or prefill) went first: now move
+                await self._migrate(run, run.pending)
+                return
+            try:
+                # NOTE: the relay is gone mid-request: drive the handoff from the tokens streamed.
+                await self._take_over(run, error)
+            except (PeerError, UnavailableError) as exc:  # ... and MainDecode is gone too
+                run.lost.add(run.plan.main_decode.ref.instance_id)
+                await self._migrate(run, _Loss(MAIN_DECODE_LOST, exc))
+            return
+        if stage is Stage.RELAY or run.finish is not None or not isinstance(error, PeerError):
+            raise error
+        if stage is Stage.MAIN_DECODE:
+            run.lost.add(run.plan.main_decode.ref.instance_id)
+        loss = _Loss(MAIN_DECODE_LOST if stage is Stage.MAIN_DECODE else PREFILL_LOST, error)
+        if Stage.RELAY in run.streaming and not run.relay_done:
+            # NOTE: the relay still streams: it fails (or ends) once its handoff does; then move.
+            run.pending = run.pending or loss
+            return
+        await self._migrate(run, loss)
+
+    async def _migrate(self, run: _Run, loss: _Loss) -> None:
+        """Move the request to another live MainDecode from the tokens streamed so far (every
+        other stage call cancelled; MainDecode prefills what it lacks itself); the original
+        error if the limit is reached, no MainDecode is left or nothing is left to decode."""
+        _stop(run)
+        run.merge.pending.clear()  # NOTE: held tokens of the old path: the new one recomputes them
+        at = len(run.merge.emitted)
+        while run.migrations < self.max_migrations and at < run.sampling.max_tokens:
+            target = await self._next_main_decode(run)
+            if target is None:
+                break
+            run.migrations += 1
+            MIGRATIONS.labels(loss.cause).inc()
+            source, run.plan = run.plan.main_decode, replace(run.plan, main_decode=target)
+            log.warning(
+                "migrated",
+                from_instance=source.ref.instance_id,
+                to_instance=target.ref.instance_id,
+                at=at,
+                cause=loss.cause,
+                error=str(loss.error)[:200],
+            )
+            try:
+                await self._resume(run, target)
+                return
+            except (PeerError, UnavailableError) as exc:
+                log.warning("migration_refused", instance=target.ref.instance_id, error=str(exc))
+                run.lost.add(target.ref.instance_id)
+                loss = _Loss(MAIN_DECODE_LOST, loss.error)
+        raise loss.error
+
+    async def _next_main_decode(self, run: _Run) -> Instance | None:
+        """A live MainDecode not lost for this request (the seeded rng picks among them)."""
+        try:
+            instances = await self.instances()
+        except PddError as exc:
+            log.warning("migration_without_instances", error=str(exc)[:200])
+            return None
+        candidates = sorted(
+            (
+                i
+                for i in instances
+                if i.ref.role is Role.MAIN_DECODE and i.ref.instance_id not in run.lost
+            ),
+            key=lambda i: i.ref.instance_id,
+        )
+        return self.rng.choice(candidates) if candidates else None
+
+    async def _resume(self, run: _Run, target: Instance) -> None:
+        """Open the request on ``target`` as MD from the tokens streamed; read it once accepted."""
+        job = run.job
+        resume = tuple(run.merge.emitted)
+        stream = self.peers.main_decode(target.ref.address).decode(
+            DecodeJob(
+                job.request_id,
+                job.prompt_token_ids,
+                run.sampling,
+                job.cache_salt,
+                Pipeline.MD,
+                resume_token_ids=resume,
+            )
+        )
+        run.calls.append(stream)
+        await _accepted(stream, Stage.MAIN_DECODE)
+        # NOTE: no relay and no prefill any more: nothing to take over, nothing pending.
+        run.relay_done, run.pending = True, None
+        run.stats.main_decode_instance = target.ref.instance_id
+        self._read(run, [(Stage.MAIN_DECODE, stream)])
 
     def _apply(self, run: _Run, stage: Stage, event: object) -> list[TokenEvent]:
         """Fold one stage event into the request's stats and merge; the tokens now in order."""
@@ -408,6 +563,15 @@ class Gateway:
         await call.done(wait=True)
         run.stats.handoff_at_token = len(tokens)
         run.relay_done = True
+
+
+def _stop(run: _Run) -> None:
+    """Cancel the request's readers and stage calls (each service frees the request's KV)."""
+    for task in run.readers:
+        task.cancel()
+    for call in run.calls:
+        call.cancel()
+    run.readers, run.calls = [], []
 
 
 def _count(run: _Run, ev: TokenEvent) -> None:

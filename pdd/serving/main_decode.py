@@ -14,6 +14,10 @@ Life of a request (one ``decode`` generator per request, opened by the gateway):
   MD (conditional disaggregation): no prefill stage and no push — the engine
      prefills the short uncached suffix in its own batch, samples position 0
      and MainDecode speaks from the first token;
+  MD resume (a request migrated here after its MainDecode or prefill was lost): the job
+     carries the outputs already streamed; they are appended as the request's outputs
+     before it first runs (penalties and grammar follow them), the engine prefills
+     prompt + those in its own batch and MainDecode speaks from the next position;
   4. decode: every output is streamed with its position; finishing inserts
      prompt + output into the DRC (cache events reach kvstore), so the
      session's next turn hits here.
@@ -27,6 +31,7 @@ engine produced before it), ``EmitFrom`` (where MainDecode starts speaking) and 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -58,6 +63,10 @@ from pdd.serving.mailbox import StepFailed
 from pdd.telemetry import metrics
 
 log = structlog.get_logger(__name__)
+
+# How long a new call waits for a cancelled call of the same request id to be closed here
+# (a migration may come back to this MainDecode right after cancelling its first call).
+REPLACED_CALL_WAIT_S = 2.0
 
 
 # --- MainDecode's own mailbox items -----------------------------------------------------------
@@ -118,6 +127,7 @@ class _State:
     md_tokens: int = 0
     wan_bytes: int = 0
     extend_s: float = 0.0
+    closed: asyncio.Event = field(default_factory=asyncio.Event)
 
     def agrees(self, start: int, token_ids: Sequence[int]) -> bool:
         """Whether the outputs from ``start`` are ``token_ids`` already."""
@@ -142,7 +152,7 @@ class MainDecode:
         return self.instance.engine
 
     async def decode(self, job: DecodeJob) -> AsyncIterator[Accepted | Tokens | Finished]:
-        state = self._open(job)
+        state = await self._open(job)
         done = False
         kv_task: asyncio.Task | None = None
         try:
@@ -158,8 +168,13 @@ class MainDecode:
 
     # --- the steps of a request's life --------------------------------------------------------
 
-    def _open(self, job: DecodeJob) -> _State:
+    async def _open(self, job: DecodeJob) -> _State:
         rid = job.request_id
+        if (old := self._requests.get(rid)) is not None:
+            # NOTE: a migrated request may come back here just after the gateway cancelled its
+            # first call, before that call's cancellation reached this process.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(old.closed.wait(), REPLACED_CALL_WAIT_S)
         if rid in self._requests:
             raise InvalidArgumentError("request_id", f"{rid!r} is already decoding here")
         state = _State(job, self.runner.open(rid))
@@ -167,28 +182,47 @@ class MainDecode:
         return state
 
     async def _admit(self, state: _State) -> int:
-        """Add the request (paused unless MD prefills it here); how many prompt tokens it hit."""
+        """Add the request (paused unless MD prefills it here); how many prompt tokens it hit.
+        A resumed MD request is added paused, given its outputs so far, then resumed: its first
+        step computes prompt + those outputs and samples the next position."""
         job = state.job
         rid = job.request_id
         local = job.pipeline is Pipeline.MD
+        resume = list(job.resume_token_ids)
 
         def admit() -> int:
             self.engine.add_request(
-                rid, job.prompt_token_ids, job.sampling, salt=job.cache_salt, paused=not local
+                rid,
+                job.prompt_token_ids,
+                job.sampling,
+                salt=job.cache_salt,
+                paused=not local or bool(resume),
             )
-            return self.engine.num_cached_tokens(rid)
+            cached = self.engine.num_cached_tokens(rid)
+            if resume:
+                self.engine.append_tokens(rid, resume, 0)
+                self.engine.resume(rid)
+            return cached
 
         cached = await self.runner.call(admit)
+        state.outputs.update(enumerate(resume))
+        state.produced = len(resume) - 1
         metrics.PREFIX_QUERIES.labels("main_decode").inc(len(job.prompt_token_ids))
         metrics.PREFIX_HITS.labels("main_decode").inc(cached)
-        log.info("md_accepted", cached_tokens=cached, prompt_tokens=len(job.prompt_token_ids))
+        log.info(
+            "md_accepted",
+            cached_tokens=cached,
+            prompt_tokens=len(job.prompt_token_ids),
+            resumed_at=len(resume),
+        )
         return cached
 
     def _start_kv(self, state: _State) -> asyncio.Task | None:
-        """Start receiving the KV delta; MD has none and speaks from the first output."""
+        """Start receiving the KV delta; MD has none and speaks from its first new output (0, or
+        the end of the outputs it resumed from)."""
         if state.job.pipeline is Pipeline.MD:
             state.kv_ready.set()  # NOTE: nothing to receive: a stray handoff must not wait for KV
-            state.emit_from = 0
+            state.emit_from = len(state.job.resume_token_ids)
             return None
         return asyncio.create_task(self._receive_kv(state))
 
@@ -236,7 +270,9 @@ class MainDecode:
         rid = state.job.request_id
         if kv_task is not None:
             kv_task.cancel()
-        self._requests.pop(rid, None)
+        if self._requests.get(rid) is state:
+            del self._requests[rid]
+        state.closed.set()
         self.runner.close(rid)
         if not done:
             self.receiver.discard(rid)

@@ -64,6 +64,11 @@ PROMPT_TOKENS = Counter("pdd_prompt_tokens", "Prompt tokens of routed requests")
 GENERATION_TOKENS = Counter(
     "pdd_generation_tokens", "Output tokens by the stage that produced them", ["stage"]
 )
+INDEX_FALLBACK = Counter(
+    "pdd_index_fallback",
+    "Requests routed without kvstore's predicted hits (index unreachable or emptied): from the "
+    "gateway's last known instances, every predicted hit 0",
+)
 HTTP_REQUESTS = Counter(
     "pdd_http_requests",
     "OpenAI-compatible HTTP requests by route and status code",
@@ -106,6 +111,12 @@ HANDOFFS = Counter(
     "continues, finished = the request ended on the relay, gateway = the relay was lost and "
     "the gateway handed over; counted by the relay, gateway ones by the gateway)",
     ["mode", "kind"],
+)
+MIGRATIONS = Counter(
+    "pdd_migrations",
+    "Requests moved by the gateway to another MainDecode mid-request, resuming from the tokens "
+    "streamed (cause: main_decode_lost, prefill_lost)",
+    ["cause"],
 )
 HANDOFF_TIME = Histogram(
     "pdd_handoff_seconds",

@@ -38,13 +38,26 @@ def job_to_pb(job: DecodeJob) -> pb.DecodeRequest:
         sampling=sampling_to_pb(job.sampling),
         cache_salt=job.cache_salt,
         pipeline=pipeline_to_pb(job.pipeline),
+        resume_token_ids=list(job.resume_token_ids),
     )
 
 
 def job_from_pb(msg: pb.DecodeRequest, vocab: int) -> DecodeJob:
+    """The decode job, validated (a resume: MD only, fewer than max_tokens — DecodeJob's rules —
+    and inside the vocabulary)."""
     rid, prompt = stage_request_from_pb(msg, vocab)
+    for i, t in enumerate(msg.resume_token_ids):
+        if t >= vocab:
+            raise InvalidArgumentError(
+                f"resume_token_ids[{i}]", f"token id {t} is outside the vocabulary ({vocab})"
+            )
     return DecodeJob(
-        rid, prompt, sampling_from_pb(msg.sampling), msg.cache_salt, pipeline_required(msg.pipeline)
+        rid,
+        prompt,
+        sampling_from_pb(msg.sampling),
+        msg.cache_salt,
+        pipeline_required(msg.pipeline),
+        tuple(msg.resume_token_ids),
     )
 
 

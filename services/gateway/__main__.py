@@ -22,7 +22,16 @@ GATEWAY = Settings(
     Flag("kvstore_address", "host:port of kvstore", name="kvstore"),
     Flag("model", "smollm2 | PATH (.gguf or HF dir) | tiny:SEED[,k=v]"),
     Flag("stage_timeout_s", "longest wait for a stage (prefill, relay, MainDecode)"),
+    Flag(
+        "index_timeout_s",
+        "deadline of each kvstore call; past it, route from the last known instances",
+    ),
     Flag("seed", "seed of the router's tie-breaks ('' = random)"),
+    Flag(
+        "max_migrations",
+        "times one request may move to another MainDecode when its MainDecode or prefill is "
+        "lost mid-request; 0 = never",
+    ),
     title="gateway",
 )
 HTTP = Settings(

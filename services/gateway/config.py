@@ -20,11 +20,21 @@ class GatewayConfig:
     # The OpenAI-compatible HTTP API (port 0: off).
     http: HttpConfig = field(default_factory=HttpConfig)
     stage_timeout_s: float = 600.0
+    # Deadline of each kvstore call; past it (or kvstore unreachable) the request is routed from
+    # the last known instances without predicted hits (pdd.serving.instance_view).
+    index_timeout_s: float = 1.0
     # Seed of the router's tie-breaks (None: nondeterministic).
     seed: int | None = None
+    # How many times one request may move to another MainDecode when its MainDecode or
+    # prefill is lost mid-request (0: never; the request fails with the stage's error).
+    max_migrations: int = 2
 
     def __post_init__(self) -> None:
         if ":" not in self.kvstore_address:
             raise ValueError(f"kvstore_address: expected host:port, got {self.kvstore_address!r}")
         if self.stage_timeout_s <= 0:
             raise ValueError(f"stage_timeout_s: must be positive, got {self.stage_timeout_s}")
+        if self.max_migrations < 0:
+            raise ValueError(f"max_migrations: must be >= 0, got {self.max_migrations}")
+        if self.index_timeout_s <= 0:
+            raise ValueError(f"index_timeout_s: must be positive, got {self.index_timeout_s}")

@@ -53,6 +53,8 @@ def build(config: GatewayConfig) -> ServiceSpec:
         random.Random(config.seed) if config.seed is not None else random.Random(),
         config.stage_timeout_s,
         tls=config.server.tls,
+        index_timeout_s=config.index_timeout_s,
+        max_migrations=config.max_migrations,
     )
     servicer = GatewayServicer(gateway, info, decode)
     http = OpenAIServer(gateway, info, decode, config.http) if config.http.port else None
@@ -61,6 +63,7 @@ def build(config: GatewayConfig) -> ServiceSpec:
         pb_grpc.add_GatewayServiceServicer_to_server(servicer, server)
 
     async def serving(port: int) -> None:
+        gateway.view.start_refreshing()  # the last known instances, kept fresh while idle
         if http is not None:
             print(f"PDD_HTTP_LISTENING gateway {await http.start()}", flush=True)
 

@@ -97,6 +97,7 @@ CASES = [
     # pdd bench compare / sim / link / engine
     ("bench compare {dir}/missing.json", "No such file or directory"),
     ("bench compare {not_result}", "not_result.json: not a RESULT file"),
+    ("bench compare {not_json}", "not_json.jsonl: not a RESULT file (line 2"),
     ("bench sim --rps -1", "rps: must be >= 0"),
     ("bench sim --modes bogus", "mode: must be one of"),
     ("bench sim --json {dir}/no/such/sim.json", "--json: no folder"),

@@ -21,6 +21,7 @@ from pdd.core.request import FinalEvent, GenerateJob, TokenEvent
 from pdd.core.sampling_params import Logprob, SamplingParams
 from pdd.core.stage_events import (
     Accepted,
+    DecodeJob,
     Finished,
     FirstToken,
     HandedOff,
@@ -35,6 +36,8 @@ from pdd.serving.gateway import Gateway
 PREFILL = Instance(InstanceRef("p0", "127.0.0.1:7001", Role.PREFILL), 4)
 RELAY = Instance(InstanceRef("r0", "127.0.0.1:7002", Role.RELAY), 4)
 MAIN_DECODE = Instance(InstanceRef("m0", "127.0.0.1:7003", Role.MAIN_DECODE, "remote"), 4)
+MAIN_DECODE_1 = Instance(InstanceRef("m1", "127.0.0.1:7004", Role.MAIN_DECODE, "remote"), 4)
+MAIN_DECODE_2 = Instance(InstanceRef("m2", "127.0.0.1:7005", Role.MAIN_DECODE, "remote"), 4)
 PROMPT = tuple(range(1, 9))
 
 HOLD = object()  # script item: the stream stays open (no event) until it is cancelled
@@ -128,10 +131,23 @@ class FakeKvstore:
 
 
 class FakePeers:
-    """Every peer of one request: the streams each stage call returns, and what was asked."""
+    """Every peer of one request: the streams each stage call returns, and what was asked.
+    ``later``: by MainDecode address, the scripts of the decode calls after the first (a
+    migrated request's; the address's instance is then listed by kvstore too)."""
 
-    def __init__(self, md: list, prefill: list | None = None, relay: list | None = None) -> None:
+    def __init__(
+        self,
+        md: list,
+        prefill: list | None = None,
+        relay: list | None = None,
+        later: dict[Instance, list[list]] | None = None,
+    ) -> None:
         self.md = FakeStream("main_decode", md)
+        self.later = {
+            i.ref.address: [FakeStream(i.ref.instance_id, sc) for sc in scripts]
+            for i, scripts in (later or {}).items()
+        }
+        self.resumed: list[tuple[str, DecodeJob]] = []  # (address, job) of the later calls
         self.prefill_stream = FakeStream("prefill", prefill or [])
         self.relay_stream = FakeStream("relay", relay or [])
         self.handed = asyncio.Event()  # MainDecode got the gateway's final handoff batch
@@ -139,6 +155,9 @@ class FakePeers:
         self.jobs: dict[str, object] = {}
         self.accepted_before_prefill: list[bool] = []
         self.kv = FakeKvstore([Hit(i, 0, 0.0) for i in (PREFILL, RELAY, MAIN_DECODE)])
+        # the first MainDecode holds part of the prompt: the router picks it first
+        self.kv.hits[2] = Hit(MAIN_DECODE, 4, 0.5)
+        self.kv.hits += [Hit(i, 0, 0.0) for i in later or {} if i != MAIN_DECODE]
         self.closed = False
 
     def kvstore(self) -> FakeKvstore:
@@ -175,11 +194,15 @@ class FakePeers:
         return Client()
 
     def main_decode(self, address: str):
-        assert address == MAIN_DECODE.ref.address
+        assert address == MAIN_DECODE.ref.address or address in self.later
         peers = self
 
         class Client:
             def decode(self, job):
+                if "main_decode" in peers.jobs:
+                    peers.resumed.append((address, job))
+                    return peers.later[address].pop(0)
+                assert address == MAIN_DECODE.ref.address
                 peers.jobs["main_decode"] = job
                 return peers.md
 
@@ -202,8 +225,10 @@ def job(pipeline: Pipeline, **sampling) -> GenerateJob:
     )
 
 
-async def run(peers: FakePeers, request: GenerateJob) -> tuple[list[TokenEvent], FinalEvent]:
-    gateway = Gateway("127.0.0.1:7000", rng=random.Random(7), peers=peers)
+async def run(
+    peers: FakePeers, request: GenerateJob, **config
+) -> tuple[list[TokenEvent], FinalEvent]:
+    gateway = Gateway("127.0.0.1:7000", rng=random.Random(7), peers=peers, **config)
     events = [ev async for ev in gateway.generate(request)]
     await gateway.close()
     assert peers.closed
@@ -383,3 +408,104 @@ async def test_a_client_going_away_cancels_every_stage_call():
     for _ in range(5):  # the readers' tasks end once cancelled
         await asyncio.sleep(0)
     assert asyncio.all_tasks() == {asyncio.current_task()}
+
+
+# --- migration: MainDecode or prefill lost mid-request ------------------------------------------
+
+
+def migrations(cause: str) -> float:
+    return REGISTRY.get_sample_value("pdd_migrations_total", {"cause": cause}) or 0.0
+
+
+def lost(name: str) -> PeerError:
+    return PeerError("UNAVAILABLE", f"{name}: connection reset by peer", name)
+
+
+async def test_a_main_decode_lost_mid_stream_is_resumed_on_another_from_the_tokens_streamed():
+    first_sent = asyncio.Event()
+    peers = FakePeers(
+        md=[Accepted(3), first_sent, Tokens(1, (21, 22)), lost("m0")],
+        prefill=[first_token(), Signal(first_sent), TRANSFER],
+        later={MAIN_DECODE_1: [[Accepted(0), Tokens(3, (23, 24)), Finished("length", 5, 2)]]},
+    )
+    before = migrations("main_decode_lost")
+    request = job(Pipeline.P_MD, temperature=0.8)
+    tokens, final = await asyncio.wait_for(run(peers, request), 10)
+    assert flat(tokens) == ([20, 21, 22, 23, 24], [Stage.PREFILL] + [Stage.MAIN_DECODE] * 4)
+    seeded = peers.jobs["main_decode"].sampling
+    assert peers.resumed == [
+        (
+            MAIN_DECODE_1.ref.address,
+            DecodeJob("req-1", PROMPT, seeded, "", Pipeline.MD, resume_token_ids=(20, 21, 22)),
+        )
+    ]
+    assert seeded.seed is not None  # the same draws on the new MainDecode
+    assert final.finish_reason == "length" and final.stats.completion_tokens == 5
+    assert final.stats.main_decode_instance == "m1" and peers.prefill_stream.cancelled
+    assert migrations("main_decode_lost") == before + 1
+
+
+async def test_a_prefill_lost_before_its_first_token_resumes_as_md_with_nothing_streamed():
+    peers = FakePeers(
+        md=[Accepted(0), HOLD],
+        prefill=[lost("p0")],
+        # the same MainDecode may take the request again, now prefilling it itself
+        later={MAIN_DECODE: [[Accepted(0), Tokens(0, (20, 21, 22)), Finished("length", 3, 3)]]},
+    )
+    before = migrations("prefill_lost")
+    tokens, final = await asyncio.wait_for(run(peers, job(Pipeline.P_MD)), 10)
+    assert flat(tokens) == ([20, 21, 22], [Stage.MAIN_DECODE] * 3)
+    ((address, resumed),) = peers.resumed
+    assert address == MAIN_DECODE.ref.address and peers.md.cancelled  # the old call is gone
+    assert (resumed.pipeline, resumed.resume_token_ids) == (Pipeline.MD, ())
+    assert final.finish_reason == "length" and final.stats.completion_tokens == 3
+    assert migrations("prefill_lost") == before + 1
+
+
+async def test_a_main_decode_lost_while_the_relay_streams_migrates_once_the_relay_fails():
+    """The relay is not kept decoding: once its handoff to the dead MainDecode fails, the
+    request moves from what was streamed (the relay's tokens included)."""
+    md_lost, first_sent = asyncio.Event(), asyncio.Event()
+    peers = FakePeers(
+        # NOTE: Signal then the error in one read: MainDecode's loss is queued before the relay goes on
+        md=[Accepted(0), first_sent, Signal(md_lost), lost("m0")],
+        prefill=[first_token(), Signal(first_sent), TRANSFER],
+        relay=[Accepted(), Tokens(1, (21,)), md_lost, Tokens(2, (22,)), lost("r0")],
+        later={MAIN_DECODE_1: [[Accepted(0), Tokens(3, (23,)), Finished("length", 4, 1)]]},
+    )
+    tokens, final = await asyncio.wait_for(run(peers, job(Pipeline.P_RLD_MD)), 10)
+    assert flat(tokens)[0] == [20, 21, 22, 23]
+    ((address, resumed),) = peers.resumed
+    assert address == MAIN_DECODE_1.ref.address and resumed.resume_token_ids == (20, 21, 22)
+    assert not peers.handoff.batches  # no handoff to the MainDecode known lost
+    assert final.stats.completion_tokens == 4 and final.stats.main_decode_instance == "m1"
+
+
+async def test_migrations_stop_at_the_limit_with_the_lost_stages_error():
+    first_sent = asyncio.Event()
+    peers = FakePeers(
+        md=[Accepted(0), first_sent, lost("m0")],
+        prefill=[first_token(), Signal(first_sent), TRANSFER],
+        later={
+            MAIN_DECODE_1: [[Accepted(0), Tokens(1, (21,)), lost("m1")]],
+            MAIN_DECODE_2: [[Accepted(0), Tokens(1, (21,)), lost("m2")]],
+        },
+    )
+    with pytest.raises(PeerError, match="connection reset") as err:
+        await asyncio.wait_for(run(peers, job(Pipeline.P_MD), max_migrations=1), 10)
+    # one migration (to m1 or m2), then that one's loss fails the request: no second move
+    ((address, resumed),) = peers.resumed
+    name = {MAIN_DECODE_1.ref.address: "m1", MAIN_DECODE_2.ref.address: "m2"}[address]
+    assert err.value.code == "UNAVAILABLE" and f"{name}: connection reset" in str(err.value)
+    assert resumed.resume_token_ids == (20,)
+
+
+async def test_with_no_other_main_decode_the_loss_fails_the_request():
+    first_sent = asyncio.Event()
+    peers = FakePeers(
+        md=[Accepted(0), first_sent, Tokens(1, (21,)), lost("m0")],
+        prefill=[first_token(), Signal(first_sent), TRANSFER],
+    )
+    with pytest.raises(PeerError, match="m0: connection reset") as err:
+        await asyncio.wait_for(run(peers, job(Pipeline.P_MD)), 10)
+    assert err.value.code == "UNAVAILABLE" and not peers.resumed

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
 
 import pytest
 
@@ -221,3 +222,67 @@ async def test_a_request_ended_early_is_aborted_and_its_kv_freed(ckpt, how):
         stream = node.md.decode(job)
         assert await anext(stream) == Accepted(0)
         await stream.aclose()
+
+
+RESUME_SAMPLINGS = {
+    "greedy": _greedy(16),
+    "seeded": SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.9, seed=1234),
+    "penalties": SamplingParams(
+        max_tokens=16,
+        ignore_eos=True,
+        temperature=0.8,
+        top_p=0.9,
+        seed=99,
+        presence_penalty=0.7,
+        frequency_penalty=0.5,
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", list(RESUME_SAMPLINGS))
+async def test_a_resumed_request_continues_a_single_engines_output(ckpt, oracle, kind):
+    """A request migrated here with the outputs already streamed: MainDecode prefills prompt +
+    those locally and speaks from the next position, drawing what one engine would have drawn
+    (draws depend on seed and position; penalties follow the appended outputs)."""
+    sampling = RESUME_SAMPLINGS[kind]
+    n = sampling.max_tokens
+    ref = _engine(ckpt).generate([list(PROMPT)], sampling)[0]
+    assert len(ref) == n
+    if kind != "greedy":  # else a resume that ignored the seed or the penalties would pass
+        plain = replace(sampling, presence_penalty=0.0, frequency_penalty=0.0)
+        if kind == "seeded":
+            plain = _greedy(n)
+        assert _engine(ckpt).generate([list(PROMPT)], plain)[0] != ref
+    async with Node(ckpt) as node:
+        for k in (1, 6, 13):
+            rid = f"resume-{kind}-{k}"
+            job = DecodeJob(rid, tuple(PROMPT), sampling, SALT, Pipeline.MD, tuple(ref[:k]))
+            stream = node.md.decode(job)
+            assert isinstance(await anext(stream), Accepted)
+            events = await asyncio.wait_for(_rest(stream), 60)
+            start, tokens = _tokens(events)
+            assert start == k  # nothing it was given is streamed again
+            fin = events[-1]
+            assert isinstance(fin, Finished)
+            assert (fin.finish_reason, fin.completion_tokens, fin.md_tokens) == ("length", n, n - k)
+            if sampling.greedy:
+                oracle.assert_greedy_equal(PROMPT + ref[:k], tokens, ref[k:])
+            else:
+                assert tokens == ref[k:], f"resumed at {k}"
+            assert not node.engine.holds_request(rid)
+
+
+def test_a_resume_is_validated_where_the_job_is_made():
+    from pdd.core.errors import InvalidArgumentError
+    from pdd.wire import main_decode as conv
+
+    job = DecodeJob("r", tuple(PROMPT), _greedy(4), SALT, Pipeline.MD, (5, 6))
+    assert conv.job_from_pb(conv.job_to_pb(job), vocab=256) == job
+    with pytest.raises(InvalidArgumentError, match=r"resume_token_ids\[1\]: token id 300"):
+        conv.job_from_pb(
+            conv.job_to_pb(DecodeJob("r", (1,), _greedy(4), "", Pipeline.MD, (5, 300))), 256
+        )
+    with pytest.raises(InvalidArgumentError, match="resume_token_ids: only with pipeline MD"):
+        DecodeJob("r", (1,), _greedy(4), "", Pipeline.P_MD, (5,))
+    with pytest.raises(InvalidArgumentError, match="resume_token_ids: 4 outputs leave nothing"):
+        DecodeJob("r", (1,), _greedy(4), "", Pipeline.MD, (5, 6, 7, 8))

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdd.gen.common.v1 import common_pb2 as pdd_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n,pdd/main_decode/v1/main_decode_service.proto\x12\x12pdd.main_decode.v1\x1a\x1apdd/common/v1/common.proto\"\xad\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.pdd.common.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12)\n\x08pipeline\x18\x05 \x01(\x0e\x32\x17.pdd.common.v1.Pipeline\"\xaa\x01\n\x0e\x44\x65\x63odeResponse\x12\x30\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x0b\x32\x1c.pdd.main_decode.v1.AcceptedH\x00\x12+\n\x06tokens\x18\x02 \x01(\x0b\x32\x19.pdd.common.v1.TokenDeltaH\x00\x12\x30\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x1c.pdd.main_decode.v1.FinishedH\x00\x42\x07\n\x05\x65vent\"6\n\x08\x41\x63\x63\x65pted\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\"\x9e\x01\n\x08\x46inished\x12\x32\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1b.pdd.common.v1.FinishReason\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x11\n\tmd_tokens\x18\x03 \x01(\r\x12\x1d\n\x15wan_kv_bytes_received\x18\x04 \x01(\x04\x12\x11\n\textend_ms\x18\x05 \x01(\x01\"@\n\x10KvTransferCommit\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10output_token_ids\x18\x02 \x03(\r\"\xab\x01\n\rPushKvRequest\x12\x31\n\x06header\x18\x01 \x01(\x0b\x32\x1f.pdd.common.v1.KvTransferHeaderH\x00\x12\'\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x16.pdd.common.v1.KvChunkH\x00\x12\x36\n\x06\x63ommit\x18\x03 \x01(\x0b\x32$.pdd.main_decode.v1.KvTransferCommitH\x00\x42\x06\n\x04item\"\x86\x01\n\x0ePushKvResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x04\x12\x17\n\x0f\x63hunks_received\x18\x03 \x01(\r\x12\x1d\n\x15missing_chunk_indices\x18\x04 \x03(\r\x12\x10\n\x08\x63omplete\x18\x05 \x01(\x08\"*\n\x14GetKvTransferRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"k\n\x15GetKvTransferResponse\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x12\n\nnum_chunks\x18\x02 \x01(\r\x12\x1d\n\x15missing_chunk_indices\x18\x03 \x03(\r\x12\x10\n\x08\x63omplete\x18\x04 \x01(\x08\"<\n\x12WaitKvReadyRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\ntimeout_ms\x18\x02 \x01(\r\"@\n\x13WaitKvReadyResponse\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x1a\n\x12\x64\x65\x63ode_interval_ms\x18\x02 \x01(\x01\"\xa7\x01\n\x13TokenHandoffRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0estart_position\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\r\n\x05\x66inal\x18\x04 \x01(\x08\x12\x18\n\x10request_finished\x18\x05 \x01(\x08\x12(\n\x04mode\x18\x06 \x01(\x0e\x32\x1a.pdd.common.v1.HandoffMode\"y\n\x14TokenHandoffResponse\x12\x18\n\x10\x65xtended_through\x18\x01 \x01(\r\x12\x11\n\textend_ms\x18\x02 \x01(\x01\x12\x18\n\x10\x63omputed_through\x18\x03 \x01(\r\x12\x1a\n\x12\x64\x65\x63ode_interval_ms\x18\x04 \x01(\x01\"Q\n\x14\x44\x65scribeCacheRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x12\n\ncache_salt\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"\x94\x01\n\x15\x44\x65scribeCacheResponse\x12\x1c\n\x14\x63\x61\x63hed_prefix_tokens\x18\x01 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x02 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x03 \x01(\r\x12\x18\n\x10request_holds_kv\x18\x04 \x01(\x08\x12\x12\n\nblock_size\x18\x05 \x01(\r2\xcc\x04\n\x11MainDecodeService\x12Q\n\x06\x44\x65\x63ode\x12!.pdd.main_decode.v1.DecodeRequest\x1a\".pdd.main_decode.v1.DecodeResponse0\x01\x12Q\n\x06PushKv\x12!.pdd.main_decode.v1.PushKvRequest\x1a\".pdd.main_decode.v1.PushKvResponse(\x01\x12\x64\n\rGetKvTransfer\x12(.pdd.main_decode.v1.GetKvTransferRequest\x1a).pdd.main_decode.v1.GetKvTransferResponse\x12^\n\x0bWaitKvReady\x12&.pdd.main_decode.v1.WaitKvReadyRequest\x1a\'.pdd.main_decode.v1.WaitKvReadyResponse\x12\x65\n\x0cTokenHandoff\x12\'.pdd.main_decode.v1.TokenHandoffRequest\x1a(.pdd.main_decode.v1.TokenHandoffResponse(\x01\x30\x01\x12\x64\n\rDescribeCache\x12(.pdd.main_decode.v1.DescribeCacheRequest\x1a).pdd.main_decode.v1.DescribeCacheResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n,pdd/main_decode/v1/main_decode_service.proto\x12\x12pdd.main_decode.v1\x1a\x1apdd/common/v1/common.proto\"\xc7\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.pdd.common.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12)\n\x08pipeline\x18\x05 \x01(\x0e\x32\x17.pdd.common.v1.Pipeline\x12\x18\n\x10resume_token_ids\x18\x06 \x03(\r\"\xaa\x01\n\x0e\x44\x65\x63odeResponse\x12\x30\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x0b\x32\x1c.pdd.main_decode.v1.AcceptedH\x00\x12+\n\x06tokens\x18\x02 \x01(\x0b\x32\x19.pdd.common.v1.TokenDeltaH\x00\x12\x30\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x1c.pdd.main_decode.v1.FinishedH\x00\x42\x07\n\x05\x65vent\"6\n\x08\x41\x63\x63\x65pted\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\"\x9e\x01\n\x08\x46inished\x12\x32\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1b.pdd.common.v1.FinishReason\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x11\n\tmd_tokens\x18\x03 \x01(\r\x12\x1d\n\x15wan_kv_bytes_received\x18\x04 \x01(\x04\x12\x11\n\textend_ms\x18\x05 \x01(\x01\"@\n\x10KvTransferCommit\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10output_token_ids\x18\x02 \x03(\r\"\xab\x01\n\rPushKvRequest\x12\x31\n\x06header\x18\x01 \x01(\x0b\x32\x1f.pdd.common.v1.KvTransferHeaderH\x00\x12\'\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x16.pdd.common.v1.KvChunkH\x00\x12\x36\n\x06\x63ommit\x18\x03 \x01(\x0b\x32$.pdd.main_decode.v1.KvTransferCommitH\x00\x42\x06\n\x04item\"\x86\x01\n\x0ePushKvResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x04\x12\x17\n\x0f\x63hunks_received\x18\x03 \x01(\r\x12\x1d\n\x15missing_chunk_indices\x18\x04 \x03(\r\x12\x10\n\x08\x63omplete\x18\x05 \x01(\x08\"*\n\x14GetKvTransferRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"k\n\x15GetKvTransferResponse\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x12\n\nnum_chunks\x18\x02 \x01(\r\x12\x1d\n\x15missing_chunk_indices\x18\x03 \x03(\r\x12\x10\n\x08\x63omplete\x18\x04 \x01(\x08\"<\n\x12WaitKvReadyRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\ntimeout_ms\x18\x02 \x01(\r\"@\n\x13WaitKvReadyResponse\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x1a\n\x12\x64\x65\x63ode_interval_ms\x18\x02 \x01(\x01\"\xa7\x01\n\x13TokenHandoffRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0estart_position\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\r\n\x05\x66inal\x18\x04 \x01(\x08\x12\x18\n\x10request_finished\x18\x05 \x01(\x08\x12(\n\x04mode\x18\x06 \x01(\x0e\x32\x1a.pdd.common.v1.HandoffMode\"y\n\x14TokenHandoffResponse\x12\x18\n\x10\x65xtended_through\x18\x01 \x01(\r\x12\x11\n\textend_ms\x18\x02 \x01(\x01\x12\x18\n\x10\x63omputed_through\x18\x03 \x01(\r\x12\x1a\n\x12\x64\x65\x63ode_interval_ms\x18\x04 \x01(\x01\"Q\n\x14\x44\x65scribeCacheRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x12\n\ncache_salt\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"\x94\x01\n\x15\x44\x65scribeCacheResponse\x12\x1c\n\x14\x63\x61\x63hed_prefix_tokens\x18\x01 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x02 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x03 \x01(\r\x12\x18\n\x10request_holds_kv\x18\x04 \x01(\x08\x12\x12\n\nblock_size\x18\x05 \x01(\r2\xcc\x04\n\x11MainDecodeService\x12Q\n\x06\x44\x65\x63ode\x12!.pdd.main_decode.v1.DecodeRequest\x1a\".pdd.main_decode.v1.DecodeResponse0\x01\x12Q\n\x06PushKv\x12!.pdd.main_decode.v1.PushKvRequest\x1a\".pdd.main_decode.v1.PushKvResponse(\x01\x12\x64\n\rGetKvTransfer\x12(.pdd.main_decode.v1.GetKvTransferRequest\x1a).pdd.main_decode.v1.GetKvTransferResponse\x12^\n\x0bWaitKvReady\x12&.pdd.main_decode.v1.WaitKvReadyRequest\x1a\'.pdd.main_decode.v1.WaitKvReadyResponse\x12\x65\n\x0cTokenHandoff\x12\'.pdd.main_decode.v1.TokenHandoffRequest\x1a(.pdd.main_decode.v1.TokenHandoffResponse(\x01\x30\x01\x12\x64\n\rDescribeCache\x12(.pdd.main_decode.v1.DescribeCacheRequest\x1a).pdd.main_decode.v1.DescribeCacheResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,35 +33,35 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdd.main_decode.v1.main_dec
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DECODEREQUEST']._serialized_start=97
-  _globals['_DECODEREQUEST']._serialized_end=270
-  _globals['_DECODERESPONSE']._serialized_start=273
-  _globals['_DECODERESPONSE']._serialized_end=443
-  _globals['_ACCEPTED']._serialized_start=445
-  _globals['_ACCEPTED']._serialized_end=499
-  _globals['_FINISHED']._serialized_start=502
-  _globals['_FINISHED']._serialized_end=660
-  _globals['_KVTRANSFERCOMMIT']._serialized_start=662
-  _globals['_KVTRANSFERCOMMIT']._serialized_end=726
-  _globals['_PUSHKVREQUEST']._serialized_start=729
-  _globals['_PUSHKVREQUEST']._serialized_end=900
-  _globals['_PUSHKVRESPONSE']._serialized_start=903
-  _globals['_PUSHKVRESPONSE']._serialized_end=1037
-  _globals['_GETKVTRANSFERREQUEST']._serialized_start=1039
-  _globals['_GETKVTRANSFERREQUEST']._serialized_end=1081
-  _globals['_GETKVTRANSFERRESPONSE']._serialized_start=1083
-  _globals['_GETKVTRANSFERRESPONSE']._serialized_end=1190
-  _globals['_WAITKVREADYREQUEST']._serialized_start=1192
-  _globals['_WAITKVREADYREQUEST']._serialized_end=1252
-  _globals['_WAITKVREADYRESPONSE']._serialized_start=1254
-  _globals['_WAITKVREADYRESPONSE']._serialized_end=1318
-  _globals['_TOKENHANDOFFREQUEST']._serialized_start=1321
-  _globals['_TOKENHANDOFFREQUEST']._serialized_end=1488
-  _globals['_TOKENHANDOFFRESPONSE']._serialized_start=1490
-  _globals['_TOKENHANDOFFRESPONSE']._serialized_end=1611
-  _globals['_DESCRIBECACHEREQUEST']._serialized_start=1613
-  _globals['_DESCRIBECACHEREQUEST']._serialized_end=1694
-  _globals['_DESCRIBECACHERESPONSE']._serialized_start=1697
-  _globals['_DESCRIBECACHERESPONSE']._serialized_end=1845
-  _globals['_MAINDECODESERVICE']._serialized_start=1848
-  _globals['_MAINDECODESERVICE']._serialized_end=2436
+  _globals['_DECODEREQUEST']._serialized_end=296
+  _globals['_DECODERESPONSE']._serialized_start=299
+  _globals['_DECODERESPONSE']._serialized_end=469
+  _globals['_ACCEPTED']._serialized_start=471
+  _globals['_ACCEPTED']._serialized_end=525
+  _globals['_FINISHED']._serialized_start=528
+  _globals['_FINISHED']._serialized_end=686
+  _globals['_KVTRANSFERCOMMIT']._serialized_start=688
+  _globals['_KVTRANSFERCOMMIT']._serialized_end=752
+  _globals['_PUSHKVREQUEST']._serialized_start=755
+  _globals['_PUSHKVREQUEST']._serialized_end=926
+  _globals['_PUSHKVRESPONSE']._serialized_start=929
+  _globals['_PUSHKVRESPONSE']._serialized_end=1063
+  _globals['_GETKVTRANSFERREQUEST']._serialized_start=1065
+  _globals['_GETKVTRANSFERREQUEST']._serialized_end=1107
+  _globals['_GETKVTRANSFERRESPONSE']._serialized_start=1109
+  _globals['_GETKVTRANSFERRESPONSE']._serialized_end=1216
+  _globals['_WAITKVREADYREQUEST']._serialized_start=1218
+  _globals['_WAITKVREADYREQUEST']._serialized_end=1278
+  _globals['_WAITKVREADYRESPONSE']._serialized_start=1280
+  _globals['_WAITKVREADYRESPONSE']._serialized_end=1344
+  _globals['_TOKENHANDOFFREQUEST']._serialized_start=1347
+  _globals['_TOKENHANDOFFREQUEST']._serialized_end=1514
+  _globals['_TOKENHANDOFFRESPONSE']._serialized_start=1516
+  _globals['_TOKENHANDOFFRESPONSE']._serialized_end=1637
+  _globals['_DESCRIBECACHEREQUEST']._serialized_start=1639
+  _globals['_DESCRIBECACHEREQUEST']._serialized_end=1720
+  _globals['_DESCRIBECACHERESPONSE']._serialized_start=1723
+  _globals['_DESCRIBECACHERESPONSE']._serialized_end=1871
+  _globals['_MAINDECODESERVICE']._serialized_start=1874
+  _globals['_MAINDECODESERVICE']._serialized_end=2462
 # @@protoc_insertion_point(module_scope)
