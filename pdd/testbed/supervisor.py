@@ -10,19 +10,30 @@ goes to ``say`` (``pdd up`` prints it) and to the supervisor's log file.
 
 from __future__ import annotations
 
+import subprocess
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from pdd.core.errors import PddError
-
-if TYPE_CHECKING:
-    from pdd.testbed.stack import Stack
+from pdd.testbed.launcher import Process
 
 REDIS = "redis"
+
+
+class Supervised(Protocol):
+    """What the supervisor needs of a stack (``pdd.testbed.stack.Stack``)."""
+
+    processes: list[Process]
+    redis: subprocess.Popen | None
+    redis_url: str
+
+    def restart(self, name: str) -> Process: ...
+
+    def restart_redis(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -65,7 +76,7 @@ class _Unit:
 class Supervisor:
     def __init__(
         self,
-        stack: Stack,
+        stack: Supervised,
         *,
         backoff: Backoff | None = None,
         say: Callable[[str], None] = print,
