@@ -7,7 +7,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
 # NOTE: lint is part of test.
-.PHONY: lint venv tools system-deps protos protos-check lint-protos test demo bench bench-engine clean
+.PHONY: lint venv tools system-deps protos protos-check lint-protos test demo chaos bench bench-engine clean
 
 # Debian packages the tests need (a real Redis server; g++ and ninja build the engine's paged decode
 # kernel, without which the engine falls back to a slower path); each skipped when present.
@@ -89,6 +89,10 @@ test: venv tools system-deps clients lint
 
 demo: venv system-deps
 	$(VENV)/bin/pdd demo
+
+# Every fault of issue 13 injected for real into one supervised stack; the table in pdd-chaos/.
+chaos: venv system-deps
+	$(VENV)/bin/pdd chaos --out pdd-chaos
 
 bench: venv system-deps
 	$(VENV)/bin/pdd demo --preset full

@@ -3,6 +3,7 @@
 pdd up        the whole local stack, each service its own process
 pdd generate  stream a completion from a running gateway
 pdd demo      the main job: stack + agentic trace in three modes + report
+pdd chaos     inject real faults into a stack and tabulate what the clients saw
 pdd bench     benchmarks: [run] one serving mode, compare, sim, link, engine
 pdd trace     traces: gen (agentic), mooncake (map a Mooncake trace)
 
@@ -316,7 +317,7 @@ def _command(argv: list[str]) -> str:
         return f"pdd bench {name if name in BENCH else 'run'}"
     if head == ["trace"] and name in TRACE:
         return f"pdd trace {name}"
-    if head and head[0] in ("up", "generate", "demo", "trace"):
+    if head and head[0] in ("up", "generate", "demo", "chaos", "trace"):
         return f"pdd {head[0]}"
     return "pdd"
 
@@ -350,6 +351,10 @@ def _dispatch(argv: list[str]) -> int:
         from pdd.bench import demo
 
         return demo.main(argv[1:])
+    if argv[:1] == ["chaos"]:
+        from pdd.bench import chaos
+
+        return chaos.main(argv[1:])
     parser = argparse.ArgumentParser(
         prog="pdd", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
@@ -410,6 +415,9 @@ def _dispatch(argv: list[str]) -> int:
 
     # Listed for `pdd --help`; main() routes them to their own parsers before argparse sees them.
     sub.add_parser("demo", help="the main job: three modes side by side + report (`make demo`)")
+    sub.add_parser(
+        "chaos", help="kill, partition and stop services mid-stream; the table (`make chaos`)"
+    )
     sub.add_parser("bench", help="[run] --trace F --mode M --out R | compare | sim | link | engine")
     sub.add_parser("trace", help="gen | mooncake")
 

@@ -47,6 +47,8 @@ class RequestStats:
     prefill_instance: str = ""
     relay_instance: str = ""
     main_decode_instance: str = ""
+    # Times the request moved to another MainDecode (a stage lost mid-request).
+    migrations: int = 0
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,10 @@ seed and position; penalties and grammar follow the tokens). A relay still strea
 MainDecode dies is *not* kept decoding to the end: its own stream fails once its handoff (or its
 wait for MainDecode's KV) does, and the request then migrates from what was streamed. At most
 ``max_migrations`` per request; beyond it, or with no other MainDecode, the original error
-stands.
+stands. A MainDecode that fails before it accepts the request is a loss like any other (the
+request starts MD on another); a relay that does falls back to P-MD on the same MainDecode. A
+MainDecode lost once the client has every token (max_tokens, a stop token, or the relay finished
+it) ends the request here with the finish reason the engine would have given (``_ended``).
 
 Each stage's stream is read by its own task into the request's queue (``StageEvent``,
 ``StageFailed``, ``StageEnded``); the merge reads the queue, so the peers are typed clients
@@ -44,189 +47,43 @@ import contextlib
 import random
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
-from typing import Protocol
+from dataclasses import replace
 
 import structlog
 
-from pdd.core.errors import FailedPreconditionError, PddError, PeerError, UnavailableError
+from pdd.core.errors import PddError, PeerError, UnavailableError
 from pdd.core.instance import Instance, Role
 from pdd.core.pipeline import Pipeline, Stage
-from pdd.core.request import Ending, FinalEvent, GenerateJob, RequestStats, TokenEvent
-from pdd.core.sampling_params import SamplingParams
-from pdd.core.stage_events import (
-    Accepted,
-    DecodeEvent,
-    DecodeJob,
-    Finished,
-    FirstToken,
-    HandedOff,
-    HandoffBatch,
-    PrefillEvent,
-    PrefillJob,
-    RelayEvent,
-    RelayJob,
-    Tokens,
-    TransferDone,
-)
+from pdd.core.request import Ending, FinalEvent, GenerateJob, TokenEvent
+from pdd.core.stage_events import Accepted, DecodeJob, HandoffBatch, PrefillJob, RelayJob
 from pdd.routing.policy import NoInstanceError, Route, RoutingConfig, route
 from pdd.server.tls import TlsConfig
 from pdd.serving.channels import Channels
+from pdd.serving.gateway_peers import GrpcPeers, Peers
+from pdd.serving.gateway_run import (
+    MAIN_DECODE_LOST,
+    PREFILL_LOST,
+    Loss,
+    Refused,
+    Run,
+    StageEnded,
+    StageEvent,
+    StageFailed,
+    StageItem,
+    apply_event,
+    count_tokens,
+    final_event,
+    finish_here,
+    refusal_of,
+    stats_for,
+    stop_calls,
+    wait_accepted,
+)
 from pdd.serving.instance_view import InstanceView
-from pdd.serving.token_merge import TokenMerge
 from pdd.telemetry.metrics import HANDOFFS, MIGRATIONS, RequestTracker
 from pdd.wire.call import EventStream
-from pdd.wire.kvstore_client import KvstoreClient
-from pdd.wire.main_decode_client import MainDecodeClient
-from pdd.wire.prefill_client import PrefillClient
-from pdd.wire.relay_client import RelayClient
 
 log = structlog.get_logger(__name__)
-
-
-# --- the request's queue: what each stage's reader task says --------------------------------
-
-
-@dataclass(frozen=True)
-class StageEvent:
-    """One event of a stage's stream, as the peer client read it."""
-
-    stage: Stage
-    event: PrefillEvent | RelayEvent | DecodeEvent
-
-
-@dataclass(frozen=True)
-class StageFailed:
-    """A stage's stream broke (its call was not cancelled by us)."""
-
-    stage: Stage
-    error: Exception
-
-
-@dataclass(frozen=True)
-class StageEnded:
-    """A stage's stream is over (after its last event, or after ``StageFailed``)."""
-
-    stage: Stage
-
-
-StageItem = StageEvent | StageFailed | StageEnded
-
-MAIN_DECODE_LOST = "main_decode_lost"
-PREFILL_LOST = "prefill_lost"
-
-
-@dataclass(frozen=True)
-class _Loss:
-    """A stage lost mid-request: why the request moves to another MainDecode, and the error it
-    fails with if it cannot."""
-
-    cause: str
-    error: Exception
-
-    def __post_init__(self) -> None:
-        if self.cause not in (MAIN_DECODE_LOST, PREFILL_LOST):
-            raise ValueError(f"cause: {MAIN_DECODE_LOST} or {PREFILL_LOST}, got {self.cause!r}")
-
-
-# --- the peers ----------------------------------------------------------------------------------
-
-
-class Cancellable(Protocol):
-    def cancel(self) -> None: ...
-
-
-class Peers(Protocol):
-    """Where the gateway's peers come from: a client per call (``GrpcPeers``; tests: fakes)."""
-
-    def kvstore(self) -> KvstoreClient: ...
-    def prefill(self, address: str) -> PrefillClient: ...
-    def relay(self, address: str) -> RelayClient: ...
-    def main_decode(self, address: str) -> MainDecodeClient: ...
-    async def close(self) -> None: ...
-
-
-class GrpcPeers:
-    """The gateway's peers as typed gRPC clients, on one long-lived channel per address."""
-
-    def __init__(
-        self,
-        channels: Channels,
-        kvstore_address: str,
-        stage_timeout_s: float,
-        index_timeout_s: float = 1.0,
-    ) -> None:
-        self.channels = channels
-        self.kvstore_address = kvstore_address
-        self.stage_timeout_s = stage_timeout_s
-        self.index_timeout_s = index_timeout_s
-
-    # NOTE: channels are made on first use, inside the server's event loop.
-    def kvstore(self) -> KvstoreClient:
-        return KvstoreClient(
-            self.channels.get(self.kvstore_address), timeout_s=self.index_timeout_s
-        )
-
-    def prefill(self, address: str) -> PrefillClient:
-        return PrefillClient(self.channels.get(address), timeout_s=self.stage_timeout_s)
-
-    def relay(self, address: str) -> RelayClient:
-        return RelayClient(self.channels.get(address), timeout_s=self.stage_timeout_s)
-
-    def main_decode(self, address: str) -> MainDecodeClient:
-        return MainDecodeClient(self.channels.get(address), timeout_s=self.stage_timeout_s)
-
-    async def close(self) -> None:
-        await self.channels.close()
-
-
-@dataclass
-class _Run:
-    """One request in flight: what it was routed to, its stage calls and its merge so far."""
-
-    job: GenerateJob
-    sampling: SamplingParams
-    plan: Route
-    stats: RequestStats
-    t0: float
-    queue: asyncio.Queue[StageItem] = field(default_factory=asyncio.Queue)
-    # Every call opened for the request (stage streams, the gateway's own handoff).
-    calls: list[Cancellable] = field(default_factory=list)
-    merge: TokenMerge = field(default_factory=TokenMerge)
-    relay_done: bool = False
-    finish: str | None = None
-    completion_tokens: int | None = None
-    # The tasks reading the stage streams into ``queue``, and the stages whose streams are open.
-    readers: list[asyncio.Task] = field(default_factory=list)
-    streaming: set[Stage] = field(default_factory=set)
-    # MainDecode instances lost for this request (never chosen again for it); a loss waiting
-    # for the relay's stream to end before the request migrates; migrations so far.
-    lost: set[str] = field(default_factory=set)
-    pending: _Loss | None = None
-    migrations: int = 0
-
-    @property
-    def logprobs(self) -> bool:
-        return self.sampling.logprobs is not None
-
-
-def _stats(job: GenerateJob, plan: Route) -> RequestStats:
-    return RequestStats(
-        pipeline=plan.pipeline,
-        handoff_mode=plan.handoff_mode,
-        prompt_tokens=len(job.prompt_token_ids),
-        predicted_hit_rate=plan.predicted_hit_rate,
-        prefill_instance=plan.prefill.ref.instance_id if plan.pipeline is not Pipeline.MD else "",
-        main_decode_instance=plan.main_decode.ref.instance_id,
-        relay_instance=plan.relay.ref.instance_id if plan.relay else "",
-    )
-
-
-async def _accepted(stream: EventStream, stage: Stage) -> Accepted:
-    event = await stream.read()
-    if not isinstance(event, Accepted):
-        raise UnavailableError(f"{stage.value} closed the stream before accepting the request")
-    return event
 
 
 class Gateway:
@@ -241,10 +98,13 @@ class Gateway:
         peers: Peers | None = None,
         index_timeout_s: float = 1.0,
         max_migrations: int = 2,
+        eos_token_ids: tuple[int, ...] | None = None,
     ) -> None:
         """``peers``: where the kvstore, prefill, relay and MainDecode clients come from; by
         default gRPC clients on channels with ``tls`` (then required). ``index_timeout_s``: the
-        deadline of each kvstore call, past which the request is routed without the index."""
+        deadline of each kvstore call, past which the request is routed without the index.
+        ``eos_token_ids``: the model's (None: unknown), so that a request whose MainDecode dies
+        after the client has its last token can be finished here (``_ended``)."""
         self.routing = routing
         self.rng = rng or random.Random()
         self.stage_timeout_s = stage_timeout_s
@@ -253,6 +113,7 @@ class Gateway:
         # How many times one request may move to another MainDecode (a poisoned request must
         # not walk the whole fleet).
         self.max_migrations = max_migrations
+        self.eos_token_ids = eos_token_ids
         if peers is None:
             if tls is None:
                 raise ValueError("tls: required unless the gateway is given its peers")
@@ -321,7 +182,7 @@ class Gateway:
             # NOTE: every engine must draw from the same seed, or a handoff changes the sample.
             sampling = replace(sampling, seed=self.rng.getrandbits(63))
         plan = await self.choose_route(job)
-        run = _Run(job, sampling, plan, _stats(job, plan), t0)
+        run = Run(job, sampling, plan, stats_for(job, plan), t0)
         tracker.routed(plan.pipeline.value, len(job.prompt_token_ids))
         log.info(
             "routed",
@@ -332,43 +193,97 @@ class Gateway:
             main_decode=run.stats.main_decode_instance,
         )
         try:
-            self._read(run, await self._open(run))
+            await self._start(run)
             async for event in self._merged(run):
                 yield event
         finally:
-            _stop(run)
+            stop_calls(run)
 
-    async def _open(self, run: _Run) -> list[tuple[Stage, EventStream]]:
-        """Open the request's stage streams (prefill, main_decode, relay: the order they are read
-        in); MainDecode and the relay have accepted it before prefill is called."""
-        job, plan = run.job, run.plan
-        md = self.peers.main_decode(plan.main_decode.ref.address).decode(
+    async def _start(self, run: Run) -> None:
+        """Open the request's stage streams and read them (prefill, main_decode, relay: the order
+        they are read in). MainDecode failing before it accepts moves the request like a later
+        loss (another MainDecode, counted against ``max_migrations``)."""
+        try:
+            accepted, streams = await self._accept(run)
+        except Refused as refused:
+            run.lost.add(run.plan.main_decode.ref.instance_id)
+            await self._migrate(run, Loss(MAIN_DECODE_LOST, refused.error))
+            return
+        run.stats.md_cached_tokens = accepted.cached_tokens
+        if run.plan.pipeline is not Pipeline.MD:
+            streams = [(Stage.PREFILL, self._open_prefill(run)), *streams]
+        self._read(run, streams)
+
+    async def _accept(self, run: Run) -> tuple[Accepted, list[tuple[Stage, EventStream]]]:
+        """Open MainDecode's (and the relay's) stream; both accept before prefill is called. A
+        relay failing first: P-MD on the same MainDecode. ``Refused``: MainDecode failed first."""
+        plan = run.plan
+        streams = [(Stage.MAIN_DECODE, self._open_decode(run, plan.main_decode, plan.pipeline))]
+        if plan.pipeline is Pipeline.P_RLD_MD:
+            streams.append((Stage.RELAY, self._open_relay(run)))
+        # NOTE: MainDecode and the relay accept independently: one round trip, not two, before prefill.
+        md, *relay = await asyncio.gather(
+            *(wait_accepted(s, st) for st, s in streams), return_exceptions=True
+        )
+        if (refusal := refusal_of(md)) is not None:
+            raise Refused(refusal)
+        if relay and (refusal := refusal_of(relay[0])) is not None:
+            return await self._without_relay(run, refusal)
+        assert isinstance(md, Accepted)
+        return md, streams
+
+    async def _without_relay(
+        self, run: Run, error: Exception
+    ) -> tuple[Accepted, list[tuple[Stage, EventStream]]]:
+        """The relay failed before accepting: the request goes P-MD on the same MainDecode, its
+        call reopened as P-MD (so MainDecode starts from prefill's first token, not a handoff)."""
+        log.warning("relay_refused_p_md", relay=run.stats.relay_instance, error=str(error)[:200])
+        stop_calls(run)
+        run.plan = replace(run.plan, pipeline=Pipeline.P_MD, relay=None, handoff_mode=None)
+        stats = run.stats
+        stats.pipeline, stats.handoff_mode, stats.relay_instance = Pipeline.P_MD, None, ""
+        stream = self._open_decode(run, run.plan.main_decode, Pipeline.P_MD)
+        try:
+            return await wait_accepted(stream, Stage.MAIN_DECODE), [(Stage.MAIN_DECODE, stream)]
+        except (PeerError, UnavailableError) as exc:
+            raise Refused(exc) from None
+
+    def _open_decode(
+        self, run: Run, target: Instance, pipeline: Pipeline, resume: tuple[int, ...] = ()
+    ) -> EventStream:
+        job = run.job
+        stream = self.peers.main_decode(target.ref.address).decode(
             DecodeJob(
-                job.request_id, job.prompt_token_ids, run.sampling, job.cache_salt, plan.pipeline
+                job.request_id,
+                job.prompt_token_ids,
+                run.sampling,
+                job.cache_salt,
+                pipeline,
+                resume_token_ids=resume,
             )
         )
-        run.calls.append(md)
-        decoding = [(Stage.MAIN_DECODE, md)]
-        if plan.pipeline is Pipeline.P_RLD_MD:
-            assert plan.relay is not None and plan.handoff_mode is not None
-            relay = self.peers.relay(plan.relay.ref.address).decode(
-                RelayJob(
-                    job.request_id,
-                    job.prompt_token_ids,
-                    run.sampling,
-                    job.cache_salt,
-                    plan.main_decode.ref,
-                    plan.handoff_mode,
-                )
+        run.calls.append(stream)
+        return stream
+
+    def _open_relay(self, run: Run) -> EventStream:
+        job, plan = run.job, run.plan
+        assert plan.relay is not None and plan.handoff_mode is not None
+        stream = self.peers.relay(plan.relay.ref.address).decode(
+            RelayJob(
+                job.request_id,
+                job.prompt_token_ids,
+                run.sampling,
+                job.cache_salt,
+                plan.main_decode.ref,
+                plan.handoff_mode,
             )
-            run.calls.append(relay)
-            decoding.append((Stage.RELAY, relay))
-        # NOTE: MainDecode and the relay accept independently: one round trip, not two, before prefill.
-        accepted, *_ = await asyncio.gather(*(_accepted(s, st) for st, s in decoding))
-        run.stats.md_cached_tokens = accepted.cached_tokens
-        if plan.pipeline is Pipeline.MD:
-            return decoding
-        prefill = self.peers.prefill(plan.prefill.ref.address).prefill(
+        )
+        run.calls.append(stream)
+        return stream
+
+    def _open_prefill(self, run: Run) -> EventStream:
+        job, plan = run.job, run.plan
+        stream = self.peers.prefill(plan.prefill.ref.address).prefill(
             PrefillJob(
                 job.request_id,
                 job.prompt_token_ids,
@@ -380,10 +295,10 @@ class Gateway:
                 plan.relay.ref if plan.relay else None,
             )
         )
-        run.calls.append(prefill)
-        return [(Stage.PREFILL, prefill), *decoding]
+        run.calls.append(stream)
+        return stream
 
-    def _read(self, run: _Run, streams: list[tuple[Stage, EventStream]]) -> None:
+    def _read(self, run: Run, streams: list[tuple[Stage, EventStream]]) -> None:
         """Read ``streams`` into a fresh queue (what older readers left on theirs is dropped)."""
         run.queue = asyncio.Queue()
         run.readers = [asyncio.create_task(self._pump(st, s, run.queue)) for st, s in streams]
@@ -392,7 +307,7 @@ class Gateway:
     async def _pump(
         self, stage: Stage, stream: EventStream, queue: asyncio.Queue[StageItem]
     ) -> None:
-        # NOTE: read(), not `async for`: grpc.aio forbids mixing both on one call (_accepted read()).
+        # NOTE: read(), not `async for`: grpc.aio forbids mixing both on one call (accepted read()).
         try:
             while (event := await stream.read()) is not None:
                 queue.put_nowait(StageEvent(stage, event))
@@ -403,7 +318,7 @@ class Gateway:
             queue.put_nowait(StageFailed(stage, exc))
         queue.put_nowait(StageEnded(stage))
 
-    async def _merged(self, run: _Run) -> AsyncIterator[TokenEvent | FinalEvent]:
+    async def _merged(self, run: Run) -> AsyncIterator[TokenEvent | FinalEvent]:
         # NOTE: every service ends its stream when its part is done (prefill after TransferDone,
         # relay after HandedOff/Finished, main_decode after Finished), so all ends = request done.
         # A migration replaces run.queue and run.streaming: read both afresh each time.
@@ -416,14 +331,14 @@ class Gateway:
                 case StageFailed(stage=stage, error=error):
                     await self._on_failed(run, stage, error)
                 case StageEvent(stage=stage, event=event):
-                    for ev in self._apply(run, stage, event):
-                        _count(run, ev)
+                    for ev in apply_event(run, stage, event):
+                        count_tokens(run, ev)
                         yield ev
         if run.pending is not None and run.finish is None:
             raise run.pending.error
-        yield _final(run)
+        yield final_event(run)
 
-    async def _on_failed(self, run: _Run, stage: Stage, error: Exception) -> None:
+    async def _on_failed(self, run: Run, stage: Stage, error: Exception) -> None:
         """A stage's stream broke: hand over for a lost relay, move the request to another
         MainDecode for a lost MainDecode or prefill, or fail the request."""
         if stage is Stage.RELAY and not run.relay_done:
@@ -435,31 +350,37 @@ class Gateway:
                 await self._take_over(run, error)
             except (PeerError, UnavailableError) as exc:  # ... and MainDecode is gone too
                 run.lost.add(run.plan.main_decode.ref.instance_id)
-                await self._migrate(run, _Loss(MAIN_DECODE_LOST, exc))
+                await self._migrate(run, Loss(MAIN_DECODE_LOST, exc))
             return
-        if stage is Stage.RELAY or run.finish is not None or not isinstance(error, PeerError):
+        if stage is Stage.RELAY or not isinstance(error, PeerError):
+            raise error
+        if run.finish is not None and stage is not Stage.MAIN_DECODE:
             raise error
         if stage is Stage.MAIN_DECODE:
             run.lost.add(run.plan.main_decode.ref.instance_id)
-        loss = _Loss(MAIN_DECODE_LOST if stage is Stage.MAIN_DECODE else PREFILL_LOST, error)
+        loss = Loss(MAIN_DECODE_LOST if stage is Stage.MAIN_DECODE else PREFILL_LOST, error)
         if Stage.RELAY in run.streaming and not run.relay_done:
             # NOTE: the relay still streams: it fails (or ends) once its handoff does; then move.
             run.pending = run.pending or loss
             return
         await self._migrate(run, loss)
 
-    async def _migrate(self, run: _Run, loss: _Loss) -> None:
+    async def _migrate(self, run: Run, loss: Loss) -> None:
         """Move the request to another live MainDecode from the tokens streamed so far (every
-        other stage call cancelled; MainDecode prefills what it lacks itself); the original
-        error if the limit is reached, no MainDecode is left or nothing is left to decode."""
-        _stop(run)
+        other stage call cancelled; MainDecode prefills what it lacks itself), or finish it here
+        if the client has every token already; the original error if the limit is reached, no
+        MainDecode is left or nothing is left to decode."""
+        stop_calls(run)
+        if (reason := self._ended(run)) is not None:
+            finish_here(run, reason, loss)
+            return
         run.merge.pending.clear()  # NOTE: held tokens of the old path: the new one recomputes them
         at = len(run.merge.emitted)
-        while run.migrations < self.max_migrations and at < run.sampling.max_tokens:
+        while run.stats.migrations < self.max_migrations and at < run.sampling.max_tokens:
             target = await self._next_main_decode(run)
             if target is None:
                 break
-            run.migrations += 1
+            run.stats.migrations += 1
             MIGRATIONS.labels(loss.cause).inc()
             source, run.plan = run.plan.main_decode, replace(run.plan, main_decode=target)
             log.warning(
@@ -476,10 +397,27 @@ class Gateway:
             except (PeerError, UnavailableError) as exc:
                 log.warning("migration_refused", instance=target.ref.instance_id, error=str(exc))
                 run.lost.add(target.ref.instance_id)
-                loss = _Loss(MAIN_DECODE_LOST, loss.error)
+                loss = Loss(MAIN_DECODE_LOST, loss.error)
         raise loss.error
 
-    async def _next_main_decode(self, run: _Run) -> Instance | None:
+    def _ended(self, run: Run) -> str | None:
+        """Why the request ended, if the client has every token and the gateway can tell as the
+        engine would (a stop token ends it, even the last one; else max_tokens: "length"). None
+        if it may go on or only MainDecode can say (a grammar completed, an eos id unknown
+        here): then it migrates with what was streamed and the new MainDecode says."""
+        if run.finish is not None:  # NOTE: a stage said so already (the relay finished it)
+            return run.finish
+        out, sp = run.merge.emitted, run.sampling
+        if not out:
+            return None
+        eos = () if sp.ignore_eos else self.eos_token_ids
+        if out[-1] in sp.stop_token_ids or (eos is not None and out[-1] in eos):
+            return "stop"
+        if len(out) >= sp.max_tokens and eos is not None:
+            return "length"
+        return None
+
+    async def _next_main_decode(self, run: Run) -> Instance | None:
         """A live MainDecode not lost for this request (the seeded rng picks among them)."""
         try:
             instances = await self.instances()
@@ -496,60 +434,16 @@ class Gateway:
         )
         return self.rng.choice(candidates) if candidates else None
 
-    async def _resume(self, run: _Run, target: Instance) -> None:
+    async def _resume(self, run: Run, target: Instance) -> None:
         """Open the request on ``target`` as MD from the tokens streamed; read it once accepted."""
-        job = run.job
-        resume = tuple(run.merge.emitted)
-        stream = self.peers.main_decode(target.ref.address).decode(
-            DecodeJob(
-                job.request_id,
-                job.prompt_token_ids,
-                run.sampling,
-                job.cache_salt,
-                Pipeline.MD,
-                resume_token_ids=resume,
-            )
-        )
-        run.calls.append(stream)
-        await _accepted(stream, Stage.MAIN_DECODE)
+        stream = self._open_decode(run, target, Pipeline.MD, tuple(run.merge.emitted))
+        await wait_accepted(stream, Stage.MAIN_DECODE)
         # NOTE: no relay and no prefill any more: nothing to take over, nothing pending.
         run.relay_done, run.pending = True, None
         run.stats.main_decode_instance = target.ref.instance_id
         self._read(run, [(Stage.MAIN_DECODE, stream)])
 
-    def _apply(self, run: _Run, stage: Stage, event: object) -> list[TokenEvent]:
-        """Fold one stage event into the request's stats and merge; the tokens now in order."""
-        stats = run.stats
-        match event:
-            case FirstToken():
-                stats.prefill_cached_tokens = event.cached_tokens
-                if run.logprobs and event.logprob is None:
-                    raise FailedPreconditionError(
-                        f"{stage.value} sent its token without the logprobs asked for"
-                    )
-                lps = [event.logprob] if run.logprobs else []
-                return run.merge.add(0, [event.token_id], Stage.PREFILL, lps)
-            case TransferDone():
-                stats.wan_kv_bytes = event.wan_kv_bytes
-                stats.wan_transfer_ms = event.wan_transfer_ms
-            case Tokens():
-                if run.logprobs and len(event.logprobs) != len(event.token_ids):
-                    raise FailedPreconditionError(
-                        f"{stage.value} sent {len(event.logprobs)} logprobs for "
-                        f"{len(event.token_ids)} tokens; the request asked for them"
-                    )
-                lps = event.logprobs if run.logprobs else ()
-                return run.merge.add(event.start_position, event.token_ids, stage, lps)
-            case HandedOff():
-                stats.handoff_at_token = event.at_position
-                run.relay_done = True
-            case Finished():
-                run.relay_done = run.relay_done or stage is Stage.RELAY
-                run.finish = event.finish_reason or run.finish
-                run.completion_tokens = max(run.completion_tokens or 0, event.completion_tokens)
-        return []
-
-    async def _take_over(self, run: _Run, cause: BaseException) -> None:
+    async def _take_over(self, run: Run, cause: BaseException) -> None:
         """Hand the request to MainDecode ourselves: token IDs are all it needs besides its KV."""
         plan, tokens = run.plan, tuple(run.merge.emitted)
         log.warning("relay_lost_gateway_handoff", at=len(tokens), error=str(cause)[:200])
@@ -563,34 +457,3 @@ class Gateway:
         await call.done(wait=True)
         run.stats.handoff_at_token = len(tokens)
         run.relay_done = True
-
-
-def _stop(run: _Run) -> None:
-    """Cancel the request's readers and stage calls (each service frees the request's KV)."""
-    for task in run.readers:
-        task.cancel()
-    for call in run.calls:
-        call.cancel()
-    run.readers, run.calls = [], []
-
-
-def _count(run: _Run, ev: TokenEvent) -> None:
-    stats = run.stats
-    if ev.start_position == 0:
-        stats.ttft_ms = (time.perf_counter() - run.t0) * 1000
-    stats.completion_tokens += len(ev.token_ids)
-    if ev.stage is Stage.RELAY:
-        stats.rld_tokens += len(ev.token_ids)
-    elif ev.stage is Stage.MAIN_DECODE:
-        stats.md_tokens += len(ev.token_ids)
-
-
-def _final(run: _Run) -> FinalEvent:
-    """The final event, once every stage ended: only if the merged stream has no gap."""
-    merge, completion_tokens = run.merge, run.completion_tokens
-    if merge.pending or (completion_tokens is not None and merge.next_pos < completion_tokens):
-        raise FailedPreconditionError(
-            f"token stream has a gap: delivered {merge.next_pos} of {completion_tokens} tokens"
-        )
-    run.stats.e2e_ms = (time.perf_counter() - run.t0) * 1000
-    return FinalEvent(run.finish, run.stats)

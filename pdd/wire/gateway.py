@@ -121,6 +121,7 @@ def stats_to_pb(s: RequestStats) -> pb.GenerateStats:
         prefill_cached_tokens=s.prefill_cached_tokens,
         e2e_ms=s.e2e_ms,
         wan_transfer_ms=s.wan_transfer_ms,
+        migrations=s.migrations,
     )
 
 

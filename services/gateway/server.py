@@ -55,6 +55,7 @@ def build(config: GatewayConfig) -> ServiceSpec:
         tls=config.server.tls,
         index_timeout_s=config.index_timeout_s,
         max_migrations=config.max_migrations,
+        eos_token_ids=info.eos_token_ids,
     )
     servicer = GatewayServicer(gateway, info, decode)
     http = OpenAIServer(gateway, info, decode, config.http) if config.http.port else None

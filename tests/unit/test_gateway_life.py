@@ -32,6 +32,7 @@ from pdd.core.stage_events import (
 )
 from pdd.prefix_index.store import Hit
 from pdd.serving.gateway import Gateway
+from pdd.wire.gateway import stats_to_pb
 
 PREFILL = Instance(InstanceRef("p0", "127.0.0.1:7001", Role.PREFILL), 4)
 RELAY = Instance(InstanceRef("r0", "127.0.0.1:7002", Role.RELAY), 4)
@@ -443,6 +444,7 @@ async def test_a_main_decode_lost_mid_stream_is_resumed_on_another_from_the_toke
     assert final.finish_reason == "length" and final.stats.completion_tokens == 5
     assert final.stats.main_decode_instance == "m1" and peers.prefill_stream.cancelled
     assert migrations("main_decode_lost") == before + 1
+    assert final.stats.migrations == 1 and stats_to_pb(final.stats).migrations == 1
 
 
 async def test_a_prefill_lost_before_its_first_token_resumes_as_md_with_nothing_streamed():
@@ -509,3 +511,163 @@ async def test_with_no_other_main_decode_the_loss_fails_the_request():
     with pytest.raises(PeerError, match="m0: connection reset") as err:
         await asyncio.wait_for(run(peers, job(Pipeline.P_MD)), 10)
     assert err.value.code == "UNAVAILABLE" and not peers.resumed
+
+
+# --- a stage failing before it accepts the request ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("pipeline", "refusal"),
+    [
+        (Pipeline.P_MD, lost("m0")),
+        (Pipeline.P_MD, None),  # the stream closes without an Accepted
+        (Pipeline.P_RLD_MD, lost("m0")),
+    ],
+    ids=["p-md-error", "p-md-closed", "p-rld-md-error"],
+)
+async def test_a_main_decode_failing_before_it_accepts_is_migrated_like_a_later_loss(
+    pipeline, refusal
+):
+    peers = FakePeers(
+        md=[refusal] if refusal else [],
+        prefill=[first_token(), TRANSFER],
+        relay=[Accepted(), HOLD],
+        later={MAIN_DECODE_1: [[Accepted(0), Tokens(0, (20, 21, 22)), Finished("length", 3, 3)]]},
+    )
+    before = migrations("main_decode_lost")
+    tokens, final = await asyncio.wait_for(run(peers, job(pipeline, temperature=0.8)), 10)
+    assert flat(tokens) == ([20, 21, 22], [Stage.MAIN_DECODE] * 3)
+    # another MainDecode (m0 excluded) prefills the request itself; prefill is never called
+    ((address, resumed),) = peers.resumed
+    assert address == MAIN_DECODE_1.ref.address and "prefill" not in peers.jobs
+    assert (resumed.pipeline, resumed.resume_token_ids) == (Pipeline.MD, ())
+    assert resumed.sampling == peers.jobs["main_decode"].sampling  # the seed drawn once
+    assert pipeline is Pipeline.P_MD or peers.relay_stream.cancelled
+    assert final.stats.main_decode_instance == "m1" and final.stats.migrations == 1
+    assert migrations("main_decode_lost") == before + 1
+
+
+async def test_a_main_decode_failing_before_it_accepts_counts_against_the_limit():
+    peers = FakePeers(
+        md=[lost("m0")],
+        later={MAIN_DECODE_1: [[Accepted(0), Tokens(0, (20,)), Finished("length", 1, 1)]]},
+    )
+    with pytest.raises(PeerError, match="m0: connection reset"):
+        await asyncio.wait_for(run(peers, job(Pipeline.P_MD), max_migrations=0), 10)
+    assert not peers.resumed and "prefill" not in peers.jobs
+
+
+async def test_a_relay_failing_before_it_accepts_falls_back_to_p_md_on_the_same_main_decode():
+    peers = FakePeers(
+        md=[Accepted(4), HOLD],
+        prefill=[first_token(), TRANSFER],
+        relay=[lost("r0")],
+        # MainDecode's call is reopened as P-MD: it starts from prefill's first token
+        later={MAIN_DECODE: [[Accepted(3), Tokens(1, (21, 22)), Finished("length", 3, 2)]]},
+    )
+    before = migrations("main_decode_lost")
+    tokens, final = await asyncio.wait_for(run(peers, job(Pipeline.P_RLD_MD)), 10)
+    assert flat(tokens) == ([20, 21, 22], [Stage.PREFILL] + [Stage.MAIN_DECODE] * 2)
+    ((address, reopened),) = peers.resumed
+    assert address == MAIN_DECODE.ref.address and peers.md.cancelled
+    assert (reopened.pipeline, reopened.resume_token_ids) == (Pipeline.P_MD, ())
+    p = peers.jobs["prefill"]
+    assert (p.pipeline, p.relay, p.main_decode_cached_tokens) == (Pipeline.P_MD, None, 3)
+    s = final.stats
+    assert (s.pipeline, s.handoff_mode, s.relay_instance) == (Pipeline.P_MD, None, "")
+    assert s.md_cached_tokens == 3 and s.main_decode_instance == "m0" and s.migrations == 0
+    assert migrations("main_decode_lost") == before  # no MainDecode was lost
+    assert not peers.handoff.batches
+
+
+async def test_a_relay_and_then_main_decode_failing_before_accepting_moves_to_another():
+    peers = FakePeers(
+        md=[Accepted(0), HOLD],
+        relay=[lost("r0")],
+        later={
+            MAIN_DECODE: [[lost("m0")]],  # the P-MD reopening fails too: m0 is lost
+            MAIN_DECODE_1: [[Accepted(0), Tokens(0, (20, 21)), Finished("length", 2, 2)]],
+        },
+    )
+    tokens, final = await asyncio.wait_for(run(peers, job(Pipeline.P_RLD_MD)), 10)
+    assert flat(tokens)[0] == [20, 21]
+    assert [a for a, _ in peers.resumed] == [MAIN_DECODE.ref.address, MAIN_DECODE_1.ref.address]
+    assert peers.resumed[1][1].pipeline is Pipeline.MD and "prefill" not in peers.jobs
+    assert final.stats.main_decode_instance == "m1" and final.stats.migrations == 1
+
+
+# --- MainDecode lost once the client has every token --------------------------------------------
+
+ALL = (21, 22, 23, 24, 25, 26, 27)  # after prefill's first token: max_tokens (8) in all
+
+
+@pytest.mark.parametrize(
+    ("after_first", "sampling", "config", "reason"),
+    [
+        (ALL, {"ignore_eos": True}, {}, "length"),
+        (ALL, {}, {"eos_token_ids": (2,)}, "length"),  # the last token is no eos id
+        ((21, 30), {"stop_token_ids": (30,)}, {}, "stop"),
+        ((21, 2), {}, {"eos_token_ids": (2,)}, "stop"),
+        # a stop token at max_tokens: "stop", as the engine says (it checks stops first)
+        ((*ALL[:-1], 30), {"stop_token_ids": (30,), "ignore_eos": True}, {}, "stop"),
+    ],
+    ids=["length-ignore-eos", "length-eos-known", "stop-token", "eos", "stop-at-max"],
+)
+async def test_a_main_decode_lost_after_the_last_token_finishes_the_request_at_the_gateway(
+    after_first, sampling, config, reason
+):
+    first_sent = asyncio.Event()
+    peers = FakePeers(
+        md=[Accepted(0), first_sent, Tokens(1, after_first), lost("m0")],
+        prefill=[first_token(), Signal(first_sent), TRANSFER],
+        later={MAIN_DECODE_1: [[Accepted(0), HOLD]]},  # there is a MainDecode to move to
+    )
+    request = job(Pipeline.P_MD, temperature=0.8, **sampling)
+    tokens, final = await asyncio.wait_for(run(peers, request, **config), 10)
+    assert flat(tokens)[0] == [20, *after_first]
+    assert final.finish_reason == reason and not peers.resumed
+    assert final.stats.completion_tokens == 1 + len(after_first) and final.stats.migrations == 0
+
+
+async def test_a_main_decode_lost_after_the_relay_finished_the_request_does_not_fail_it():
+    relay_finished = asyncio.Event()
+    peers = FakePeers(
+        md=[Accepted(0), relay_finished, lost("m0")],
+        prefill=[first_token(), TRANSFER],
+        relay=[Accepted(), Tokens(1, (21, 22)), Finished("stop", 3, 2), Signal(relay_finished)],
+        later={MAIN_DECODE_1: [[Accepted(0), HOLD]]},
+    )
+    tokens, final = await asyncio.wait_for(run(peers, job(Pipeline.P_RLD_MD)), 10)
+    assert flat(tokens)[0] == [20, 21, 22]
+    assert final.finish_reason == "stop" and not peers.resumed
+    assert final.stats.completion_tokens == 3
+
+
+async def test_a_stop_only_main_decode_can_tell_is_left_to_the_main_decode_resumed():
+    """The last token may end the request (an eos id the gateway was not told, a grammar
+    complete): the request moves with every token streamed and the new MainDecode says."""
+    first_sent = asyncio.Event()
+    peers = FakePeers(
+        md=[Accepted(0), first_sent, Tokens(1, (21, 2)), lost("m0")],
+        prefill=[first_token(), Signal(first_sent), TRANSFER],
+        later={MAIN_DECODE_1: [[Accepted(0), Finished("stop", 3, 0)]]},
+    )
+    tokens, final = await asyncio.wait_for(run(peers, job(Pipeline.P_MD)), 10)
+    assert flat(tokens)[0] == [20, 21, 2]
+    ((_, resumed),) = peers.resumed
+    assert resumed.resume_token_ids == (20, 21, 2)
+    assert final.finish_reason == "stop" and final.stats.migrations == 1
+
+
+async def test_a_main_decode_lost_at_max_tokens_with_the_eos_ids_unknown_fails_the_request():
+    """The last token may be an eos id (then the engine says "stop", else "length"): the
+    gateway does not guess, and a resume with nothing left to decode is no request."""
+    first_sent = asyncio.Event()
+    peers = FakePeers(
+        md=[Accepted(0), first_sent, Tokens(1, ALL), lost("m0")],
+        prefill=[first_token(), Signal(first_sent), TRANSFER],
+        later={MAIN_DECODE_1: [[Accepted(0), HOLD]]},
+    )
+    with pytest.raises(PeerError, match="m0: connection reset"):
+        await asyncio.wait_for(run(peers, job(Pipeline.P_MD)), 10)
+    assert not peers.resumed

@@ -85,7 +85,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., stage: _Optional[_Union[_common_pb2.Stage, str]] = ..., start_position: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stats: _Optional[_Union[GenerateStats, _Mapping]] = ..., request_id: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class GenerateStats(_message.Message):
-    __slots__ = ("pipeline", "handoff_mode", "prompt_tokens", "completion_tokens", "rld_tokens", "md_tokens", "predicted_hit_rate", "md_cached_tokens", "wan_kv_bytes", "ttft_ms", "handoff_at_token", "prefill_instance", "relay_instance", "main_decode_instance", "prefill_cached_tokens", "e2e_ms", "wan_transfer_ms")
+    __slots__ = ("pipeline", "handoff_mode", "prompt_tokens", "completion_tokens", "rld_tokens", "md_tokens", "predicted_hit_rate", "md_cached_tokens", "wan_kv_bytes", "ttft_ms", "handoff_at_token", "prefill_instance", "relay_instance", "main_decode_instance", "prefill_cached_tokens", "e2e_ms", "wan_transfer_ms", "migrations")
     PIPELINE_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_MODE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +103,7 @@ class GenerateStats(_message.Message):
     PREFILL_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     E2E_MS_FIELD_NUMBER: _ClassVar[int]
     WAN_TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     pipeline: _common_pb2.Pipeline
     handoff_mode: _common_pb2.HandoffMode
     prompt_tokens: int
@@ -120,7 +121,8 @@ class GenerateStats(_message.Message):
     prefill_cached_tokens: int
     e2e_ms: float
     wan_transfer_ms: float
-    def __init__(self, pipeline: _Optional[_Union[_common_pb2.Pipeline, str]] = ..., handoff_mode: _Optional[_Union[_common_pb2.HandoffMode, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., rld_tokens: _Optional[int] = ..., md_tokens: _Optional[int] = ..., predicted_hit_rate: _Optional[float] = ..., md_cached_tokens: _Optional[int] = ..., wan_kv_bytes: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., handoff_at_token: _Optional[int] = ..., prefill_instance: _Optional[str] = ..., relay_instance: _Optional[str] = ..., main_decode_instance: _Optional[str] = ..., prefill_cached_tokens: _Optional[int] = ..., e2e_ms: _Optional[float] = ..., wan_transfer_ms: _Optional[float] = ...) -> None: ...
+    migrations: int
+    def __init__(self, pipeline: _Optional[_Union[_common_pb2.Pipeline, str]] = ..., handoff_mode: _Optional[_Union[_common_pb2.HandoffMode, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., rld_tokens: _Optional[int] = ..., md_tokens: _Optional[int] = ..., predicted_hit_rate: _Optional[float] = ..., md_cached_tokens: _Optional[int] = ..., wan_kv_bytes: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., handoff_at_token: _Optional[int] = ..., prefill_instance: _Optional[str] = ..., relay_instance: _Optional[str] = ..., main_decode_instance: _Optional[str] = ..., prefill_cached_tokens: _Optional[int] = ..., e2e_ms: _Optional[float] = ..., wan_transfer_ms: _Optional[float] = ..., migrations: _Optional[int] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()

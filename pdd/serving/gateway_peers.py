@@ -1,0 +1,60 @@
+"""Where the gateway's peers come from: a typed client per call (``GrpcPeers``, on one long-lived
+channel per address), or in tests in-process fakes with the same methods."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from pdd.serving.channels import Channels
+from pdd.wire.kvstore_client import KvstoreClient
+from pdd.wire.main_decode_client import MainDecodeClient
+from pdd.wire.prefill_client import PrefillClient
+from pdd.wire.relay_client import RelayClient
+
+
+class Cancellable(Protocol):
+    def cancel(self) -> None: ...
+
+
+class Peers(Protocol):
+    """Where the gateway's peers come from: a client per call (``GrpcPeers``; tests: fakes)."""
+
+    def kvstore(self) -> KvstoreClient: ...
+    def prefill(self, address: str) -> PrefillClient: ...
+    def relay(self, address: str) -> RelayClient: ...
+    def main_decode(self, address: str) -> MainDecodeClient: ...
+    async def close(self) -> None: ...
+
+
+class GrpcPeers:
+    """The gateway's peers as typed gRPC clients, on one long-lived channel per address."""
+
+    def __init__(
+        self,
+        channels: Channels,
+        kvstore_address: str,
+        stage_timeout_s: float,
+        index_timeout_s: float = 1.0,
+    ) -> None:
+        self.channels = channels
+        self.kvstore_address = kvstore_address
+        self.stage_timeout_s = stage_timeout_s
+        self.index_timeout_s = index_timeout_s
+
+    # NOTE: channels are made on first use, inside the server's event loop.
+    def kvstore(self) -> KvstoreClient:
+        return KvstoreClient(
+            self.channels.get(self.kvstore_address), timeout_s=self.index_timeout_s
+        )
+
+    def prefill(self, address: str) -> PrefillClient:
+        return PrefillClient(self.channels.get(address), timeout_s=self.stage_timeout_s)
+
+    def relay(self, address: str) -> RelayClient:
+        return RelayClient(self.channels.get(address), timeout_s=self.stage_timeout_s)
+
+    def main_decode(self, address: str) -> MainDecodeClient:
+        return MainDecodeClient(self.channels.get(address), timeout_s=self.stage_timeout_s)
+
+    async def close(self) -> None:
+        await self.channels.close()

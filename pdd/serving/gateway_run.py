@@ -1,0 +1,226 @@
+"""One gateway request in flight (``Run``): its route, stage calls, merge and stats, the items
+its stage readers put on its queue, and the folds of stage events into it.
+
+``pdd.serving.gateway`` drives a ``Run``; everything here is plain state and pure steps on it,
+so the merge rules (``apply_event``, ``final``) read apart from the request's control flow.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import structlog
+
+from pdd.core.errors import FailedPreconditionError, PeerError, UnavailableError
+from pdd.core.pipeline import Pipeline, Stage
+from pdd.core.request import FinalEvent, GenerateJob, RequestStats, TokenEvent
+from pdd.core.sampling_params import SamplingParams
+from pdd.core.stage_events import (
+    Accepted,
+    DecodeEvent,
+    Finished,
+    FirstToken,
+    HandedOff,
+    PrefillEvent,
+    RelayEvent,
+    Tokens,
+    TransferDone,
+)
+from pdd.routing.policy import Route
+from pdd.serving.gateway_peers import Cancellable
+from pdd.serving.token_merge import TokenMerge
+from pdd.wire.call import EventStream
+
+log = structlog.get_logger(__name__)
+
+
+# --- the request's queue: what each stage's reader task says --------------------------------
+
+
+@dataclass(frozen=True)
+class StageEvent:
+    """One event of a stage's stream, as the peer client read it."""
+
+    stage: Stage
+    event: PrefillEvent | RelayEvent | DecodeEvent
+
+
+@dataclass(frozen=True)
+class StageFailed:
+    """A stage's stream broke (its call was not cancelled by us)."""
+
+    stage: Stage
+    error: Exception
+
+
+@dataclass(frozen=True)
+class StageEnded:
+    """A stage's stream is over (after its last event, or after ``StageFailed``)."""
+
+    stage: Stage
+
+
+StageItem = StageEvent | StageFailed | StageEnded
+
+MAIN_DECODE_LOST = "main_decode_lost"
+PREFILL_LOST = "prefill_lost"
+
+
+@dataclass(frozen=True)
+class Loss:
+    """A stage lost mid-request: why the request moves to another MainDecode, and the error it
+    fails with if it cannot."""
+
+    cause: str
+    error: Exception
+
+    def __post_init__(self) -> None:
+        if self.cause not in (MAIN_DECODE_LOST, PREFILL_LOST):
+            raise ValueError(f"cause: {MAIN_DECODE_LOST} or {PREFILL_LOST}, got {self.cause!r}")
+
+
+class Refused(Exception):
+    """MainDecode failed before it accepted the request (``error``: how)."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def refusal_of(result: Accepted | BaseException) -> Exception | None:
+    """How a stage failed before accepting (a lost peer), or None if it accepted; any other
+    exception (a bug, our own cancellation) is raised."""
+    if isinstance(result, (PeerError, UnavailableError)):
+        return result
+    if isinstance(result, BaseException):
+        raise result
+    return None
+
+
+@dataclass
+class Run:
+    """One request in flight: what it was routed to, its stage calls and its merge so far."""
+
+    job: GenerateJob
+    sampling: SamplingParams
+    plan: Route
+    stats: RequestStats
+    t0: float
+    queue: asyncio.Queue[StageItem] = field(default_factory=asyncio.Queue)
+    # Every call opened for the request (stage streams, the gateway's own handoff).
+    calls: list[Cancellable] = field(default_factory=list)
+    merge: TokenMerge = field(default_factory=TokenMerge)
+    relay_done: bool = False
+    finish: str | None = None
+    completion_tokens: int | None = None
+    # The tasks reading the stage streams into ``queue``, and the stages whose streams are open.
+    readers: list[asyncio.Task] = field(default_factory=list)
+    streaming: set[Stage] = field(default_factory=set)
+    # MainDecode instances lost for this request (never chosen again for it); a loss waiting
+    # for the relay's stream to end before the request migrates (``stats.migrations``: so far).
+    lost: set[str] = field(default_factory=set)
+    pending: Loss | None = None
+
+    @property
+    def logprobs(self) -> bool:
+        return self.sampling.logprobs is not None
+
+
+def stats_for(job: GenerateJob, plan: Route) -> RequestStats:
+    return RequestStats(
+        pipeline=plan.pipeline,
+        handoff_mode=plan.handoff_mode,
+        prompt_tokens=len(job.prompt_token_ids),
+        predicted_hit_rate=plan.predicted_hit_rate,
+        prefill_instance=plan.prefill.ref.instance_id if plan.pipeline is not Pipeline.MD else "",
+        main_decode_instance=plan.main_decode.ref.instance_id,
+        relay_instance=plan.relay.ref.instance_id if plan.relay else "",
+    )
+
+
+async def wait_accepted(stream: EventStream, stage: Stage) -> Accepted:
+    event = await stream.read()
+    if not isinstance(event, Accepted):
+        raise UnavailableError(f"{stage.value} closed the stream before accepting the request")
+    return event
+
+
+def stop_calls(run: Run) -> None:
+    """Cancel the request's readers and stage calls (each service frees the request's KV)."""
+    for task in run.readers:
+        task.cancel()
+    for call in run.calls:
+        call.cancel()
+    run.readers, run.calls = [], []
+
+
+def finish_here(run: Run, reason: str, loss: Loss) -> None:
+    """End the request at the gateway: the client has every token and ``reason`` is known."""
+    log.warning(
+        "finished_at_gateway",
+        instance=run.plan.main_decode.ref.instance_id,
+        at=len(run.merge.emitted),
+        finish_reason=reason,
+        cause=loss.cause,
+        error=str(loss.error)[:200],
+    )
+    run.finish, run.pending = reason, None
+    run.completion_tokens = max(run.completion_tokens or 0, len(run.merge.emitted))
+    run.streaming.clear()  # NOTE: every stream is cancelled: the merge loop ends here
+
+
+def count_tokens(run: Run, ev: TokenEvent) -> None:
+    stats = run.stats
+    if ev.start_position == 0:
+        stats.ttft_ms = (time.perf_counter() - run.t0) * 1000
+    stats.completion_tokens += len(ev.token_ids)
+    if ev.stage is Stage.RELAY:
+        stats.rld_tokens += len(ev.token_ids)
+    elif ev.stage is Stage.MAIN_DECODE:
+        stats.md_tokens += len(ev.token_ids)
+
+
+def final_event(run: Run) -> FinalEvent:
+    """The final event, once every stage ended: only if the merged stream has no gap."""
+    merge, completion_tokens = run.merge, run.completion_tokens
+    if merge.pending or (completion_tokens is not None and merge.next_pos < completion_tokens):
+        raise FailedPreconditionError(
+            f"token stream has a gap: delivered {merge.next_pos} of {completion_tokens} tokens"
+        )
+    run.stats.e2e_ms = (time.perf_counter() - run.t0) * 1000
+    return FinalEvent(run.finish, run.stats)
+
+
+def apply_event(run: Run, stage: Stage, event: object) -> list[TokenEvent]:
+    """Fold one stage event into the request's stats and merge; the tokens now in order."""
+    stats = run.stats
+    match event:
+        case FirstToken():
+            stats.prefill_cached_tokens = event.cached_tokens
+            if run.logprobs and event.logprob is None:
+                raise FailedPreconditionError(
+                    f"{stage.value} sent its token without the logprobs asked for"
+                )
+            lps = [event.logprob] if run.logprobs else []
+            return run.merge.add(0, [event.token_id], Stage.PREFILL, lps)
+        case TransferDone():
+            stats.wan_kv_bytes = event.wan_kv_bytes
+            stats.wan_transfer_ms = event.wan_transfer_ms
+        case Tokens():
+            if run.logprobs and len(event.logprobs) != len(event.token_ids):
+                raise FailedPreconditionError(
+                    f"{stage.value} sent {len(event.logprobs)} logprobs for "
+                    f"{len(event.token_ids)} tokens; the request asked for them"
+                )
+            lps = event.logprobs if run.logprobs else ()
+            return run.merge.add(event.start_position, event.token_ids, stage, lps)
+        case HandedOff():
+            stats.handoff_at_token = event.at_position
+            run.relay_done = True
+        case Finished():
+            run.relay_done = run.relay_done or stage is Stage.RELAY
+            run.finish = event.finish_reason or run.finish
+            run.completion_tokens = max(run.completion_tokens or 0, event.completion_tokens)
+    return []
