@@ -11,9 +11,12 @@ DEADLINE_EXCEEDED — ``predict`` answers the documented fallback instead of fai
 so the router's load scores alone pick the instances, and every request looks like a miss: with
 a relay registered, low-hit or not, it runs P-RLD-MD through the relay. The MainDecode picked
 still matches what it holds when it accepts (prefill pushes only the rest), but the one holding
-a prompt's prefix is picked only by chance. The same fallback covers an
-index that answers but knows no instance while the view confirmed some less than ``hold_s``
-ago: a restarted Redis came back empty, and the instances re-register within a heartbeat.
+a prompt's prefix is picked only by chance. The same fallback covers an index that answers but
+lacks a role the view confirmed less than ``hold_s`` ago: a restarted Redis comes back empty and
+the instances re-register one heartbeat at a time, so for a moment it may know MainDecode but no
+prefill. The instances it does name keep their predicted hits; the last known ones of the missing
+roles are added with none (``pdd chaos`` found requests failing ``no live prefill instance``
+in that window).
 With no instance ever seen, the index's own error is raised, as without the view.
 
 The first fallback of an outage logs ``routing_without_index``; the first answer after it logs
@@ -87,8 +90,9 @@ class InstanceView:
             if exc.code not in INDEX_DOWN_CODES or not self._instances:
                 raise
             return self._fallback(f"{exc.code}: {exc}")
-        if not hits and self._holding():
-            return self._fallback("the index knows no instance (Redis restarted?)")
+        if missing := self._missing([h.instance for h in hits]):
+            roles = sorted({i.ref.role.value for i in missing})
+            return hits + self._fallback(f"the index lacks {roles} (Redis restarted?)", missing)
         self._answered([h.instance for h in hits])
         return hits
 
@@ -101,8 +105,8 @@ class InstanceView:
             if exc.code not in INDEX_DOWN_CODES or not self._instances:
                 raise
             return self.known
-        if not instances and self._holding():
-            return self.known
+        if missing := self._missing(instances):
+            return instances + missing
         self._answered(instances)
         return instances
 
@@ -117,6 +121,13 @@ class InstanceView:
     def _holding(self) -> bool:
         return bool(self._instances) and self._clock() - self._confirmed_at < self.hold_s
 
+    def _missing(self, answer: list[Instance]) -> list[Instance]:
+        """The last known instances of every role ``answer`` lacks, while the view is fresh."""
+        if not self._holding():
+            return []
+        roles = {i.ref.role for i in answer}
+        return [i for i in self._instances if i.ref.role not in roles]
+
     def _answered(self, instances: list[Instance]) -> None:
         self._instances = list(instances)
         if instances:
@@ -125,7 +136,8 @@ class InstanceView:
             log.info("index_restored", routed_without_index=self.outage_fallbacks)
             self.outage_fallbacks = 0
 
-    def _fallback(self, reason: str) -> list[Hit]:
+    def _fallback(self, reason: str, instances: list[Instance] | None = None) -> list[Hit]:
+        """``instances`` (default: every last known one) with no predicted hit, counted."""
         INDEX_FALLBACK.inc()
         if not self.outage_fallbacks:
             # NOTE: once per outage; ``index_restored`` says how many requests it covered.
@@ -136,7 +148,7 @@ class InstanceView:
                 confirmed_s_ago=round(self._clock() - self._confirmed_at, 1),
             )
         self.outage_fallbacks += 1
-        return [Hit(i, 0, 0.0) for i in self._instances]
+        return [Hit(i, 0, 0.0) for i in (self._instances if instances is None else instances)]
 
     def start_refreshing(self) -> None:
         """Refresh the view in the background until ``close`` (call inside the serving loop)."""
@@ -150,5 +162,5 @@ class InstanceView:
                 instances = await self._kvstore().list()
             except PddError:
                 continue  # the index is down: keep the last known list; routing logs the outage
-            if instances or not self._holding():
+            if not self._missing(instances):
                 self._answered(instances)

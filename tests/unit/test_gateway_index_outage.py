@@ -212,6 +212,25 @@ async def test_an_index_emptied_by_a_redis_restart_is_held_then_believed():
         await gw.close()
 
 
+async def test_an_index_lacking_a_role_after_a_redis_restart_keeps_the_last_known_one():
+    # NOTE: found by pdd chaos: Redis back empty, MainDecode re-registered first, no prefill yet.
+    peers = FakePeers(with_relay())
+    gw = gateway(peers)
+    try:
+        await gw.choose_route(job())
+        peers.index.hits = [Hit(BUSY, 8, 1.0), Hit(IDLE, 0, 0.0)]  # no prefill, no relay yet
+        partial = await gw.choose_route(job())
+        # the roles it names keep their hits; the missing ones come from the view
+        assert partial.main_decode == BUSY and partial.predicted_md_cached_tokens == 8
+        assert partial.prefill == PREFILL
+        assert {i.ref.role for i in await gw.instances()} == set(Role)
+        gw.view.hold_s = 0.0  # past the hold: the index is believed
+        with pytest.raises(UnavailableError, match="no live prefill instance"):
+            await gw.choose_route(job())
+    finally:
+        await gw.close()
+
+
 async def test_the_background_refresh_follows_the_index_and_keeps_the_list_through_an_outage():
     index = FakeIndex([Hit(PREFILL, 0, 0.0)])
     view = InstanceView(lambda: index, refresh_s=0.01)
