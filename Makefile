@@ -90,7 +90,8 @@ test: venv tools system-deps clients lint
 demo: venv system-deps
 	$(VENV)/bin/pdd demo
 
-# Every fault of issue 13 injected for real into one supervised stack; the table in pdd-chaos/.
+# Real faults (SIGKILL of each role, kvstore and Redis; a WAN partition) injected into one
+# supervised stack, mid-request; the table in pdd-chaos/ (docs/operations.md).
 chaos: venv system-deps
 	$(VENV)/bin/pdd chaos --out pdd-chaos
 
