@@ -24,8 +24,12 @@ def make_stack(
     wan: LinkSettings = LinkSettings(),
     extra_engine=(),
     gateway_flags=(),
+    **config: object,
 ) -> Stack:
-    config = StackConfig(
+    """A started stack of the tiny model; ``config``: more StackConfig fields (main_decode=2,
+    relay=0, http_port, restart, key_prefix, ...)."""
+    config.setdefault("key_prefix", f"e2e{uuid.uuid4().hex[:8]}")
+    stack_config = StackConfig(
         model=TINY,
         redis_url=redis_url,
         gateway_port=0,
@@ -43,9 +47,9 @@ def make_stack(
         ),
         gateway_flags=("--seed", "0", *gateway_flags),
         log_dir=tmp_path / "logs",
-        key_prefix=f"e2e{uuid.uuid4().hex[:8]}",
+        **config,
     )
-    return Stack(config).start()
+    return Stack(stack_config).start()
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,8 @@ from pdd.engine.engine import Engine
 from pdd.engine.sampling import SamplingParams
 from pdd.gen.common.v1 import common_pb2
 from pdd.serving.model_spec import load_model
-from pdd.testbed.stack import LinkSettings, Stack, StackConfig
-from tests.e2e.conftest import BLOCK, TINY
+from pdd.testbed.stack import LinkSettings
+from tests.e2e.conftest import BLOCK, TINY, make_stack
 from tests.e2e.test_pipeline import prompts
 
 WAN_DELAY_MS = 200.0
@@ -28,27 +28,13 @@ MAX_TOKENS = 400
 
 @pytest.fixture(scope="module")
 def stack(redis_url, tmp_path_factory):
-    config = StackConfig(
-        model=TINY,
-        redis_url=redis_url,
-        gateway_port=0,
-        main_decode=2,
+    s = make_stack(
+        redis_url,
+        tmp_path_factory.mktemp("migration"),
         wan=LinkSettings(delay_ms=WAN_DELAY_MS),
-        engine_flags=(
-            "--block-size",
-            str(BLOCK),
-            "--kv-cache-mb",
-            "32",
-            "--threads",
-            "1",
-            "--lease-ttl-ms",
-            "3000",
-        ),
-        gateway_flags=("--seed", "0", "--stage-timeout-s", "60"),
-        log_dir=tmp_path_factory.mktemp("migration") / "logs",
-        key_prefix="migration",
+        gateway_flags=("--stage-timeout-s", "60"),
+        main_decode=2,
     )
-    s = Stack(config).start()
     yield s
     s.stop()
 

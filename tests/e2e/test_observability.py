@@ -22,8 +22,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from pdd.client import generate_stream
 from pdd.gen.common.v1 import common_pb2
 from pdd.testbed.launcher import free_port
-from pdd.testbed.stack import LinkSettings, Stack, StackConfig
-from tests.e2e.conftest import BLOCK, TINY
+from pdd.testbed.stack import LinkSettings
+from tests.e2e.conftest import TINY, make_stack
 
 SERVICES = ("gateway", "kvstore", "prefill-0", "relay-0", "main_decode-0")
 WAN_DELAY_MS = 150.0
@@ -34,27 +34,12 @@ def stack(redis_url, tmp_path_factory):
     # NOTE: a WAN delay, so that a P-RLD-MD request's first tokens are the relay's whatever the
     # machine's load: MainDecode holds the KV only after the KV's hop and the reply's (>= 2 x 150 ms).
     # Without it either stage could produce all 40 tokens (seen in CI: the relay none, then MainDecode none).
-    config = StackConfig(
-        model=TINY,
-        redis_url=redis_url,
-        gateway_port=0,
-        http_port=free_port(),
+    s = make_stack(
+        redis_url,
+        tmp_path_factory.mktemp("obs"),
         wan=LinkSettings(delay_ms=WAN_DELAY_MS),
-        engine_flags=(
-            "--block-size",
-            str(BLOCK),
-            "--kv-cache-mb",
-            "32",
-            "--threads",
-            "1",
-            "--lease-ttl-ms",
-            "3000",
-        ),
-        gateway_flags=("--seed", "0"),
-        log_dir=tmp_path_factory.mktemp("obs") / "logs",
-        key_prefix=f"obs{uuid.uuid4().hex[:8]}",
+        http_port=free_port(),
     )
-    s = Stack(config).start()
     yield s
     codes = s.stop()
     assert all(code == 0 for code in codes.values()), f"unclean exits: {codes}"

@@ -11,14 +11,13 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-import uuid
 
 import grpc
 import pytest
 
 from pdd.gen.common.v1 import common_pb2
-from pdd.testbed.stack import Stack, StackConfig
-from tests.e2e.conftest import BLOCK, TINY
+from pdd.testbed.stack import Stack
+from tests.e2e.conftest import make_stack
 from tests.e2e.test_pipeline import prompts, run
 
 # Generous: a restart waits its backoff (0.5 s) and then a whole service start on a loaded machine.
@@ -27,27 +26,12 @@ DEADLINE_S = 60.0
 
 @pytest.fixture(scope="module")
 def stack(redis_url, tmp_path_factory):
-    config = StackConfig(
-        model=TINY,
-        redis_url=redis_url,
-        gateway_port=0,
+    s = make_stack(
+        redis_url,
+        tmp_path_factory.mktemp("supervisor"),
         relay=0,
-        engine_flags=(
-            "--block-size",
-            str(BLOCK),
-            "--kv-cache-mb",
-            "32",
-            "--threads",
-            "1",
-            "--lease-ttl-ms",
-            "3000",
-        ),
-        gateway_flags=("--seed", "0"),
-        log_dir=tmp_path_factory.mktemp("supervisor") / "logs",
-        key_prefix=f"sup{uuid.uuid4().hex[:8]}",
         restart="on-failure",
     )
-    s = Stack(config).start()
     yield s
     codes = s.stop()
     # The restarted processes too: each stops cleanly on SIGTERM.

@@ -16,8 +16,8 @@ from pdd.engine.engine import Engine
 from pdd.engine.sampling import SamplingParams
 from pdd.gen.common.v1 import common_pb2
 from pdd.serving.model_spec import load_model
-from pdd.testbed.stack import LinkSettings, Stack, StackConfig
-from tests.e2e.conftest import BLOCK, TINY
+from pdd.testbed.stack import LinkSettings
+from tests.e2e.conftest import BLOCK, TINY, make_stack
 from tests.e2e.test_pipeline import prompts, run, wait_indexed
 
 WAN_DELAY_MS = 400.0
@@ -27,27 +27,13 @@ WAN_DELAY_MS = 400.0
 def stack(redis_url, tmp_path_factory):
     # NOTE: the relay can hand over only once MainDecode's "KV ready" reached it: the KV's hop to
     # MainDecode, then the reply's hop back (>= 0.8 s), against the few ms until the test sees its token.
-    config = StackConfig(
-        model=TINY,
-        redis_url=redis_url,
-        gateway_port=0,
-        main_decode=2,
+    s = make_stack(
+        redis_url,
+        tmp_path_factory.mktemp("topology"),
         wan=LinkSettings(delay_ms=WAN_DELAY_MS),
-        engine_flags=(
-            "--block-size",
-            str(BLOCK),
-            "--kv-cache-mb",
-            "32",
-            "--threads",
-            "1",
-            "--lease-ttl-ms",
-            "3000",
-        ),
-        gateway_flags=("--seed", "0", "--stage-timeout-s", "60"),
-        log_dir=tmp_path_factory.mktemp("topology") / "logs",
-        key_prefix="topology",
+        gateway_flags=("--stage-timeout-s", "60"),
+        main_decode=2,
     )
-    s = Stack(config).start()
     yield s
     s.stop()
 
