@@ -108,9 +108,11 @@ class RecordingKvstore:
         self.calls: list[tuple] = []
         self.known = True
         self.down = False
+        self.refused = 0  # calls made while down
 
     def _check(self) -> None:
         if self.down:
+            self.refused += 1
             raise PeerError("UNAVAILABLE", "connection refused", "kvstore")
 
     async def register(self, inst: Instance, ttl_ms: int, *, reset_index: bool = False) -> None:
@@ -159,7 +161,7 @@ async def test_a_failed_snapshot_is_retried_and_a_lost_kvstore_does_not_end_the_
         assert ("heartbeat", 3) in kv.calls  # the load rides on the heartbeat
 
         kv.down = True  # kvstore unreachable: heartbeats fail, membership keeps trying
-        await asyncio.sleep(0.35)
+        await _until(lambda: kv.refused >= 3)
         kv.down = False
         beats = kv.count("heartbeat")
         await _until(lambda: kv.count("heartbeat") > beats)
