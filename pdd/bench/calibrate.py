@@ -9,6 +9,7 @@ transfers in step units, split at the router's hit threshold.
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from collections.abc import Sequence
@@ -18,6 +19,9 @@ import numpy as np
 from pdd.bench.record import RequestResult
 
 FP32_BYTES = 4
+# The profile's per-request stack costs and the bench mode that measures each.
+OVERHEADS = {"request_overhead_ms": "idc-pd", "md_request_overhead_ms": "pdd"}
+NOT_MEASURED = "not measured (`pdd bench calibrate --stack` measures it)"
 
 
 def kv_bytes_per_token(model: str) -> int:
@@ -105,3 +109,257 @@ def transfer_steps(
             "max": float(max(steps)) if steps else None,
         }
     return out
+
+
+# --- `pdd bench calibrate`: this machine's engine and link as a simulator profile -------------------
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _fit(rows: Sequence[Sequence[float]], ys: Sequence[float]) -> list[float]:
+    """Least squares ``ys ≈ rows @ coef``, every coefficient clipped at 0 (a cost is never negative)."""
+    coef, *_ = np.linalg.lstsq(np.asarray(rows, float), np.asarray(ys, float), rcond=None)
+    return [max(0.0, float(c)) for c in coef]
+
+
+def measure_engine(
+    model: str, *, threads: int = 1, kv_cache_mb: int = 256, quick: bool = False
+) -> dict:
+    """Prefill ms by length, decode step ms by batch and context, extend ms by k: fitted to the
+    simulator's chip model (``sim_profile.ChipProfile``); each number says how it was measured."""
+    import torch
+
+    from pdd.engine import Engine, EngineConfig, SamplingParams
+    from pdd.serving.model_spec import load_model
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        ckpt = load_model(model)
+        cfg = EngineConfig(kv_cache_bytes=kv_cache_mb * 2**20)
+        engine = Engine(ckpt, cfg)
+        rng = random.Random(0)
+        vocab = ckpt.config.vocab_size
+        ids = lambda n: [rng.randrange(vocab) for _ in range(n)]  # noqa: E731
+        one = SamplingParams(max_tokens=1, ignore_eos=True)
+        engine.generate([ids(64)], one)  # warm-up: a fresh process's first passes are slow
+        # Prefill: whole prompts of n tokens, best of 2.
+        lengths = (128, 512, 1024) if quick else (128, 256, 512, 1024, 2048)
+        pre = {
+            n: min(_timed(lambda n=n: engine.generate([ids(n)], one)) for _ in range(2))
+            for n in lengths
+        }
+        o, a, b = _fit([(1, n, n * n / 2) for n in lengths], [pre[n] for n in lengths])
+        # Decode: B prompts of c tokens, N steps, less the prefill-only time, per step.
+        steps = 8 if quick else 16
+        rows, ys = [], []
+        for batch in (1, 4) if quick else (1, 2, 4, 8):
+            for ctx in (256, 1024):
+                sp = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
+                t1 = _timed(lambda b=batch, c=ctx: engine.generate([ids(c) for _ in range(b)], one))
+                t2 = _timed(
+                    lambda b=batch, c=ctx, sp=sp: engine.generate([ids(c) for _ in range(b)], sp)
+                )
+                rows.append((1, batch, batch * ctx / 1e6))
+                ys.append(max(1e-3, (t2 - t1) / steps))
+        s0, s1, s2 = _fit(rows, ys)
+        # Extend by k: k new tokens after a cached 512-token prefix (one chunk), vs the step alone.
+        ks = (8, 32, 128)
+        ext = {}
+        for k in ks:
+            base = ids(512)
+            engine.generate([base], one)  # cached now
+            ext[k] = _timed(lambda b=base, k=k: engine.generate([b + ids(k)], one))
+        _, per_k = _fit([(1, k) for k in ks], [ext[k] for k in ks])
+        kv_tokens = kv_cache_mb * 2**20 // kv_bytes_per_token(model)
+    finally:
+        torch.set_num_threads(before)
+    how = f"measured by `pdd bench calibrate` on {model}, {threads} thread(s), {time.strftime('%Y-%m-%d')}"
+    return {
+        "prefill_tokens_per_s": (
+            1e3 / max(a, 1e-6),
+            f"{how}: prefill ms at {list(lengths)} tokens = "
+            f"{[round(pre[n], 2) for n in lengths]}, fitted o + n/rate + n²/2·b",
+        ),
+        "prefill_overhead_ms": (o, f"{how}: the fit's constant"),
+        "prefill_attention_tokens": (
+            a / b if b > 0 else 1e9,
+            f"{how}: the fit's linear ÷ quadratic term",
+        ),
+        "prefill_chunk_tokens": (2048, "pdd/engine/config.py: max_num_batched_tokens (prefill's)"),
+        "decode_step_ms": (
+            s0,
+            f"{how}: step ms {[round(y, 3) for y in ys]} at (batch, ctx) "
+            f"{[(r[1], int(r[2] * 1e6 / r[1])) for r in rows]}, least squares",
+        ),
+        "decode_ms_per_seq": (s1, f"{how}: the fit's batch term"),
+        "decode_ms_per_mtok": (s2, f"{how}: the fit's context term"),
+        "extend_ms_per_token": (
+            per_k,
+            f"{how}: {ks} tokens after a cached 512: {[round(ext[k], 2) for k in ks]} ms, slope",
+        ),
+        "kv_budget_tokens": (
+            int(kv_tokens),
+            f"the testbed's --kv-cache-mb {kv_cache_mb} ÷ {kv_bytes_per_token(model)} B a token",
+        ),
+        "max_batch": (cfg.max_num_seqs, "pdd/engine/config.py: max_num_seqs"),
+    }
+
+
+def measure_stack(
+    testbed,
+    chip: dict,
+    mode: str = "idc-pd",
+    *,
+    requests: int = 12,
+    prompt_tokens: int = 64,
+    gap_ms: float = 400.0,
+) -> tuple[float, str]:
+    """The serving stack's own cost per request: the testbed stack (pinned as the bench runs it)
+    serves ``requests`` tiny one-turn requests one at a time; their median TTFDT less what the
+    fitted chip says the engines compute. ``idc-pd``: pipeline P-MD on the unshaped link (a prefill
+    of ``prompt_tokens``, one decode step); ``pdd``: the router's local prefill sends them down
+    pipeline MD (MainDecode computes them in one step; the WAN's delay each way is the sim's)."""
+    import tempfile
+    from pathlib import Path
+
+    from pdd.bench.runner import run_mode
+    from pdd.bench.trace import TraceRequest
+
+    rng = random.Random(1)
+    trace = [
+        TraceRequest(
+            request_id=f"cal{i}",
+            session_id=f"cal{i}",
+            timestamp_ms=i * gap_ms,
+            prompt_token_ids=[rng.randrange(10, 4000) for _ in range(prompt_tokens)],
+            max_tokens=4,
+            expected_hit=0.0,
+        )
+        for i in range(requests)
+    ]
+    with tempfile.TemporaryDirectory() as d:
+        out = run_mode(trace, mode, Path(d) / f"{mode}.json", testbed=testbed)
+    want = "p-md" if mode == "idc-pd" else "md"
+    ttfdt = [r.ttfdt_ms for r in out.records if r.ok and r.pipeline == want and r.ttfdt_ms]
+    if len(ttfdt) < requests // 2:
+        raise RuntimeError(f"calibrate --stack: only {len(ttfdt)}/{requests} requests served")
+    v = {k: val for k, (val, _) in chip.items()}
+    n = prompt_tokens
+    step = v["decode_step_ms"] + v["decode_ms_per_seq"]
+    if want == "p-md":
+        pre = n / v["prefill_tokens_per_s"] * 1e3 * (1 + n / 2 / v["prefill_attention_tokens"])
+        compute = v["prefill_overhead_ms"] + pre + step
+    else:
+        compute = step + n * v["extend_ms_per_token"] + 2 * testbed.wan_delay_ms
+    med = float(np.median(ttfdt))
+    how = (
+        f"measured by `pdd bench calibrate --stack`, {time.strftime('%Y-%m-%d')}: {len(ttfdt)} "
+        f"idle {n}-token {mode} requests (pipeline {want}) through the pinned testbed stack, TTFDT P50 "
+        f"{med:.1f} ms (P10-P90 {np.percentile(ttfdt, 10):.1f}-{np.percentile(ttfdt, 90):.1f}) "
+        f"less the {compute:.1f} ms the simulator computes for them; host load average "
+        f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+    )
+    return max(0.0, med - compute), how
+
+
+def write_profile(
+    path: str,
+    chip: dict,
+    *,
+    name: str,
+    link: dict,
+    kv_bytes: int,
+    model: str,
+    overheads: dict | None = None,
+) -> None:
+    import json
+
+    def entry(v: tuple) -> dict:
+        return {"value": v[0], "source": v[1]}
+
+    chips = {"cpu": {k: entry(v) for k, v in chip.items()}}
+    wire = "pdd/serving/prefill.py PrefillConfig.wan_dtype default None: the engine's fp32, uncompressed"
+    with open(path, "w") as f:
+        json.dump(
+            {
+                "name": name,
+                "kv_bytes_per_token": entry((kv_bytes, f"fp32 KV of {model}")),
+                "kv_wire_dtype": entry(("float32", wire)),
+                "kv_wire_ratio": entry((1.0, wire)),
+                **{
+                    k: entry(v)
+                    for k, v in (overheads or {k: (0.0, NOT_MEASURED) for k in OVERHEADS}).items()
+                },
+                "chips": chips,
+                "link": {k: entry(v) for k, v in link.items()},
+            },
+            f,
+            indent=1,
+        )
+        f.write("\n")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``pdd bench calibrate [--model M] [--threads 1] [--quick] [--stack] --out PROFILE.json``."""
+    import argparse
+    import sys
+
+    from pdd.bench.modes import Testbed
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["calibrate"]:
+        argv = argv[1:]
+    tb = Testbed()
+    p = argparse.ArgumentParser(prog="pdd bench calibrate", description=main.__doc__)
+    p.add_argument("--model", default=tb.model)
+    p.add_argument("--threads", type=int, default=tb.threads)
+    p.add_argument("--kv-cache-mb", type=int, default=tb.kv_cache_mb)
+    p.add_argument("--quick", action="store_true", help="fewer points (~15 s)")
+    p.add_argument(
+        "--stack", action="store_true", help="also the stack's per-request cost (~1 min: pdd bench)"
+    )
+    p.add_argument("--out", required=True)
+    a = p.parse_args(argv)
+    if a.threads < 1 or a.kv_cache_mb < 1:
+        p.error("--threads and --kv-cache-mb: must be >= 1")
+    from pathlib import Path
+
+    if not Path(a.out).resolve().parent.is_dir():
+        p.error(f"--out: no folder {Path(a.out).resolve().parent}")
+    chip = measure_engine(a.model, threads=a.threads, kv_cache_mb=a.kv_cache_mb, quick=a.quick)
+    src = "pdd/bench/modes.py Testbed (what the WAN emulator shapes to)"
+    link = {
+        "wan_gbps": (tb.wan_mbps / 1e3, src),
+        "wan_delay_ms": (tb.wan_delay_ms, src),
+        "pool_streams": (4, "pdd/serving/prefill.py PrefillConfig.wan_streams default"),
+        "fast_gbps": (8.0, "assumed: shared memory on one host (~1 GB/s through Python)"),
+    }
+    kw = {}
+    if a.stack:
+        kw["overheads"] = {k: measure_stack(tb, chip, mode) for k, mode in OVERHEADS.items()}
+    write_profile(
+        a.out,
+        chip,
+        name="testbed",
+        link=link,
+        kv_bytes=kv_bytes_per_token(a.model),
+        model=a.model,
+        **kw,
+    )
+    for k, (v, _) in chip.items():
+        print(f"{k:<26} {v:,.4g}")
+    for k, (v, _) in kw.get("overheads", {}).items():
+        print(f"{k:<26} {v:,.4g}")
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

@@ -1,8 +1,10 @@
 """``pdd bench sim``: the discrete-event simulator at the report's scale, and its economics.
 
-Runs ``simulator.simulate`` for each hit distribution and mode, prints the
-table, and with ``--goodput`` searches each mode's goodput under the SLA and
-PDD's benefit-cost ratio (``economics``).
+Runs ``simulator.simulate`` for each hit distribution and mode and prints the table; with
+``--goodput`` searches each mode's goodput under the SLA and PDD's benefit-cost ratio
+(``economics``); ``--report`` prints the report's figures beside the simulated ones with the error
+of each (``sim_report``); ``--validate`` replays the recorded ``pdd bench`` run with this machine's
+profile and prints the check (``sim_validate``).
 """
 
 from __future__ import annotations
@@ -14,13 +16,15 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
+from pdd.bench import sim_report, sim_validate
 from pdd.bench.economics import economics
-from pdd.bench.simulator import MODES, SimConfig, fmt, simulate, table
+from pdd.bench.sim_summary import fmt, table
+from pdd.bench.simulator import MODES, SimConfig, simulate
 from pdd.bench.trace import DISTS
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``pdd bench sim [--dist skewed|uniform|both] [--rps 80] [--goodput] [--json OUT] ...``."""
+    """``pdd bench sim [--dist skewed|uniform|both] [--rps R] [--goodput] [--report] [--validate]``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["sim"]:
         argv = argv[1:]
@@ -28,28 +32,45 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="pdd bench sim", description=__doc__.split("\n")[0])
     p.add_argument("--dist", choices=(*DISTS, "both"), default="both")
     p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--goodput", action="store_true", help="also search goodput and benefit-cost")
     p.add_argument(
-        "--goodput", action="store_true", help="also search goodput and the benefit-cost ratio"
+        "--report", action="store_true", help="the report's figures, simulated vs report"
     )
+    p.add_argument("--validate", action="store_true", help="check against the recorded bench run")
     p.add_argument("--json", default=None, help="write every run as JSON here")
     for name, value in asdict(d).items():
-        if name != "dist":
-            p.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):  # NOTE: type=bool would read "False" as True
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=value)
+        elif name != "dist":
+            p.add_argument(flag, type=type(value), default=value)
     a = vars(p.parse_args(argv))
     dists = DISTS if a["dist"] == "both" else (a["dist"],)
     modes = [m.strip() for m in a.pop("modes").split(",") if m.strip()]
     want_goodput, out = a.pop("goodput"), a.pop("json")
+    want_report, want_validate = a.pop("report"), a.pop("validate")
     if out and not Path(out).resolve().parent.is_dir():  # NOTE: before the runs, not after them
         p.error(f"--json: no folder {Path(out).resolve().parent}")
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        p.error(f"--modes: choose from {', '.join(MODES)}, got {','.join(bad) or 'none'}")
     try:
         cfgs = [SimConfig(**{**a, "dist": dist}) for dist in dists]
+        if want_validate:
+            rows = sim_validate.validate()
+            print(sim_validate.table(rows))
+            return 0 if all(r["ok"] for r in rows) else 1
+        if want_report:
+            rows = sim_report.compare(cfgs[0], goodput=want_goodput)
+            print(sim_report.table(rows, cfgs[0]))
+            return 0
         runs = [simulate(c, m) for c in cfgs for m in modes]
     except ValueError as e:
         p.error(str(e))
     print(table(runs))
     report: dict = {"runs": runs}
     if want_goodput:
-        report["economics"] = {c.dist: economics(c) for c in cfgs}
+        report["economics"] = {c.dist: economics(c, modes=modes) for c in cfgs}
         for dist, e in report["economics"].items():
             print(
                 f"\n{dist}: goodput (RPS meeting P90<{d.sla_p90_s:g}s, P99<{d.sla_p99_s:g}s) "

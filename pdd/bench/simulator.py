@@ -1,389 +1,443 @@
-"""Discrete-event simulator of IDC-PD, CDC-PD and PDD at the report's scale.
+"""Discrete-event simulator of IDC-PD, CDC-PD and PDD at the report's scale (or the testbed's).
 
-Workload: Poisson arrivals at ``rps``; each request has a ``context_tokens``
-prompt (±10%), a prefix hit drawn from the trace generator's skewed or uniform
-distribution (``trace.sample_hit``), and a report-shaped output length. Prefill
-and MainDecode both hold the hit part, so prefill computes and the WAN carries
-only the miss ("delta": the decode-side radix cache, docs/architecture.md).
+Every request is routed by ``pdd.routing.policy.route`` — the live gateway's policy — over the
+simulated instances' loads and their caches' real contents; what a route costs comes from a chip
+profile (``sim_profile``: step times by batch and context, KV budgets) and the links.
 
-Life of a request:
-  prefill   FIFO over ``prefill_instances``: overhead + miss / prefill rate.
-  IDC-PD    delta over the same-DC fast link, then one flagship decode step.
-            Equal cost buys fewer prefill chips (``idc_prefill_instances``).
-  CDC-PD    delta over one of ``wan_links`` WAN links (``SimLink``: a pool of
-            ``pool_streams`` streams sharing ``wan_gbps``, FIFO beyond), then one
-            MD step and the WAN's one-way delay back.
-  PDD       miss ≤ ``local_prefill_tokens`` (0 = off, the design's router) → MD
-            (conditional disaggregation, as the live router's flag of that name):
-            no prefill stage and nothing on the WAN. The request crosses the WAN
-            to MainDecode (one delay), waits in a FIFO over ``md_instances``,
-            which prefill the miss themselves at ``md_prefill_tokens_per_s``
-            (+ overhead), then one MD step and the delay back. Else hit ≥ θ →
-            P-MD as CDC-PD, its transfer urgent in the pool. Else
-            P-RLD-MD if a relay slot is free: full KV over the fast link, the relay
-            emits the first token and decodes until the (background) delta lands
-            on MD, then hands off: one-shot when the relay pool is busy (MD
-            extends the relay's k tokens, the user waits one extend: the handoff
-            gap), else catch-up (the relay keeps decoding while MD extends, until
-            MD is level; the gap is about one step). A full relay pool sends the
-            request down P-MD.
-Decode capacity is not modelled (one step time per token); decode chips enter
-only the cost. So neither is the slowdown a local prefill causes MainDecode's
-decode batch (every stream batched with it waits longer for its next token):
-the MD pipeline here is optimistic about that cost, and its FIFO gives one
-request a MainDecode instance's whole prefill rate at a time. Goodput is the
-largest RPS meeting the SLA (P90 TTFT < 10 s, P99 < 15 s), by bisection; the
-benefit-cost ratio is PDD's goodput per unit cost over a baseline's, minus one
-(``economics.py``).
+Life of a request (times in seconds; ``TTFT`` is the first token a *decode* stage produced at the
+client, the report's TTFT and the bench's TTFDT):
+  arrive     after the session's previous turn is done (agents wait); the router picks prefill,
+             MainDecode (and a relay), the pipeline and the handoff mode; MainDecode locks the
+             prefix its DRC holds (its hit is what the router saw).
+             The stack's own cost per request (the profile's ``request_overhead_ms``, measured on
+             the testbed by ``pdd bench calibrate --stack``; 0 at the report's scale) delays the
+             first stage.
+  prefill    (P-MD, P-RLD-MD) a ``PrefillInstance`` computes what *its own* cache lacks (prompts
+             only: a later turn recomputes the previous output) in chunked, batched steps; each
+             chunk's KV streams out as it is computed (``sim_push``; ``stream_kv=False``: after).
+  IDC-PD     the delta crosses the fast link to a flagship decode instance, which decodes.
+  CDC-PD     the delta MainDecode lacks crosses the remote cluster's WAN link (``SimLink``: a FIFO
+             connection pool of ``pool_streams`` streams sharing the bandwidth TCP-fairly), then
+             the one-way delay; MainDecode decodes; its tokens take the delay back.
+  PDD        MD: the prompt crosses the WAN; MainDecode prefills its miss inside its decode steps.
+             P-MD: as CDC-PD. P-RLD-MD: the whole KV crosses the fast link to a relay, which
+             decodes at once; the delta crosses the WAN behind it; when it lands MainDecode tells
+             the relay (one delay), which hands off token ids (one delay): one-shot (the relay
+             stops; MainDecode extends its k tokens and speaks) or catch-up (the relay keeps going
+             while MainDecode extends, rounds until it is level). A relay that finished first still
+             hands its tokens over, so the DRC holds prompt + output for the session's next turn.
+  end        MainDecode puts prompt + output in its DRC (LRU), prefill its prompt in its cache.
+Requests that arrive in the first ``warmup_s`` (cold caches) are run but not measured.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+import random
+from dataclasses import asdict, dataclass, field, replace
 
-import numpy as np
-
+from pdd.bench.sim_engine import DecodeInstance, PrefillInstance, Seq
 from pdd.bench.sim_link import EventLoop, SimLink
-from pdd.bench.trace import DISTS, sample_hit, sample_output_tokens
+from pdd.bench.sim_profile import Profile, load_profile
+from pdd.bench.sim_push import FastPush, WanPush
+from pdd.bench.sim_summary import summarize
+from pdd.bench.sim_workload import SimRequest, sessions
+from pdd.bench.trace import DISTS
+from pdd.core.instance import Instance, InstanceLoad, InstanceRef, Role
+from pdd.core.pipeline import HandoffMode, Pipeline
+from pdd.routing.policy import RoutingConfig, route
 
 MODES = ("idc-pd", "cdc-pd", "pdd")
 
 
+def _ignore(_: float) -> None:
+    return None
+
+
+BLOCK = 16  # tokens per KV block, for the router's view of KV usage
+CATCH_UP_GAP = 8  # the relay's --catch-up-gap: stop once MainDecode is this close
+MAX_ROUNDS = 8
+
+
 @dataclass(frozen=True)
 class SimConfig:
+    profile: str = "report"
+    # Workload (the generator's; ``requests`` from a trace replace it).
     dist: str = "skewed"
-    rps: float = 80.0
-    requests: int = 20000
+    rps: float = 11.5
+    duration_s: float = 600.0
+    warmup_s: float = 60.0
     seed: int = 0
     context_tokens: int = 65536
+    live_sessions: int = 512
+    output_tokens: int = 0  # 0 = the report's output buckets
     output_scale: float = 1.0
-    kv_bytes_per_token: int = 160_000
-    wan_gbps: float = 20.0  # per WAN link
-    wan_links: int = 40  # independent links; a transfer takes a random one
-    wan_delay_ms: float = 20.0  # one way
-    pool_streams: int = 4  # the connection pool, per link
-    # PDD keeps this many streams of each pool for P-MD KV (the relay hides P-RLD-MD's).
-    urgent_streams: int = 1
-    stream_gbps: float = 0.0  # per-stream cap, 0 = none
-    fast_gbps: float = 400.0  # P→RLD and IDC P→D, per instance
-    prefill_instances: int = 40
-    idc_prefill_instances: int = 36
-    prefill_tokens_per_s: float = 18_000.0
-    prefill_overhead_ms: float = 50.0
-    md_step_ms: float = 30.0  # bandwidth-strong chip
-    relay_step_ms: float = 30.0
-    flagship_step_ms: float = 63.0  # 30 ms × 2.1: the flagship decodes slower
-    relay_slots: int = 128
-    # A relay pool fuller than this hands off one-shot; otherwise catch-up.
-    relay_busy_fraction: float = 0.8
+    # Deployment: instances of each pool, the chips they run on.
+    prefill_instances: int = 8
+    relay_instances: int = 3
+    md_instances: int = 8
+    remote_clusters: int = 1
+    idc_prefill_instances: int = 8
+    idc_decode_instances: int = 8
+    prefill_chip: str = "flagship"
+    relay_chip: str = "flagship"
+    md_chip: str = "bandwidth"
+    idc_decode_chip: str = "flagship"
+    # MainDecode's per-step budget of prefill/extend tokens (0 = the chip's prefill_chunk_tokens).
+    md_chunk_tokens: int = 0
+    # Links: 0 = the profile's value.
+    wan_gbps: float = 0.0
+    wan_delay_ms: float = -1.0
+    pool_streams: int = 0
+    # KV bytes per token as the engine holds it (0 = the profile's; the wire ratio applies on top).
+    kv_bytes_per_token: int = 0
+    # Stream each prefill chunk's KV as it is computed (the live prefill); False: after prefill.
+    stream_kv: bool = True
+    # The router (pdd.routing.RoutingConfig's fields).
     hit_threshold: float = 0.95
-    # PDD: a request whose miss is at most this many tokens goes MD (MainDecode prefills it); 0 = off.
     local_prefill_tokens: int = 0
-    # A bandwidth-strong chip prefills at 81% of the flagship's speed (the report): 0.81 × 18_000.
-    md_prefill_tokens_per_s: float = 14_580.0
-    # Extend-decode of n tokens on MD: one MD step + n × this (100 tokens ≈ 305 ms).
-    extend_ms_per_token: float = 2.75
+    tokens_per_load_unit: int = 256
+    relay_busy_requests: int = 4
+    max_kv_usage: float = 0.95
+    # The SLA on TTFT, as the report's.
     sla_p90_s: float = 10.0
     sla_p99_s: float = 15.0
-    # Unit prices per instance-hour (flagship, bandwidth-strong chip) and per Gbps-hour of WAN.
-    flagship_price: float = 1.0
-    bandwidth_chip_price: float = 0.5
-    wan_price_per_gbps: float = 0.002
-    relay_instances: int = 4
-    md_instances: int = 8
-    idc_decode_instances: int = 13
 
     def __post_init__(self) -> None:
         if self.dist not in DISTS:
             raise ValueError(f"dist: must be one of {DISTS}, got {self.dist!r}")
         for name, value in asdict(self).items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
+            if name == "wan_delay_ms":
+                continue
+            if isinstance(value, (int, float)) and value < 0:
                 raise ValueError(f"{name}: must be >= 0, got {value}")
         for name in (
             "rps",
-            "requests",
+            "duration_s",
             "context_tokens",
-            "kv_bytes_per_token",
-            "wan_gbps",
-            "wan_links",
-            "pool_streams",
-            "fast_gbps",
+            "live_sessions",
             "prefill_instances",
+            "md_instances",
+            "remote_clusters",
             "idc_prefill_instances",
-            "prefill_tokens_per_s",
-            "md_prefill_tokens_per_s",
+            "idc_decode_instances",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
-        for name in ("hit_threshold", "relay_busy_fraction"):
-            if not 0 <= getattr(self, name) <= 1:
-                raise ValueError(f"{name}: must be in [0, 1], got {getattr(self, name)}")
-        if self.urgent_streams >= self.pool_streams:
-            raise ValueError(f"urgent_streams: must be < pool_streams, got {self.urgent_streams}")
-        if self.local_prefill_tokens and not self.md_instances:
-            raise ValueError("md_instances: local prefill needs at least one MainDecode instance")
         if self.output_scale < 1:
             raise ValueError(f"output_scale: must be >= 1, got {self.output_scale}")
+        if self.remote_clusters > self.md_instances:
+            raise ValueError("remote_clusters: each remote cluster needs a MainDecode instance")
+        self.routing()  # NOTE: the router validates its own fields, once
 
-
-@dataclass
-class _Req:
-    arrival: float
-    tokens: int
-    hit: float
-    output: int
-    link: int
-    ttft: float = 0.0
-    queue: float = 0.0  # WAN (or fast link) pool wait
-    transfer: float = 0.0  # in flight
-    prefill_wait: float = 0.0  # for a free prefill instance (MD: a free MainDecode instance)
-    pipeline: str = "p-md"
-    rld_tokens: int = 0
-    gap: float | None = None
-    handoff: str = ""
-
-
-def _miss(r: _Req) -> float:
-    """Prompt tokens MainDecode (and prefill) lack: what prefill computes and the WAN carries."""
-    return r.tokens * (1 - r.hit)
-
-
-def workload(cfg: SimConfig) -> list[_Req]:
-    rng = np.random.default_rng(cfg.seed)
-    t = np.cumsum(rng.exponential(1.0 / cfg.rps, size=cfg.requests))
-    return [
-        _Req(
-            arrival=float(a),
-            tokens=int(cfg.context_tokens * rng.uniform(0.9, 1.1)),
-            hit=sample_hit(cfg.dist, rng),
-            output=sample_output_tokens(rng, cfg.output_scale),
-            link=int(rng.integers(cfg.wan_links)),
+    def routing(self) -> RoutingConfig:
+        return RoutingConfig(
+            hit_threshold=self.hit_threshold,
+            local_prefill_tokens=self.local_prefill_tokens,
+            tokens_per_load_unit=self.tokens_per_load_unit,
+            relay_busy_requests=max(1, self.relay_busy_requests),
+            max_kv_usage=self.max_kv_usage,
         )
-        for a in t
-    ]
 
 
-class _Fifo:
-    """``servers`` identical servers, first come first served: prefill's instances, or MainDecode's."""
+@dataclass(eq=False)
+class Outcome:
+    """What happened to one request (times in seconds from its arrival)."""
 
-    def __init__(
-        self,
-        loop: EventLoop,
-        servers: int,
-        seconds: Callable[[_Req], float],
-        done: Callable[[_Req], None],
-    ) -> None:
-        self.loop, self.seconds, self.done = loop, seconds, done
-        self.free = list(range(servers))
-        self.waiting: deque[tuple[_Req, float]] = deque()
-
-    def submit(self, r: _Req) -> None:
-        self.waiting.append((r, self.loop.now))
-        self._start()
-
-    def _start(self) -> None:
-        while self.free and self.waiting:
-            (r, since), i = self.waiting.popleft(), self.free.pop()
-            r.prefill_wait = self.loop.now - since
-            self.loop.at(self.loop.now + self.seconds(r), lambda r=r, i=i: self._finish(r, i))
-
-    def _finish(self, r: _Req, i: int) -> None:
-        self.free.append(i)
-        self._start()
-        self.done(r)
+    req: SimRequest
+    start: float = 0.0
+    pipeline: str = ""
+    handoff: str = ""
+    hit: float = 0.0  # MainDecode's actual hit (what it held)
+    ttft: float | None = None
+    e2e: float | None = None
+    queue: float = 0.0  # WAN connection-pool wait
+    transfer: float = 0.0  # WAN in flight
+    sent_tokens: int = 0
+    rld_tokens: int = 0
+    md_tokens: int = 0
+    gap: float | None = None
+    relay_done: bool = False
+    relay_last: float = 0.0
+    rounds: int = 0  # catch-up rounds MainDecode extended
+    extended: int = 0  # relay tokens sent to MainDecode in those rounds
+    # Simulation state, not results.
+    md: DecodeInstance | None = field(default=None, repr=False)
+    locked: int = field(default=0, repr=False)
+    relay: DecodeInstance | None = field(default=None, repr=False)
+    relay_seq: Seq | None = field(default=None, repr=False)
 
 
 class _Run:
-    def __init__(self, cfg: SimConfig, mode: str) -> None:
-        self.cfg, self.mode = cfg, mode
+    def __init__(self, cfg: SimConfig, mode: str, profile: Profile) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode: must be one of {MODES}, got {mode!r}")
+        self.cfg, self.mode, self.profile = cfg, mode, profile
         self.loop = EventLoop()
-        n = cfg.idc_prefill_instances if mode == "idc-pd" else cfg.prefill_instances
-        overhead = cfg.prefill_overhead_ms / 1000
-        self.prefill = _Fifo(
-            self.loop, n, lambda r: overhead + _miss(r) / cfg.prefill_tokens_per_s, self._prefilled
-        )
-        self.md_prefill = _Fifo(
-            self.loop,
-            cfg.md_instances,
-            lambda r: overhead + _miss(r) / cfg.md_prefill_tokens_per_s,
-            self._md_prefilled,
-        )
-        wan = cfg.wan_gbps * 1e9 / 8
-        pdd = mode == "pdd"
-        self.links = [
-            SimLink(
-                self.loop,
-                wan,
-                cfg.pool_streams,
-                cfg.stream_gbps * 1e9,
-                priority=pdd,
-                reserved=cfg.urgent_streams if pdd else 0,
-            )
-            for _ in range(cfg.wan_links)
+        self.rng = random.Random(cfg.seed)
+        self.router = cfg.routing()
+        link = profile.link
+        self.delay = (cfg.wan_delay_ms if cfg.wan_delay_ms >= 0 else link.wan_delay_ms) / 1e3
+        self.fast = link.fast_gbps * 1e9 / 8
+        self.overhead = profile.request_overhead_ms / 1e3
+        self.overhead_md = profile.md_request_overhead_ms / 1e3
+        self.kv = (cfg.kv_bytes_per_token or profile.kv_bytes_per_token) * profile.kv_wire_ratio
+        idc = mode == "idc-pd"
+        n_p = cfg.idc_prefill_instances if idc else cfg.prefill_instances
+        pchip = profile.chip(cfg.prefill_chip)
+        self.prefill = [PrefillInstance(self.loop, pchip, f"p{i}") for i in range(n_p)]
+        dchip = profile.chip(cfg.idc_decode_chip if idc else cfg.md_chip)
+        if cfg.md_chunk_tokens:
+            dchip = replace(dchip, prefill_chunk_tokens=cfg.md_chunk_tokens)
+        n_md = cfg.idc_decode_instances if idc else cfg.md_instances
+        self.mds = [DecodeInstance(self.loop, dchip, f"md{i}") for i in range(n_md)]
+        rchip = profile.chip(cfg.relay_chip)
+        n_r = cfg.relay_instances if mode == "pdd" else 0
+        self.relays = [DecodeInstance(self.loop, rchip, f"rld{i}") for i in range(n_r)]
+        wan = (cfg.wan_gbps or link.wan_gbps) * 1e9 / 8
+        streams = cfg.pool_streams or link.pool_streams
+        self.links = [SimLink(self.loop, wan, streams) for _ in range(cfg.remote_clusters)]
+        self.cluster = {md.name: i % cfg.remote_clusters for i, md in enumerate(self.mds)}
+        roles = [(p, Role.PREFILL) for p in self.prefill] + [
+            (m, Role.MAIN_DECODE) for m in self.mds
         ]
-        self.fast = cfg.fast_gbps * 1e9 / 8
-        self.relay_free = cfg.relay_slots
-        self.fallbacks = 0
-        self.wan_bytes, self.wan_transfers = 0.0, 0
-
-    def arrive(self, r: _Req) -> None:
-        lp = self.cfg.local_prefill_tokens
-        if self.mode == "pdd" and lp and _miss(r) <= lp:
-            r.pipeline = "md"  # the request itself crosses the WAN to MainDecode
-            self.loop.at(
-                self.loop.now + self.cfg.wan_delay_ms / 1000, lambda: self.md_prefill.submit(r)
-            )
-            return
-        self.prefill.submit(r)
-
-    def _md_prefilled(self, r: _Req) -> None:
-        cfg = self.cfg
-        r.ttft = self.loop.now + (cfg.md_step_ms + cfg.wan_delay_ms) / 1000 - r.arrival
-
-    def _send(
-        self, r: _Req, delta: float, landed: Callable[[float, float], None], urgent: bool
-    ) -> None:
-        self.wan_bytes += delta
-        self.wan_transfers += 1
-        self.links[r.link].submit(delta, landed, urgent=urgent)
-
-    def _prefilled(self, r: _Req) -> None:
-        cfg, now = self.cfg, self.loop.now
-        delta = _miss(r) * cfg.kv_bytes_per_token
-        if self.mode == "idc-pd":
-            r.transfer = delta / self.fast
-            r.ttft = now + r.transfer + cfg.flagship_step_ms / 1000 - r.arrival
-            return
-        if self.mode == "pdd" and r.hit < cfg.hit_threshold:
-            if self.relay_free > 0:
-                self._relay(r, delta)
-                return
-            self.fallbacks += 1
-
-        def landed(queue: float, flight: float) -> None:
-            r.queue, r.transfer = queue, flight
-            r.ttft = self.loop.now + (cfg.md_step_ms + cfg.wan_delay_ms) / 1000 - r.arrival
-
-        self._send(r, delta, landed, urgent=True)
-
-    def _relay(self, r: _Req, delta: float) -> None:
-        cfg, now = self.cfg, self.loop.now
-        self.relay_free -= 1
-        r.pipeline = "p-rld-md"
-        step = cfg.relay_step_ms / 1000
-        first = now + r.tokens * cfg.kv_bytes_per_token / self.fast + step
-        r.ttft = first - r.arrival
-        released = [False]
-
-        def release() -> None:
-            if not released[0]:
-                released[0] = True
-                self.relay_free += 1
-
-        self.loop.at(first + (r.output - 1) * step, release)  # the relay finished the whole output
-
-        def landed(queue: float, flight: float) -> None:
-            r.queue, r.transfer = queue, flight
-            busy = 1 - self.relay_free / cfg.relay_slots > cfg.relay_busy_fraction
-            r.handoff = "one-shot" if busy else "catch-up"
-            k, t, gap = self._handoff(
-                max(1, 1 + int((self.loop.now - first) / step)), r.output, busy
-            )
-            r.rld_tokens = k
-            if k < r.output:
-                r.gap = gap * 1000
-                self.loop.at(self.loop.now + t, release)
-
-        self._send(r, delta, landed, urgent=False)
-
-    def _handoff(self, k: int, output: int, one_shot: bool) -> tuple[int, float, float]:
-        """(relay tokens in all, seconds until the relay stops, the user-visible gap) from k relay tokens."""
-        cfg = self.cfg
-        extend = lambda n: (cfg.md_step_ms + n * cfg.extend_ms_per_token) / 1000  # noqa: E731
-        if k >= output or one_shot:
-            return min(k, output), 0.0, extend(k)
-        total, t, new = k, 0.0, k
-        for _ in range(16):  # catch-up: the relay keeps going while MD extends what it was sent
-            e = extend(new)
-            t += e
-            new = int(e / (cfg.relay_step_ms / 1000))
-            total += new
-            if total >= output or new <= 1:
-                break
-        return min(total, output), t, extend(new)
-
-    def run(self, reqs: list[_Req]) -> dict:
-        for r in reqs:
-            self.loop.at(r.arrival, lambda r=r: self.arrive(r))
-        self.loop.run()
-        return self._summary(reqs)
-
-    def _summary(self, reqs: list[_Req]) -> dict:
-        def pct(xs: Sequence[float], scale: float = 1.0) -> dict:
-            a = np.asarray(xs, dtype=float) * scale
-            if not len(a):
-                return {"mean": None, "p50": None, "p90": None, "p99": None}
-            return {
-                "mean": float(a.mean()),
-                **{f"p{q}": float(np.percentile(a, q)) for q in (50, 90, 99)},
-            }
-
-        ttft = pct([r.ttft for r in reqs])
-        disagg = [r for r in reqs if r.pipeline != "md"]  # MD has no prefill stage and sends no KV
-        sent = [r for r in disagg if _miss(r) > 0]
-        total_out = sum(r.output for r in reqs)
-        horizon = max(self.loop.now, 1e-9)
-        return {
-            "mode": self.mode,
-            "dist": self.cfg.dist,
-            "rps": self.cfg.rps,
-            "requests": len(reqs),
-            "ttft_s": ttft,
-            "kv_transfer_ms": pct([r.transfer for r in sent], 1000),
-            "kv_queue_ms": pct([r.queue for r in sent], 1000),
-            "prefill_wait_ms": pct([r.prefill_wait for r in disagg], 1000),
-            "md_prefill_wait_ms": pct([r.prefill_wait for r in reqs if r.pipeline == "md"], 1000),
-            "wan_gb": self.wan_bytes / 1e9,
-            "wan_transfers": self.wan_transfers,
-            "pool_saturated": float(np.mean([ln.saturated_s for ln in self.links]) / horizon),
-            "rld_token_share": sum(r.rld_tokens for r in reqs) / total_out,
-            "pipelines": {
-                p: sum(r.pipeline == p for r in reqs) for p in ("md", "p-md", "p-rld-md")
-            },
-            "relay_fallbacks": self.fallbacks,
-            "handoff_gap_ms": pct([r.gap for r in reqs if r.gap is not None]),
-            "handoffs": {h: sum(r.handoff == h for r in reqs) for h in ("one-shot", "catch-up")},
-            "sla_met": ttft["p90"] < self.cfg.sla_p90_s and ttft["p99"] < self.cfg.sla_p99_s,
+        roles += [(r, Role.RELAY) for r in self.relays]
+        self.roles = roles
+        self.by_name = {inst.name: inst for inst, _ in roles}
+        self.refs = {
+            inst.name: InstanceRef(inst.name, f"{inst.name}:0", role) for inst, role in roles
         }
+        self._views: dict[str, tuple[tuple, Instance]] = {}
+        self.outcomes: list[Outcome] = []
+        self.wan_bytes = 0.0
 
+    # --- routing ------------------------------------------------------------------------------
+    def _view(self, inst) -> Instance:
+        running, waiting = inst.load()
+        if isinstance(inst, DecodeInstance):
+            used, total = inst.used // BLOCK, inst.chip.kv_budget_tokens // BLOCK
+        else:
+            used, total = 0, 0
+        key = (running, waiting, used, total)
+        seen = self._views.get(inst.name)
+        if seen is None or seen[0] != key:
+            load = InstanceLoad(running, waiting, used, total)
+            seen = (key, Instance(self.refs[inst.name], BLOCK, load=load))
+            self._views[inst.name] = seen
+        return seen[1]
 
-def simulate(cfg: SimConfig, mode: str) -> dict:
-    """One run of one mode; the same config gives the same workload in every mode."""
-    if mode not in MODES:
-        raise ValueError(f"mode: must be one of {MODES}, got {mode!r}")
-    return _Run(cfg, mode).run(workload(cfg))
+    def _route(self, r: SimRequest):
+        cached = {
+            inst.name: inst.cache.held(r.session, r.reuse, r.system) for inst, _ in self.roles
+        }
+        views = [self._view(inst) for inst, _ in self.roles]
+        force = None if self.mode == "pdd" else Pipeline.P_MD
+        return route(r.prompt, views, cached, self.rng, self.router, force_pipeline=force)
 
+    # --- a request's life ---------------------------------------------------------------------
+    def arrive(self, o: Outcome) -> None:
+        r = o.req
+        o.start = self.loop.now
+        rt = self._route(r)
+        md = self.by_name[rt.main_decode.ref.instance_id]
+        held, o.locked = md.lock(r.session, r.reuse, r.system)
+        o.md, o.hit, o.pipeline = md, held / r.prompt, rt.pipeline.value
+        if rt.pipeline is Pipeline.MD:
+            seq = self._md_seq(o, prefill=r.prompt - held, tokens=r.output - 1)
+            o.md_tokens = r.output
+            # NOTE: the stack's own cost per request (measured) comes before any stage computes.
+            self.loop.at(self.loop.now + self.delay + self.overhead_md, lambda: md.submit(seq))
+            return
+        p = self.by_name[rt.prefill.ref.instance_id]
+        p_held = p.cache.held(r.session, r.reuse, r.system)
+        relay = self.by_name[rt.relay.ref.instance_id] if rt.relay is not None else None
+        if rt.handoff_mode is not None:
+            o.handoff = rt.handoff_mode.value
 
-def fmt(x: float | None, nd: int = 1) -> str:
-    return "-" if x is None else f"{x:.{nd}f}"
+        pushes = self._pushes(o, held, relay)
 
+        def computed(upto: int) -> None:
+            for push in pushes:
+                push.feed(min(upto, r.prompt))
 
-def table(runs: Sequence[dict]) -> str:
-    head = (
-        f"{'mode':<8} {'dist':<8} {'TTFT p50/p90/p99 s':>20} {'KV xfer p50/p99 ms':>20} "
-        f"{'queue mean ms':>13} {'pool sat':>8} {'RLD share':>9} {'MD reqs':>7} {'gap p99':>8} SLA"
-    )
-    lines = [head, "-" * len(head)]
-    for r in runs:
-        t, x = r["ttft_s"], r["kv_transfer_ms"]
-        lines.append(
-            f"{r['mode']:<8} {r['dist']:<8} "
-            f"{fmt(t['p50']) + '/' + fmt(t['p90']) + '/' + fmt(t['p99']):>20} "
-            f"{fmt(x['p50'], 0) + '/' + fmt(x['p99'], 0):>20} {fmt(r['kv_queue_ms']['mean'], 0):>13} "
-            f"{r['pool_saturated']:>8.0%} {r['rld_token_share']:>9.1%} "
-            f"{r['pipelines']['md'] / r['requests']:>7.0%} "
-            f"{fmt(r['handoff_gap_ms']['p99'], 0):>8} {'yes' if r['sla_met'] else 'no'}"
+        def prefilled(_: float) -> None:
+            p.put(r.session, r.prompt, r.system)
+            for push in pushes:
+                push.feed(r.prompt)
+                push.close()
+
+        def start() -> None:
+            if self.cfg.stream_kv:
+                computed(p_held)  # what prefill's cache already holds goes at once
+            p.submit(r.prompt - p_held, p_held, prefilled, computed if self.cfg.stream_kv else None)
+
+        if self.overhead:
+            self.loop.at(self.loop.now + self.overhead, start)
+        else:
+            start()
+
+    def _md_seq(self, o: Outcome, prefill: int = 0, tokens: int = 0, first=None) -> Seq:
+        r = o.req
+        locked, o.locked = o.locked, 0
+        return Seq(
+            ctx=r.prompt + (r.output - 1 - tokens),
+            tokens=max(0, tokens),
+            reserve=r.prompt + r.output,
+            prefill=prefill,
+            locked=locked,
+            first=first or (lambda t: self._first(o, t, self.delay)),
+            done=lambda t: self._finish(o, t),
         )
-    return "\n".join(lines)
+
+    def _first(self, o: Outcome, t: float, back: float) -> None:
+        if o.ttft is None:
+            o.ttft = t + back - o.start
+
+    def _finish(self, o: Outcome, t: float) -> None:
+        r = o.req
+        o.md.put(r.session, r.prompt + r.output, r.system)
+        o.e2e = t + (0 if self.mode == "idc-pd" else self.delay) - o.start
+        self._release(r)
+
+    def _pushes(self, o: Outcome, held: int, relay: DecodeInstance | None) -> list:
+        """Where the request's KV goes as prefill computes it, and what happens when it is there."""
+        r = o.req
+        o.sent_tokens = r.prompt - held
+        if self.mode == "idc-pd":
+            seq = self._md_seq(o, tokens=r.output - 1, first=lambda t: self._first(o, t, 0.0))
+            o.md_tokens = r.output - 1
+            return [FastPush(self.loop, self.fast, self.kv, held, lambda: o.md.submit(seq))]
+        if relay is None:
+            o.md_tokens = r.output - 1
+            return [self._wan(o, held, lambda: o.md.submit(self._md_seq(o, tokens=r.output - 1)))]
+        o.relay = relay
+        o.relay_seq = Seq(
+            ctx=r.prompt,
+            tokens=r.output - 1,
+            reserve=r.prompt + r.output,
+            first=lambda t: self._first(o, t, 0.0),
+            done=lambda t: self._relay_done(o, t),
+        )
+        fast = FastPush(self.loop, self.fast, self.kv, 0, lambda: relay.submit(o.relay_seq))
+        return [fast, self._wan(o, held, lambda: self._ready(o))]
+
+    def _wan(self, o: Outcome, held: int, landed) -> WanPush:
+        """The delta over the MainDecode's cluster link, then the one-way delay; then ``landed``."""
+        self.wan_bytes += (o.req.prompt - held) * self.kv
+
+        def done() -> None:
+            o.queue, o.transfer = push.queue, push.flight
+            self.loop.at(self.loop.now + self.delay, landed)
+
+        push = WanPush(self.loop, self.links[self.cluster[o.md.name]], self.kv, held, done)
+        return push
+
+    def _relay_done(self, o: Outcome, t: float) -> None:
+        o.relay_done, o.relay_last = True, t
+        o.rld_tokens = o.req.output - 1
+
+    def _ready(self, o: Outcome) -> None:
+        """The relay hears MainDecode holds the KV (one delay after it landed) and hands off."""
+        r, relay = o.req, o.relay
+        if o.relay_done:  # finished on the relay: MainDecode extends the output into its DRC
+            o.md.submit(self._md_seq(o, prefill=max(1, r.output - 1), first=_ignore))
+            return
+        if o.handoff == HandoffMode.ONE_SHOT.value:
+            self._final(o)
+            return
+        k = relay.produced(o.relay_seq, self.loop.now)
+        self._round(o, k, k)
+
+    def _round(self, o: Outcome, sent: int, new: int) -> None:
+        """Catch-up: MainDecode extends ``new`` more relay tokens while the relay keeps going."""
+        r, md = o.req, o.md
+
+        def extended(_: float) -> None:
+            if o.relay_done:  # the relay finished meanwhile: MainDecode extends the rest silently
+                rest = self._md_seq(o, prefill=max(1, r.output - 1 - sent), first=_ignore)
+                rest.held = rest.reserve
+                md.submit(rest)
+                return
+            k = o.relay.produced(o.relay_seq, self.loop.now + self.delay)
+            if k - sent <= CATCH_UP_GAP or o.rounds >= MAX_ROUNDS:
+                self._final(o)
+            else:
+                self._round(o, k, k - sent)
+
+        if o.rounds == 0:
+            seq = self._md_seq(o, prefill=max(1, new), first=_ignore)
+            seq.hold = True
+        else:
+            seq = Seq(ctx=0, tokens=0, reserve=0, prefill=max(1, new))
+        seq.done = extended
+        o.rounds, o.extended = o.rounds + 1, sent
+        self.loop.at(self.loop.now + self.delay, lambda: md.submit(seq))
+
+    def _final(self, o: Outcome) -> None:
+        """The relay stops; MainDecode extends the rest and speaks from the next position."""
+        r = o.req
+        k = o.relay.stop(o.relay_seq)
+        o.rld_tokens = k
+        i = o.relay_seq.start_step + k - 1
+        o.relay_last = o.relay.step_ends[i] if k and i < len(o.relay.step_ends) else self.loop.now
+        left = r.output - 1 - k
+        o.md_tokens = left
+        new = max(1, k - o.extended)
+
+        def first(t: float) -> None:
+            # NOTE: MainDecode's token takes the delay back; the relay's took none.
+            o.gap = t + self.delay - o.relay_last
+            self._first(o, t, self.delay)  # the relay was stopped before its first token
+
+        if left <= 0:
+            o.relay_done = True
+            seq = self._md_seq(o, prefill=new, first=_ignore)
+        else:
+            seq = self._md_seq(o, prefill=new, tokens=left - 1, first=first)
+        if o.rounds:
+            seq.held = seq.reserve  # the first catch-up round reserved it
+        self.loop.at(self.loop.now + self.delay, lambda: o.md.submit(seq))
+
+    # --- sessions -----------------------------------------------------------------------------
+    def run(self, reqs: list[SimRequest]) -> dict:
+        self.outcomes = [Outcome(r) for r in reqs]
+        self.waiting_on: dict[int, Outcome] = {}
+        for o in self.outcomes:
+            if o.req.prev >= 0:
+                self.waiting_on[o.req.prev] = o
+            else:
+                self.loop.at(o.req.arrival, lambda o=o: self.arrive(o))
+        self.loop.run()
+        return summarize(self, self.outcomes)
+
+    def _release(self, r: SimRequest) -> None:
+        nxt = self.waiting_on.pop(r.rid, None)
+        if nxt is not None:
+            self.loop.at(max(self.loop.now, nxt.req.arrival), lambda: self.arrive(nxt))
+
+
+def workload(cfg: SimConfig) -> list[SimRequest]:
+    return sessions(
+        rps=cfg.rps,
+        duration_s=cfg.duration_s,
+        dist=cfg.dist,
+        seed=cfg.seed,
+        context_tokens=cfg.context_tokens,
+        live_sessions=cfg.live_sessions,
+        output_tokens=cfg.output_tokens,
+        output_scale=cfg.output_scale,
+    )
+
+
+def simulate(
+    cfg: SimConfig,
+    mode: str,
+    requests: list[SimRequest] | None = None,
+    profile: Profile | None = None,
+) -> dict:
+    """One run of one mode; the same config gives the same workload in every mode."""
+    prof = profile or load_profile(cfg.profile)
+    return _Run(cfg, mode, prof).run(workload(cfg) if requests is None else requests)
+
+
+def at_rps(cfg: SimConfig, rps: float) -> SimConfig:
+    return replace(cfg, rps=rps)

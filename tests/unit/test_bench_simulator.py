@@ -1,4 +1,4 @@
-"""The discrete-event simulator: the link model's arithmetic, then the report's directions."""
+"""The discrete-event simulator: the link model's arithmetic, then the batched model's behaviour."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from pdd.bench.economics import cost_per_hour, economics
+from pdd.bench.economics import Prices, cost_per_hour
 from pdd.bench.sim_command import main
 from pdd.bench.sim_link import EventLoop, SimLink
+from pdd.bench.sim_profile import load_profile
 from pdd.bench.simulator import MODES, SimConfig, _Run, simulate, workload
 
 GB = 1e9
@@ -62,147 +63,194 @@ def test_priority_and_reserved_streams():
     assert done[1][0] == 0.0 and done[2][0] > 0.5
 
 
+# A small deployment at the report's scale (64K contexts): 2 minutes of traffic, seconds to run.
+SMALL = SimConfig(duration_s=120, warmup_s=20, rps=4, live_sessions=64, seed=1)
+
+
 @pytest.fixture(scope="module")
 def runs():
-    out = {}
-    for dist in ("skewed", "uniform"):
-        cfg = SimConfig(dist=dist, requests=6000, seed=1)
-        out.update({(dist, m): simulate(cfg, m) for m in MODES})
-    return out
+    return {m: simulate(SMALL, m) for m in MODES}
 
 
-def test_uniform_hits_transfer_slower_at_the_median_and_saturate_the_pool(runs):
-    skew, uni = runs["skewed", "cdc-pd"], runs["uniform", "cdc-pd"]
-    assert uni["kv_transfer_ms"]["p50"] > 2 * skew["kv_transfer_ms"]["p50"]
-    assert uni["pool_saturated"] > 0.2 and uni["kv_queue_ms"]["mean"] > 100
+def test_every_request_is_served_and_the_modes_share_the_workload(runs):
+    n = {r["requests"] for r in runs.values()}
+    assert len(n) == 1 and n.pop() > 300
+    assert all(r["unfinished"] == 0 for r in runs.values())
+    assert runs["idc-pd"]["wan_gb"] == 0 and runs["cdc-pd"]["wan_gb"] > 0
 
 
-def test_skewed_hits_have_the_long_tail(runs):
-    skew, uni = runs["skewed", "cdc-pd"], runs["uniform", "cdc-pd"]
-    assert skew["kv_transfer_ms"]["p99"] > 2 * uni["kv_transfer_ms"]["p99"]
-    assert skew["kv_transfer_ms"]["p99"] > 5000
+def test_the_router_sends_the_low_hit_tail_to_the_relay(runs):
+    pdd, cdc = runs["pdd"], runs["cdc-pd"]
+    assert pdd["pipelines"]["p-rld-md"] > 0.1 * pdd["requests"]
+    assert cdc["pipelines"]["p-rld-md"] == 0 and cdc["rld_token_share"] == 0
+    assert 0 < pdd["rld_token_share"] < 0.5
+    assert sum(pdd["handoffs"].values()) == pdd["pipelines"]["p-rld-md"]
 
 
-def test_pdd_cuts_cdc_pd_tail_ttft_with_a_small_relay_share(runs):
-    pdd, cdc = runs["skewed", "pdd"], runs["skewed", "cdc-pd"]
-    assert pdd["ttft_s"]["p90"] < 0.6 * cdc["ttft_s"]["p90"]
-    assert pdd["ttft_s"]["p99"] < cdc["ttft_s"]["p99"]
-    assert 0.0 < pdd["rld_token_share"] < 0.10
-    assert pdd["pipelines"]["p-rld-md"] == pytest.approx(0.25 * 6000, rel=0.1)  # the low-hit tail
-    assert cdc["rld_token_share"] == 0.0 and cdc["pipelines"]["p-rld-md"] == 0
-    assert pdd["handoff_gap_ms"]["p50"] is not None
+def test_the_relay_hides_the_wan_from_ttft(runs):
+    assert runs["pdd"]["ttft_s"]["p90"] < runs["cdc-pd"]["ttft_s"]["p90"]
+
+
+def test_hit_rate_is_an_outcome_of_drc_capacity():
+    big = simulate(SMALL, "cdc-pd")
+    prof = load_profile("report")
+    tiny_chip = replace(prof.chips["bandwidth"], kv_budget_tokens=600_000)
+    small = replace(prof, chips={**prof.chips, "bandwidth": tiny_chip})
+    cramped = simulate(SMALL, "cdc-pd", profile=small)
+    assert cramped["drc_evictions"] > big["drc_evictions"]
+    assert cramped["md_hit"] < big["md_hit"] - 0.05
+    assert cramped["wan_gb"] > big["wan_gb"]
+
+
+def test_decode_capacity_costs_ttft():
+    fast = simulate(SMALL, "idc-pd")
+    slow = simulate(replace(SMALL, idc_decode_instances=1), "idc-pd")
+    # One decoder runs 8× the batch: every step is longer, so every request's output is slower.
+    assert slow["e2e_s"]["p50"] > fast["e2e_s"]["p50"]
+    assert slow["busy"]["main_decode"] > 2 * fast["busy"]["main_decode"]
 
 
 def test_same_seed_same_numbers():
-    cfg = SimConfig(requests=800, seed=5)
+    cfg = replace(SMALL, duration_s=40, warmup_s=0)
     assert simulate(cfg, "pdd") == simulate(cfg, "pdd")
-    assert simulate(cfg, "pdd") != simulate(SimConfig(requests=800, seed=6), "pdd")
+    assert simulate(cfg, "pdd") != simulate(replace(cfg, seed=2), "pdd")
 
 
-def run_requests(cfg, mode="pdd"):
-    """(summary, requests): the requests carry each one's pipeline, miss and TTFT."""
-    reqs = workload(cfg)
-    return _Run(cfg, mode).run(reqs), reqs
+def test_sessions_reuse_their_history():
+    reqs = workload(SMALL)
+    by_rid = {r.rid: r for r in reqs}
+    later = [r for r in reqs if r.reuse]
+    assert len(later) > 0.5 * len(reqs)
+    for r in later:
+        if r.prev in by_rid and by_rid[r.prev].session == r.session:
+            p = by_rid[r.prev]
+            assert r.reuse == p.prompt + p.output < r.prompt
+    mean = np.mean([r.prompt for r in reqs])
+    assert 0.85 * 65536 < mean < 1.15 * 65536
 
 
-def miss(r):
-    return r.tokens * (1 - r.hit)
+def test_one_request_through_p_md_costs_what_the_profile_says():
+    # One request alone: prefill its miss, the delta over the WAN, one MD step, the delay back.
+    cfg = replace(SMALL, duration_s=1, rps=1, warmup_s=0, stream_kv=False)
+    run = _Run(cfg, "cdc-pd", load_profile("report"))
+    req = workload(cfg)[0]
+    run.run([req])
+    o = run.outcomes[0]
+    prof = load_profile("report")
+    p, md = prof.chips["flagship"], prof.chips["bandwidth"]
+    pre = p.prefill_overhead_ms + p.prefill_ms(req.prompt, 0)
+    chunks = -(-req.prompt // p.prefill_chunk_tokens)
+    assert o.hit == 0 and o.sent_tokens == req.prompt
+    wan = req.prompt * prof.kv_bytes_per_token / (20e9 / 8)
+    step = md.decode_ms(1, req.prompt + (req.output - 1 - (req.output - 1)))
+    lo = (p.prefill_ms(req.prompt, 0) + chunks * p.prefill_overhead_ms * 0.99) / 1e3
+    assert o.transfer == pytest.approx(wan)
+    assert o.ttft > lo + wan + 2 * 0.010
+    assert o.ttft < (pre + chunks * p.prefill_overhead_ms) / 1e3 + wan + 0.020 + 2 * step / 1e3
 
 
-def test_local_prefill_off_is_the_design_router():
-    cfg = SimConfig(requests=800, seed=5)
-    off = simulate(cfg, "pdd")
-    assert off == simulate(replace(cfg, local_prefill_tokens=0), "pdd")
-    assert off["pipelines"] == {"md": 0, "p-md": 575, "p-rld-md": 225}
-    # Recorded before pipeline MD existed: the off switch leaves the random draws and events alone.
-    assert [off["ttft_s"][q] for q in ("p50", "p90", "p99")] == pytest.approx(
-        [0.6505493218668645, 1.930283096686333, 2.588797837700116], rel=1e-12
-    )
-    assert off["rld_token_share"] == pytest.approx(0.05583448971868298, rel=1e-12)
-    # Only PDD's router has pipeline MD.
-    cdc = SimConfig(requests=800, seed=5, local_prefill_tokens=4096)
-    assert simulate(cdc, "cdc-pd") == simulate(cfg, "cdc-pd")
+def test_streamed_kv_overlaps_prefill_chunk_by_chunk():
+    # One request alone, its KV streamed as each 16K-token chunk is computed: the delta lands at
+    # max over chunks i of (chunk i computed + the link time of chunks i..k), then the delay.
+    cfg = replace(SMALL, duration_s=1, rps=1, warmup_s=0)
+    prof = load_profile("report")
+    p = prof.chips["flagship"]
+    req = workload(cfg)[0]
+    ends, t, done = [], 0.0, 0
+    while done < req.prompt:
+        n = min(p.prefill_chunk_tokens, req.prompt - done)
+        t += (p.prefill_overhead_ms + p.prefill_ms(n, done)) / 1e3
+        done += n
+        ends.append((t, n))
+    assert len(ends) > 2
+    wire = [n * prof.kv_bytes_per_token / (20e9 / 8) for _, n in ends]
+    landed = max(te + sum(wire[i:]) for i, (te, _) in enumerate(ends))
+    runs = {}
+    for stream in (True, False):
+        run = _Run(replace(cfg, stream_kv=stream), "cdc-pd", prof)
+        run.run([req])
+        runs[stream] = run.outcomes[0]
+    o = runs[True]
+    assert o.transfer == pytest.approx(sum(wire))  # the same bytes, alone on the link
+    step = prof.chips["bandwidth"].decode_ms(1, req.prompt) / 1e3
+    assert landed + 2 * 0.010 < o.ttft < landed + 2 * 0.010 + 2 * step
+    assert o.ttft < runs[False].ttft - 0.5 * sum(wire[:-1])
 
 
-def test_local_prefill_takes_short_misses_off_prefill_and_the_wan():
-    # 16 MainDecode instances: enough prefill capacity for the skewed high-hit 75% (see the next test).
-    base = SimConfig(requests=3000, seed=1, md_instances=16)
-    off = simulate(base, "pdd")
-    on, reqs = run_requests(replace(base, local_prefill_tokens=4096))
-    md = [r for r in reqs if r.pipeline == "md"]
-    assert (
-        on["pipelines"]["md"] == len(md) > 0.7 * len(reqs)
-    )  # every high-hit request, and a few others
-    assert all(miss(r) <= 4096 for r in md) and all(
-        miss(r) > 4096 for r in reqs if r.pipeline != "md"
-    )
-    assert all(r.transfer == 0 and r.queue == 0 and r.rld_tokens == 0 for r in md)
-    assert on["wan_transfers"] == len(reqs) - len(md) < off["wan_transfers"] == len(reqs)
-    assert on["wan_gb"] < off["wan_gb"]
-    # KV percentiles cover the requests that sent KV only (MD's zeros would pull the median to 0).
-    sent = [r.transfer * 1000 for r in reqs if r.pipeline != "md"]
-    assert on["kv_transfer_ms"]["p50"] == pytest.approx(float(np.percentile(sent, 50)))
-    assert on["kv_transfer_ms"]["p50"] > 0
-    assert (
-        on["ttft_s"]["p90"] <= off["ttft_s"]["p90"] and on["ttft_s"]["p50"] < off["ttft_s"]["p50"]
-    )
+def test_the_kv_size_on_the_wire_scales_the_wan_bytes():
+    cfg = replace(SMALL, duration_s=1, rps=1, warmup_s=0)
+    prof = load_profile("report")
+    assert prof.sources["profile.kv_bytes_per_token"] and prof.sources["profile.kv_wire_ratio"]
+    req = workload(cfg)[0]
+    got = {}
+    for name, c, p in (
+        ("full", cfg, prof),
+        ("half", cfg, replace(prof, kv_wire_ratio=0.5)),
+        ("tenth", replace(cfg, kv_bytes_per_token=prof.kv_bytes_per_token // 10), prof),
+    ):
+        run = _Run(c, "cdc-pd", p)
+        run.run([req])
+        got[name] = (run.wan_bytes, run.outcomes[0].transfer)
+    assert got["full"][0] == req.prompt * prof.kv_bytes_per_token  # a cold request sends it all
+    assert got["half"] == pytest.approx((got["full"][0] / 2, got["full"][1] / 2))
+    assert got["tenth"][0] == req.prompt * (prof.kv_bytes_per_token // 10)
+    with pytest.raises(ValueError, match="kv_wire_ratio"):
+        replace(prof, kv_wire_ratio=0.0)
 
 
-def test_local_prefill_beyond_maindecode_capacity_costs_ttft():
-    # The default 8 MainDecode instances cannot prefill 75% of RPS 80 (~9.8 instance-seconds a second).
-    base = SimConfig(requests=3000, seed=1)
-    off, on = simulate(base, "pdd"), simulate(replace(base, local_prefill_tokens=4096), "pdd")
-    assert on["ttft_s"]["p90"] > 2 * off["ttft_s"]["p90"]
-    assert on["md_prefill_wait_ms"]["p90"] > 1000
+def test_the_report_comparison_derives_its_column_b_from_the_transfer_table():
+    from pdd.bench.sim_report import REPORT, TRANSFER_RPS, derived
+
+    d = derived(SimConfig())
+    # The saturated line: RPS 80 × 64K × 10 % miss × B = 20 Gbps; Little's law on the pool.
+    assert d["kv_bytes_per_token"] == int(20e9 / 8 / (TRANSFER_RPS * 65536 * 0.10)) == 4768
+    assert d["pool_streams"] == round(TRANSFER_RPS * REPORT["KV transfer P50 uniform ms"] / 1e3)
 
 
-def test_maindecode_prefill_queues_and_costs_its_ttft():
-    cfg = SimConfig(requests=2000, seed=1, rps=160, local_prefill_tokens=1024)
+def test_the_stack_cost_delays_every_request():
+    cfg = replace(SMALL, duration_s=1, rps=1, warmup_s=0)
+    prof = load_profile("report")
+    req = workload(cfg)[0]
     ttft = {}
-    for n in (8, 1):
-        _, reqs = run_requests(replace(cfg, md_instances=n))
-        md = [r for r in reqs if r.pipeline == "md"]
-        for r in md:  # to MainDecode and back, its queue, its prefill, one step
-            assert r.ttft == pytest.approx(
-                2 * 0.020 + r.prefill_wait + 0.050 + miss(r) / 14_580 + 0.030
-            )
-        ttft[n] = np.mean([r.ttft for r in md])
-    assert ttft[8] < 0.3 and ttft[1] > 10 * ttft[8]
+    for ms in (0.0, 100.0):
+        run = _Run(cfg, "cdc-pd", replace(prof, request_overhead_ms=ms))
+        run.run([req])
+        ttft[ms] = run.outcomes[0].ttft
+    assert ttft[100.0] - ttft[0.0] == pytest.approx(0.100)
 
 
-def test_economics_searches_goodput_and_prices():
-    cfg = SimConfig(requests=1500, rps=80)
-    e = economics(cfg, steps=5)
-    assert set(e["goodput_rps"]) == set(MODES) and all(g > 0 for g in e["goodput_rps"].values())
-    assert (
-        e["cost_per_hour"]["pdd"]
-        == cost_per_hour(cfg, "pdd")
-        == 40 + 0.5 * (8 + 4) + 40 * 20 * 0.002
-    )
-    per = {m: e["goodput_rps"][m] / e["cost_per_hour"][m] for m in MODES}
-    assert e["benefit_cost_ratio"]["vs_cdc-pd"] == pytest.approx(per["pdd"] / per["cdc-pd"] - 1)
+def test_cost_per_hour_prices_each_pool():
+    prices = Prices(flagship=1.0, bandwidth=0.5, wan_line=0.1)
+    cfg = SimConfig(prefill_instances=8, relay_instances=3, md_instances=8, remote_clusters=2)
+    assert cost_per_hour(cfg, "pdd", prices) == pytest.approx(8 + 3 + 8 * 0.5 + 2 * 0.1)
+    assert cost_per_hour(cfg, "cdc-pd", prices) == pytest.approx(8 + 8 * 0.5 + 2 * 0.1)
+    idc = cost_per_hour(cfg, "idc-pd", prices)
+    assert idc == cfg.idc_prefill_instances + cfg.idc_decode_instances
 
 
 def test_cli_prints_a_table_and_writes_json(tmp_path, capsys):
     out = tmp_path / "sim.json"
-    assert (
-        main(
-            [
-                "sim",
-                "--dist",
-                "uniform",
-                "--requests",
-                "500",
-                "--modes",
-                "cdc-pd,pdd",
-                "--json",
-                str(out),
-            ]
-        )
-        == 0
-    )
-    assert "cdc-pd   uniform" in capsys.readouterr().out
+    argv = ["sim", "--dist", "uniform", "--duration-s", "30", "--warmup-s", "0", "--rps", "2"]
+    assert main([*argv, "--modes", "cdc-pd,pdd", "--json", str(out)]) == 0
+    assert "cdc-pd  uniform" in capsys.readouterr().out
     assert [r["mode"] for r in json.loads(out.read_text())["runs"]] == ["cdc-pd", "pdd"]
+
+
+@pytest.mark.parametrize(
+    "argv,msg",
+    [
+        (["--rps", "0"], "rps"),
+        (["--modes", "xx"], "--modes"),
+        (["--profile", "nope"], "profile"),
+        (["--hit-threshold", "1.5"], "hit_threshold"),
+    ],
+)
+def test_cli_bad_input_is_one_line(argv, msg, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["sim", "--dist", "skewed", "--duration-s", "5", *argv])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert msg in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize(
@@ -210,22 +258,13 @@ def test_cli_prints_a_table_and_writes_json(tmp_path, capsys):
     [
         ("dist", "zipf"),
         ("rps", 0.0),
-        ("pool_streams", 0),
-        ("urgent_streams", 4),
         ("hit_threshold", 1.5),
         ("output_scale", 0.5),
         ("local_prefill_tokens", -1),
-        ("md_prefill_tokens_per_s", 0.0),
+        ("md_instances", 0),
+        ("remote_clusters", 0),
     ],
 )
 def test_config_rejects_bad_fields(field, value):
     with pytest.raises(ValueError, match=field):
         SimConfig(**{field: value})
-
-
-def test_local_prefill_needs_maindecode():
-    with pytest.raises(ValueError, match="md_instances"):
-        SimConfig(local_prefill_tokens=256, md_instances=0)
-    assert (
-        SimConfig(md_instances=0).local_prefill_tokens == 0
-    )  # off: MainDecode's count is only its cost

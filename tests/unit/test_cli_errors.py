@@ -99,7 +99,7 @@ CASES = [
     ("bench compare {not_result}", "not_result.json: not a RESULT file"),
     ("bench compare {not_json}", "not_json.jsonl: not a RESULT file (line 2"),
     ("bench sim --rps -1", "rps: must be >= 0"),
-    ("bench sim --modes bogus", "mode: must be one of"),
+    ("bench sim --modes bogus", "--modes: choose from idc-pd, cdc-pd, pdd"),
     ("bench sim --json {dir}/no/such/sim.json", "--json: no folder"),
     ("bench link --mbps -1", "mbps"),
     ("bench link --sizes-mb abc", "invalid literal"),

@@ -1,0 +1,68 @@
+"""The simulator against the recorded `pdd bench` run (profiles/demo_run.json, testbed profile)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from pdd.bench.sim_profile import load_profile, parse_profile
+from pdd.bench.sim_validate import RECORDED, TOLERANCE, recorded_requests, validate
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return {(r["mode"], r["metric"]): r for r in validate()}
+
+
+def test_the_recorded_run_replays_request_for_request():
+    d = json.loads(RECORDED.read_text())
+    reqs = recorded_requests(d)
+    assert len(reqs) == len(d["trace"]) == 40
+    assert all(r.prev < r.rid for r in reqs)
+
+
+def test_the_simulator_orders_the_modes_as_the_bench_measured(rows):
+    p90 = {m: rows[m, "TTFDT P90 ms"]["simulated"] for m in ("idc-pd", "cdc-pd", "pdd")}
+    rec = {m: rows[m, "TTFDT P90 ms"]["recorded"] for m in ("idc-pd", "cdc-pd", "pdd")}
+    assert sorted(p90, key=p90.get) == sorted(rec, key=rec.get)
+    assert rows["pdd", "RLD share %"]["simulated"] > 0
+    assert rows["cdc-pd", "RLD share %"]["simulated"] == 0
+
+
+def test_with_the_measured_stack_cost_idc_and_cdc_pd_are_within_tolerance(rows):
+    # The profile's request_overhead_ms / md_request_overhead_ms (`pdd bench calibrate --stack`).
+    keep = [k for k in rows if k[0] != "pdd" or k[1] == "TTFDT P90 ms"]
+    assert len(keep) == 7
+    bad = {k: round(rows[k]["error"], 2) for k in keep if abs(rows[k]["error"]) > TOLERANCE}
+    assert not bad
+
+
+def test_the_stack_cost_is_what_closed_the_gap(rows):
+    prof = load_profile("testbed")
+    assert prof.request_overhead_ms > 0 and prof.md_request_overhead_ms > 0
+    bare = replace(prof, request_overhead_ms=0.0, md_request_overhead_ms=0.0)
+    without = {(r["mode"], r["metric"]): r for r in validate(profile_obj=bare)}
+    for mode in ("idc-pd", "cdc-pd"):
+        key = (mode, "TTFDT P50 ms")
+        assert without[key]["error"] < -TOLERANCE < rows[key]["error"]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known gap: PDD's P50 TTFDT is 30 % low and its RLD share 2x high; not modelled and "
+    "the likely cause, not yet measured: the relay shares the main cluster's one core with "
+    "prefill on the testbed (docs/benchmark.md, CPU contention); see README",
+)
+def test_within_tolerance_of_the_recorded_run(rows):
+    bad = {k: round(r["error"], 2) for k, r in rows.items() if abs(r["error"]) > TOLERANCE}
+    assert not bad
+
+
+def test_profiles_give_every_number_a_source():
+    for name in ("report", "testbed"):
+        prof = load_profile(name)
+        assert prof.sources and all(s.strip() for s in prof.sources.values())
+    with pytest.raises(ValueError, match="source"):
+        parse_profile({"kv_bytes_per_token": {"value": 1, "source": ""}, "chips": {}, "link": {}})
