@@ -31,6 +31,9 @@ INSTANCE = Settings(
     Flag("model", "smollm2 | PATH (.gguf or HF dir) | tiny:SEED[,k=v]"),
     Flag("lease_ttl_ms", "kvstore forgets an instance silent this long"),
     Flag("threads", "torch intra-op threads, 0 = torch's default"),
+    Flag(
+        "engine_kind", "the engine: pdd (ours) | vllm (needs pip install pdd[vllm])", name="engine"
+    ),
     title="instance",
 )
 ENGINE = Settings(

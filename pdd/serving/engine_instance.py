@@ -10,7 +10,11 @@ thread; ``stop()`` deregisters and stops.
 from __future__ import annotations
 
 import asyncio
+import os
+import re
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import structlog
 import torch
@@ -20,6 +24,7 @@ from pdd.core.instance import Instance, InstanceLoad, InstanceRef
 from pdd.core.stage_events import CacheReport
 from pdd.engine.config import EngineConfig
 from pdd.engine.engine import Engine
+from pdd.engine.protocol import EngineBackend, EngineKind
 from pdd.server.tls import TlsConfig, open_channel
 from pdd.serving.engine_loop import EngineLoop
 from pdd.serving.membership import Membership
@@ -30,6 +35,27 @@ from pdd.wire.kvstore_client import KvstoreClient
 log = structlog.get_logger(__name__)
 
 
+def hf_model_dir(spec: str) -> Path:
+    """``--model`` as a Hugging Face directory (what vLLM loads): a ``tiny:`` spec is written as
+    one, once per spec, so vLLM and our engine run the same weights."""
+    if not spec.startswith("tiny:"):
+        path = Path(spec)
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model: the vLLM engine needs a Hugging Face directory, got {spec!r}")
+        return path
+    root = Path(tempfile.gettempdir()) / "pdd-vllm-models"
+    path = root / re.sub(r"[^A-Za-z0-9_.=,-]", "_", spec)
+    if not (path / "config.json").is_file():
+        root.mkdir(parents=True, exist_ok=True)
+        scratch = Path(tempfile.mkdtemp(dir=root))
+        load_model(spec).save_hf(scratch)
+        try:
+            os.rename(scratch, path)  # NOTE: atomic: services starting together race here
+        except OSError:
+            pass  # another process wrote it first (same spec, same weights)
+    return path
+
+
 @dataclass(frozen=True)
 class InstanceConfig:
     ref: InstanceRef
@@ -37,6 +63,8 @@ class InstanceConfig:
     model: str
     engine: EngineConfig
     lease_ttl_ms: int = 6000
+    # Which engine runs the role: ours (the default) or vLLM in this process (``pdd.engine_vllm``).
+    engine_kind: EngineKind = EngineKind.PDD
     # torch intra-op threads; 0 keeps torch's default.
     threads: int = 0
 
@@ -59,7 +87,7 @@ class EngineInstance:
         # TLS of the channel to kvstore: the service passes its own (ServerConfig.tls).
         self.tls = tls
         self.publish_cache_events = publish_cache_events
-        self.engine: Engine | None = None
+        self.engine: EngineBackend | None = None
         self.runner: EngineLoop | None = None
         self.membership: Membership | None = None
         self._kvstore_channel = None  # opened by register(), closed by stop()
@@ -68,11 +96,20 @@ class EngineInstance:
         cfg = self.config
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        ckpt = await asyncio.to_thread(load_model, cfg.model)
-        self.engine = await asyncio.to_thread(Engine, ckpt, cfg.engine, self._on_cache_event)
+        self.engine = await asyncio.to_thread(self._build_engine)
         self.runner = EngineLoop(self.engine)
         await self.runner.start()
         metrics.LIVE.watch_engine(cfg.ref.instance_id, cfg.ref.role.value, lambda: self.engine)
+
+    def _build_engine(self) -> EngineBackend:
+        """The chosen engine, its model loaded (on a worker thread: minutes for vLLM)."""
+        cfg = self.config
+        if cfg.engine_kind is EngineKind.VLLM:
+            # NOTE: imported only on this choice: vLLM is an optional extra (pdd[vllm]).
+            from pdd.engine_vllm.engine import VllmEngine
+
+            return VllmEngine(hf_model_dir(cfg.model), cfg.engine, self._on_cache_event)
+        return Engine(load_model(cfg.model), cfg.engine, self._on_cache_event)
 
     async def register(self, port: int) -> None:
         """Join the stack (kvstore) once the gRPC server accepts calls on ``port``."""
@@ -123,18 +160,14 @@ class EngineInstance:
         if not self.publish_cache_events or eng is None or self.runner is None:
             return []
         # NOTE: the radix cache belongs to the engine thread; read it there, between steps.
-        return await self.runner.call(eng.blocks.cache.snapshot_events)
+        return await self.runner.call(eng.cache_snapshot)
 
     def load(self) -> InstanceLoad:
         eng = self.engine
         if eng is None:
             return InstanceLoad()
         used, total = eng.kv_usage()
-        running = (
-            sum(1 for s in eng.scheduler.running if not s.paused)
-            if hasattr(eng.scheduler, "running")
-            else 0
-        )
+        running, _, _ = eng.request_counts()
         return InstanceLoad(
             running_requests=running, waiting_requests=0, kv_blocks_used=used, kv_blocks_total=total
         )

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 
 import torch
 
-from pdd.engine.engine import Engine
 from pdd.engine.kv_wire import KvPayload
+from pdd.engine.protocol import EngineBackend
 from pdd.kv.compression import decode_tensor, encode_tensor
 from pdd.kv.layout import KvDtype, KvLayout
 from pdd.kv.transfer import DEFAULT_CHUNK_BYTES, Compression, TransferHeader, make_header
@@ -25,7 +25,7 @@ TOKEN_MAJOR = "token,layer,kv,head,dim"
 _ENGINE_AXES = ("layer", "kv", "token", "head", "dim")
 
 
-def engine_layout(engine: Engine, wire_dtype: KvDtype | None = None) -> KvLayout:
+def engine_layout(engine: EngineBackend, wire_dtype: KvDtype | None = None) -> KvLayout:
     mc = engine.model_config
     dtype = wire_dtype or KvDtype.of(engine.dtype)
     return KvLayout(
@@ -39,7 +39,7 @@ def engine_layout(engine: Engine, wire_dtype: KvDtype | None = None) -> KvLayout
 
 
 def range_header(
-    engine: Engine,
+    engine: EngineBackend,
     request_id: str,
     start: int,
     end: int,
@@ -63,7 +63,7 @@ def range_header(
     )
 
 
-def export_tokens(engine: Engine, request_id: str, start: int, end: int) -> torch.Tensor:
+def export_tokens(engine: EngineBackend, request_id: str, start: int, end: int) -> torch.Tensor:
     """KV of tokens ``[start, end)``, token-major ``[n, L, 2, KV, D]`` (call on the engine thread)."""
     kv = engine.export_kv(request_id, start, end).to_tensor()  # [L, 2, n, KV, D]
     return kv.permute(2, 0, 1, 3, 4).contiguous()  # [n, L, 2, KV, D]
@@ -74,7 +74,7 @@ def wire_bytes(kv: torch.Tensor, layout: KvLayout) -> memoryview:
     return encode_tensor(kv, layout.dtype)
 
 
-def import_range(engine: Engine, request_id: str, header: TransferHeader, payload) -> None:
+def import_range(engine: EngineBackend, request_id: str, header: TransferHeader, payload) -> None:
     """Write a received range into the request's KV, converting dtype (call on the engine thread)."""
     if header.num_tokens == 0:
         return

@@ -22,6 +22,8 @@ LAYERS = {
     "pdd.prefix_index": 1,
     "pdd.telemetry": 1,
     "pdd.server": 2,
+    # The engine boundary over vLLM: above our engine (its records), beside server.
+    "pdd.engine_vllm": 2,
     "pdd.wire": 3,
     "pdd.serving": 4,
     "pdd.http": 5,

@@ -1,0 +1,10 @@
+"""PDD's engine boundary (``pdd.engine.protocol.EngineBackend``) over vLLM, run in-process.
+
+Loaded only when a service runs with ``--engine vllm`` (the optional extra ``pdd[vllm]``):
+``engine`` (``VllmEngine``: the boundary over vLLM's ``LLMEngine``), ``connector``
+(``PddConnector``, vLLM's ``KVConnectorBase_V1``: a prefill's KV saved as it is computed, imported
+KV loaded into vLLM's paged cache), ``kv_store`` (what the engine and its connector share: KV per
+request in the canonical layout), ``paged_kv`` (vLLM's CPU paged layout ↔ canonical tokens, a TP
+rank's head slice), ``cache_events`` (vLLM's KV events → PDD's chained block hashes), ``sampling``
+(PDD's sampling parameters → vLLM's).
+"""
