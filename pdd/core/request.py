@@ -57,6 +57,8 @@ class TokenEvent:
     token_ids: tuple[int, ...]
     stage: Stage
     logprobs: tuple[Logprob, ...] = ()  # one per token when the request asked for them
+    # sampling.prompt_logprobs: prompt tokens 1..n-1's, on the event carrying output position 0
+    prompt_logprobs: tuple[Logprob, ...] = ()
 
 
 @dataclass

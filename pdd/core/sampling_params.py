@@ -24,6 +24,9 @@ class Logprob:
 
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    # The token's rank in its distribution (1 = the most likely); None where not computed (it is
+    # for prompt tokens, as vLLM's ``prompt_logprobs`` report it).
+    rank: int | None = None
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,11 @@ class SamplingParams:
     logprobs: int | None = None
     # Structured output: an llguidance grammar (JSON text, see ``grammar``) the output must follow
     grammar: str | None = None
+    # None: no prompt scoring; k: every prompt token's logprob after the first (vLLM's
+    # prompt_logprobs, OpenAI's echo), plus the k most likely tokens' at each (0..MAX_LOGPROBS).
+    # NOTE: the stage that computes the prompt computes all of it (no prefix-cache hit): a cached
+    # prefix has K/V but no logits.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         """NOTE: the one place these rules live; the wire and HTTP converters build a
@@ -87,6 +95,12 @@ class SamplingParams:
         ):
             raise InvalidArgumentError(
                 "logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
+            )
+        if self.prompt_logprobs is not None and not (
+            isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
+            raise InvalidArgumentError(
+                "prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}"
             )
         if self.grammar is not None and not (isinstance(self.grammar, str) and self.grammar):
             raise InvalidArgumentError(

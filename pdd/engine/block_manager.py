@@ -46,7 +46,8 @@ class BlockManager:
         if seq.block_table or seq.cache_handle is not None:
             raise RuntimeError(f"{seq.request_id}: match on a sequence that still holds KV")
         seq.num_computed = 0
-        if not self.enable_prefix_caching:
+        # NOTE: a request scoring its prompt computes every position: a cached prefix has no logits
+        if not self.enable_prefix_caching or seq.prompt_logprobs is not None:
             return
         hit = self.cache.match(seq.token_ids[:-1], seq.salt)
         self.cache.lock(hit.handle)

@@ -2,7 +2,8 @@
 
 Rows are laid out decode-first (one token per decoding sequence), then the
 prefill chunks; only the last row of a sequence that has now computed every
-known token is turned into logits. Block tables are padded into one tensor per
+known token is turned into logits (and, for a request scoring its prompt, every row of a prompt
+position followed by another prompt token: ``ScoredRows``). Block tables are padded into one tensor per
 group so each layer does one kernel call (or one gather and one SDPA) per group,
 never a Python loop over sequences. Decode rows read the pool in place with the
 paged kernel when it is enabled (``paged_decode``): they then need only their
@@ -10,6 +11,8 @@ context lengths, no mask and no gather buffer.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -20,6 +23,16 @@ from pdd.engine.model import LlamaModel
 from pdd.engine.paged_decode import enabled as paged_kernel_enabled
 from pdd.engine.rope import RotaryTable
 from pdd.engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class ScoredRows:
+    """Logits of prompt positions ``[start, start + len(logits))`` of ``seq``: row ``i`` scores
+    prompt token ``start + i + 1``."""
+
+    seq: Sequence
+    start: int
+    logits: torch.Tensor  # [R, V] float32
 
 
 class ModelRunner:
@@ -48,8 +61,11 @@ class ModelRunner:
         )  # backs the gather buffers
 
     @torch.inference_mode()
-    def run(self, batch: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor]:
-        """Forward ``batch``; returns the sequences to sample and their logits ``[S, V]`` (float32)."""
+    def run(
+        self, batch: list[tuple[Sequence, int]]
+    ) -> tuple[list[Sequence], torch.Tensor, list[ScoredRows]]:
+        """Forward ``batch``; returns the sequences to sample, their logits ``[S, V]`` (float32) and
+        the prompt rows scored for requests that asked for prompt logprobs."""
         decode = [(s, n) for s, n in batch if n == 1]
         prefill = [(s, n) for s, n in batch if n > 1]
         ids: list[int] = []
@@ -57,6 +73,8 @@ class ModelRunner:
         slots: list[int] = []
         sampled: list[Sequence] = []
         rows: list[int] = []
+        scored: list[tuple[Sequence, int, int]] = []  # (seq, first position, rows)
+        score_rows: list[int] = []
         scratch = self.cache.scratch_slot
         for s, n in decode + prefill:
             start = s.num_computed
@@ -66,6 +84,9 @@ class ModelRunner:
             if start + n == s.num_tokens and s.finish_when_computed is None:
                 sampled.append(s)
                 rows.append(len(ids) - 1)
+            if s.prompt_logprobs is not None and (end := min(start + n, s.prompt_len - 1)) > start:
+                scored.append((s, start, end - start))
+                score_rows.extend(range(len(ids) - n, len(ids) - n + end - start))
         meta = AttentionMetadata(slot_mapping=self._tensor(slots), num_decode=len(decode))
         if decode:
             self._decode_meta(meta, [s for s, _ in decode])
@@ -73,12 +94,22 @@ class ModelRunner:
             self._prefill_meta(meta, prefill)
         self._gather_buffers(meta)
         cos, sin = self.rope.lookup(self._tensor(positions))
-        every_row = len(rows) == len(ids)  # a pure decode step samples every row
+        # a pure decode step samples every row, in order
+        every_row = not score_rows and len(rows) == len(ids)
         logits = self.model(
-            self._tensor(ids), cos, sin, self.cache, meta, None if every_row else self._tensor(rows)
-        )
+            self._tensor(ids),
+            cos,
+            sin,
+            self.cache,
+            meta,
+            None if every_row else self._tensor(rows + score_rows),
+        )  # [S + R, V]
         self.num_forwards += 1
-        return sampled, logits
+        out, at = [], len(rows)
+        for s, start, count in scored:
+            out.append(ScoredRows(s, start, logits[at : at + count]))
+            at += count
+        return sampled, logits[: len(rows)], out
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)

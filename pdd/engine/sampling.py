@@ -28,6 +28,7 @@ __all__ = [
     "adjust_logits",
     "position_uniform",
     "prompt_mask",
+    "ranked_logprobs",
     "sample",
     "token_logprobs",
 ]
@@ -150,3 +151,19 @@ def token_logprobs(
             top = tuple(zip(ids.tolist(), values.tolist()))
         out[i] = Logprob(float(lsm[j, tokens[i]]), top)
     return out
+
+
+def ranked_logprobs(logits: torch.Tensor, tokens: Sequence[int], k: int) -> list[Logprob]:
+    """Row ``i``'s ``Logprob`` of ``tokens[i]`` with its rank (1 = the most likely) and the top
+    ``k``, from the raw ``logits [R, V]``: how a prompt is scored (vLLM's ``prompt_logprobs``)."""
+    if not tokens:
+        return []
+    lsm = torch.log_softmax(logits.float(), dim=-1)  # [R, V]
+    ids = torch.as_tensor(list(tokens), dtype=torch.long, device=lsm.device)
+    chosen = lsm.gather(1, ids[:, None])  # [R, 1]
+    ranks = ((lsm > chosen).sum(dim=-1) + 1).tolist()
+    top: list[tuple[tuple[int, float], ...]] = [()] * len(tokens)
+    if k:
+        values, top_ids = lsm.topk(k, dim=-1)  # [R, k]
+        top = [tuple(zip(i, v)) for i, v in zip(top_ids.tolist(), values.tolist())]
+    return [Logprob(lp, t, rank) for lp, t, rank in zip(chosen[:, 0].tolist(), top, ranks)]

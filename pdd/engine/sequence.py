@@ -49,6 +49,10 @@ class Sequence:
     matcher: object | None = None
     # which tokens the prompt holds ([V] bool), for a repetition penalty; built once, on first use
     prompt_seen: object | None = None
+    # sampling.prompt_logprobs: entry i is prompt token i + 1's Logprob (from position i's logits),
+    # filled as the prompt is computed; None once reported with the first sampled output, or
+    # when not asked for. NOTE: while set, the radix cache is not matched (``BlockManager.match``).
+    prompt_logprobs: list | None = None
 
     @property
     def num_tokens(self) -> int:

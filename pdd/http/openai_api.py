@@ -267,6 +267,12 @@ class OpenAIServer:
     # ---- generation -----------------------------------------------------------------
     async def _generate(self, request: web.Request, convert) -> web.StreamResponse:
         api = convert(await self._body(request), self.info, request[REQUEST_ID])
+        api = api.routed(
+            *conv.route_overrides(
+                request.headers.get(conv.PIPELINE_HEADER, ""),
+                request.headers.get(conv.HANDOFF_HEADER, ""),
+            )
+        )
         events = choice_events(self.gateway, api.choice_jobs(), self.decode, api.stop)
         async with contextlib.aclosing(events):
             if api.stream:
@@ -277,36 +283,92 @@ class OpenAIServer:
         # NOTE: a model without a tokenizer has no token strings; vLLM's spelling for that case
         return self.decode([token]) if self.decode is not None else f"token_id:{token}"
 
+    def _prompt_text(self, api: conv.ApiRequest, choice: int) -> str:
+        """The prompt as echoed: as given, or its token ids detokenized."""
+        text = api.prompt_texts[choice // api.n] if api.prompt_texts else None
+        if text is not None:
+            return text
+        ids = api.prompt_of(choice).prompt_token_ids
+        return self.decode(ids) if self.decode is not None else "".join(map(self._token_text, ids))
+
+    @staticmethod
+    def _scores(prompt: tuple[Logprob, ...] | None) -> tuple[Logprob, ...]:
+        if prompt is None:  # NOTE: the gateway fails a request whose output 0 lacks them
+            raise RuntimeError("the prompt's logprobs were asked for but never came")
+        return prompt
+
+    @staticmethod
+    def _usage(api: conv.ApiRequest, ends: dict[int, End]) -> tuple[int, int]:
+        """(prompt tokens, once per prompt; completion tokens over every choice)."""
+        prompt = sum(ends[p * api.n].prompt_tokens for p in range(len(api.jobs)))
+        completion = sum(e.completion_tokens for e in ends.values()) if api.generate else 0
+        return prompt, completion
+
+    def _choice(
+        self,
+        api: conv.ApiRequest,
+        i: int,
+        text: str,
+        ids: list[int],
+        logprobs: list[Logprob],
+        prompt: tuple[Logprob, ...] | None,
+        end: End,
+    ) -> conv.Choice:
+        prompt_ids = api.prompt_of(i).prompt_token_ids
+        items: list[tuple[int, Logprob | None]] = list(zip(ids, logprobs))
+        if api.echo:
+            text = self._prompt_text(api, i) + text
+            if api.logprobs:
+                items = conv.echo_items(api, prompt_ids, self._scores(prompt)) + items
+        return conv.Choice(
+            text,
+            conv.finish_reason(end.finish_reason) if api.generate else "length",
+            ids,
+            conv.logprobs_body(api, items, self._token_text) if api.logprobs else None,
+            None
+            if api.prompt_logprobs is None
+            else conv.prompt_logprobs_body(
+                prompt_ids, self._scores(prompt), api.prompt_logprobs, self._token_text
+            ),
+        )
+
     async def _whole(
         self, api: conv.ApiRequest, events: AsyncIterator[tuple[int, Delta | End]]
     ) -> web.Response:
-        texts: list[list[str]] = [[] for _ in range(api.n)]
-        ids: list[list[int]] = [[] for _ in range(api.n)]
-        logprobs: list[list[Logprob]] = [[] for _ in range(api.n)]
+        k = api.num_choices
+        texts: list[list[str]] = [[] for _ in range(k)]
+        ids: list[list[int]] = [[] for _ in range(k)]
+        logprobs: list[list[Logprob]] = [[] for _ in range(k)]
+        prompts: list[tuple[Logprob, ...] | None] = [None] * k
         ends: dict[int, End] = {}
         async for i, ev in events:
             if isinstance(ev, Delta):
-                texts[i].append(ev.text)
-                ids[i].extend(ev.token_ids)
-                logprobs[i].extend(ev.logprobs)
+                if ev.prompt_logprobs is not None:
+                    prompts[i] = ev.prompt_logprobs
+                if api.generate:  # NOTE: echo without generation drops the one token generated
+                    texts[i].append(ev.text)
+                    ids[i].extend(ev.token_ids)
+                    logprobs[i].extend(ev.logprobs)
             else:
                 ends[i] = ev
-        assert len(ends) == api.n, "every request life ends with a final event"
+        assert len(ends) == k, "every request life ends with a final event"
         choices = [
-            conv.Choice(
-                "".join(texts[i]),
-                conv.finish_reason(ends[i].finish_reason),
-                ids[i],
-                conv.logprobs_body(api, list(zip(ids[i], logprobs[i])), self._token_text)
-                if api.logprobs
-                else None,
-            )
-            for i in range(api.n)
+            self._choice(api, i, "".join(texts[i]), ids[i], logprobs[i], prompts[i], ends[i])
+            for i in range(k)
         ]
-        return _json(
-            conv.response_body(
-                api, choices, ends[0].prompt_tokens, sum(e.completion_tokens for e in ends.values())
-            )
+        return _json(conv.response_body(api, choices, *self._usage(api, ends)))
+
+    def _echo_chunk(
+        self, api: conv.ApiRequest, i: int, prompt: tuple[Logprob, ...] | None, offsets: list[int]
+    ) -> dict[str, Any]:
+        """A streamed choice's first chunk under echo: the prompt (and its logprobs)."""
+        logprobs = None
+        if api.logprobs:
+            items = conv.echo_items(api, api.prompt_of(i).prompt_token_ids, self._scores(prompt))
+            logprobs = conv.logprobs_body(api, items, self._token_text, offsets[i])
+            offsets[i] += sum(len(t) for t in logprobs["tokens"])
+        return conv.chunk_body(
+            api, self._prompt_text(api, i), None, None, index=i, logprobs=logprobs
         )
 
     async def _stream(
@@ -321,15 +383,22 @@ class OpenAIServer:
             await resp.write(b"data: " + (obj if isinstance(obj, bytes) else _dumps(obj)) + b"\n\n")
 
         ends: dict[int, End] = {}
-        offsets = [0] * api.n  # completions' text_offset continues over a choice's chunks
+        k = api.num_choices
+        offsets = [0] * k  # completions' text_offset continues over a choice's chunks
+        echoed = [not api.echo] * k
         try:
             async for i, ev in events:
                 if not resp.prepared:
                     await resp.prepare(request)
                     if api.kind == conv.CHAT:
-                        for k in range(api.n):
-                            await send(conv.chunk_body(api, role=True, index=k))
+                        for c in range(k):
+                            await send(conv.chunk_body(api, role=True, index=c))
                 if isinstance(ev, Delta):
+                    if not echoed[i]:
+                        echoed[i] = True
+                        await send(self._echo_chunk(api, i, ev.prompt_logprobs, offsets))
+                    if not api.generate:
+                        continue
                     logprobs = None
                     if api.logprobs and ev.token_ids:
                         logprobs = conv.logprobs_body(
@@ -345,15 +414,10 @@ class OpenAIServer:
                         )
                     continue
                 ends[i] = ev
-                await send(
-                    conv.chunk_body(api, "", conv.finish_reason(ev.finish_reason), (), index=i)
-                )
-                if api.include_usage and len(ends) == api.n:
-                    await send(
-                        conv.usage_chunk(
-                            api, ev.prompt_tokens, sum(e.completion_tokens for e in ends.values())
-                        )
-                    )
+                finish = conv.finish_reason(ev.finish_reason) if api.generate else "length"
+                await send(conv.chunk_body(api, "", finish, (), index=i))
+                if api.include_usage and len(ends) == k:
+                    await send(conv.usage_chunk(api, *self._usage(api, ends)))
         except (ConnectionResetError, asyncio.CancelledError):
             log.info("http_client_gone")
             raise

@@ -10,8 +10,12 @@ field (HTTP 400). Supported: ``max_tokens`` (chat: also
 ``response_format`` (text, json_object, json_schema: structured output),
 ``stream`` + ``stream_options.include_usage``; vLLM-style extras ``top_k``,
 ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``cache_salt``,
-``session_id``, ``return_token_ids``. Features PDD does not have (echo, tools,
-...) are refused rather than silently ignored.
+``session_id``, ``return_token_ids``, ``prompt_logprobs`` (not streamed). Completions
+also take a batch — ``prompt`` as a list of strings or of token-id lists, choice
+``prompt_index * n + j`` — and ``echo`` (the prompt before the text; with ``logprobs``,
+the prompt tokens' logprobs first, the first one null; ``max_tokens: 0`` then returns
+the prompt alone, as vLLM does). Features PDD does not have (suffix, tools, chat's
+echo, ...) are refused rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any
 
 from pdd.core.errors import InvalidArgumentError
 from pdd.core.model_info import ModelInfo
+from pdd.core.pipeline import HandoffMode, Pipeline
 from pdd.core.request import GenerateJob
 from pdd.core.sampling_params import MAX_LOGPROBS, Logprob
 from pdd.engine import grammar
@@ -35,19 +40,40 @@ _U32, _U64 = 2**32, 2**64
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_STOP_STRINGS = 16
 MAX_N = 16  # choices per request: each is a whole generation
+MAX_PROMPTS = 256  # prompts in one completions batch: each runs as requests of its own
+# Operators' and tests' overrides of the router, as gRPC's force_pipeline / handoff_mode
+PIPELINE_HEADER, HANDOFF_HEADER = "X-PDD-Pipeline", "X-PDD-Handoff-Mode"
 
 
 @dataclass(frozen=True)
 class ApiRequest:
     kind: str  # COMPLETION | CHAT
     model: str
-    job: GenerateJob
+    jobs: tuple[GenerateJob, ...]  # one per prompt (a completions batch has several)
     stream: bool = False
     include_usage: bool = False
     stop: tuple[str, ...] = ()
     return_token_ids: bool = False
     n: int = 1
     created: int = field(default_factory=lambda: int(time.time()))
+    echo: bool = False
+    # The prompts as given, for echo (None: given as token ids, so detokenized)
+    prompt_texts: tuple[str | None, ...] = ()
+    # False: echo with max_tokens 0 — the prompt alone (the one token generated is dropped)
+    generate: bool = True
+    # vLLM's prompt_logprobs extra: the top k per prompt token in the choice's prompt_logprobs
+    prompt_logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.jobs:
+            raise ValueError("jobs: at least one prompt")
+        if not self.generate and not self.echo:
+            raise ValueError("generate: False only with echo")
+
+    @property
+    def job(self) -> GenerateJob:
+        """The first prompt's job (its id names the response)."""
+        return self.jobs[0]
 
     @property
     def logprobs(self) -> bool:
@@ -55,29 +81,68 @@ class ApiRequest:
         return self.job.sampling.logprobs is not None
 
     @property
+    def num_choices(self) -> int:
+        return len(self.jobs) * self.n
+
+    @property
     def id(self) -> str:
         return ("chatcmpl-" if self.kind == CHAT else "cmpl-") + self.job.request_id
 
+    def prompt_of(self, choice: int) -> GenerateJob:
+        return self.jobs[choice // self.n]
+
+    def routed(self, pipeline: Pipeline | None, mode: HandoffMode | None) -> ApiRequest:
+        """Every job forced onto ``pipeline`` / ``mode`` (the router's overrides; None: keep)."""
+        if pipeline is None and mode is None:
+            return self
+        jobs = tuple(
+            replace(
+                j,
+                force_pipeline=pipeline or j.force_pipeline,
+                handoff_mode=mode or j.handoff_mode,
+            )
+            for j in self.jobs
+        )
+        return replace(self, jobs=jobs)
+
     def choice_jobs(self) -> list[GenerateJob]:
-        """One request life per choice: ``n`` requests with the same prompt (so the later ones find it
-        in the prefix caches), ids ``<request_id>-<i>``; with a seed, choice ``i`` draws with
-        ``seed + i`` (vLLM's rule), so choice 0 is what ``n = 1`` would give."""
-        if self.n == 1:
+        """One request life per choice, choice ``p * n + j`` for prompt ``p``: ``n`` requests with
+        the same prompt (so the later ones find it in the prefix caches), ids
+        ``<request_id>-<choice>``; with a seed, choice ``j`` of a prompt draws with ``seed + j``
+        (vLLM's rule), so choice 0 is what ``n = 1`` would give."""
+        if self.num_choices == 1:
             return [self.job]
         jobs = []
-        for i in range(self.n):
-            suffix = f"-{i}"
-            sampling = self.job.sampling
+        for index in range(self.num_choices):
+            job, j = self.prompt_of(index), index % self.n
+            suffix = f"-{index}"
+            sampling = job.sampling
             if sampling.seed is not None:
-                sampling = replace(sampling, seed=(sampling.seed + i) % _U64)
+                sampling = replace(sampling, seed=(sampling.seed + j) % _U64)
             jobs.append(
                 replace(
-                    self.job,
+                    job,
                     request_id=self.job.request_id[: 128 - len(suffix)] + suffix,
                     sampling=sampling,
                 )
             )
         return jobs
+
+
+def route_overrides(pipeline: str, mode: str) -> tuple[Pipeline | None, HandoffMode | None]:
+    """The router overrides named by the ``X-PDD-Pipeline`` / ``X-PDD-Handoff-Mode`` headers
+    ("" = none), e.g. ``p-rld-md`` and ``catch-up``."""
+    out = []
+    for header, value, kind in (
+        (PIPELINE_HEADER, pipeline, Pipeline),
+        (HANDOFF_HEADER, mode, HandoffMode),
+    ):
+        try:
+            out.append(kind(value.strip().lower()) if value else None)
+        except ValueError:
+            names = ", ".join(v.value for v in kind)
+            raise InvalidArgumentError(header, f"must be one of {names}, got {value!r}") from None
+    return out[0], out[1]
 
 
 # ---- type checks ------------------------------------------------------------------
@@ -139,12 +204,12 @@ def _stop_strings(body: dict) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _refuse_unsupported(body: dict) -> None:
+def _refuse_unsupported(body: dict, kind: str) -> None:
     best_of = body.get("best_of")
     if best_of is not None and best_of != 1:
         raise InvalidArgumentError("best_of", "only best_of=1 is supported")
-    if body.get("echo") not in (None, False):
-        raise InvalidArgumentError("echo", "is not supported")
+    if kind == CHAT and body.get("echo") not in (None, False):
+        raise InvalidArgumentError("echo", "is not supported for chat completions")
     for name in ("suffix", "tools", "functions"):
         if body.get(name):
             raise InvalidArgumentError(name, "is not supported")
@@ -221,14 +286,18 @@ def _generate_request(body: dict, request_id: str, max_tokens: int) -> pb.Genera
 def _common(body: Any, kind: str) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise InvalidArgumentError("body", "must be a JSON object")
-    _refuse_unsupported(body)
+    _refuse_unsupported(body, kind)
     stream = _bool(body, "stream")
     options = body.get("stream_options")
     if options is not None and (not stream or not isinstance(options, dict)):
         raise InvalidArgumentError(
             "stream_options", "is only allowed as an object with stream: true"
         )
+    prompt_logprobs = _int(body, "prompt_logprobs", 0, MAX_LOGPROBS + 1)
+    if prompt_logprobs is not None and stream:
+        raise InvalidArgumentError("prompt_logprobs", "is not supported with stream: true")
     return dict(
+        prompt_logprobs=prompt_logprobs,
         kind=kind,
         model=body.get("model"),
         stream=stream,
@@ -239,32 +308,70 @@ def _common(body: Any, kind: str) -> dict[str, Any]:
     )
 
 
-def completion_request(body: Any, info: ModelInfo, request_id: str) -> ApiRequest:
-    """``POST /v1/completions``: ``prompt`` is text or token ids (a batch of one is unwrapped)."""
-    common = _common(body, COMPLETION)
+_PROMPT_SHAPES = "a string, a list of token ids, or a batch: a list of strings or of token-id lists"
+
+
+def _prompts(body: dict) -> list[str | list[int] | None]:
+    """``prompt`` as a list of prompts (one unless a batch); None: absent (the converter says so)."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    if prompt == [] or prompt == "":
+    if prompt is None or isinstance(prompt, str):
+        if prompt == "":
+            raise InvalidArgumentError("prompt", "must not be empty")
+        return [prompt]
+    if not isinstance(prompt, list):
+        raise InvalidArgumentError("prompt", f"must be {_PROMPT_SHAPES}")
+    if not prompt:
         raise InvalidArgumentError("prompt", "must not be empty")
-    if isinstance(prompt, list) and all(isinstance(p, (str, list)) for p in prompt):
-        raise InvalidArgumentError(
-            "prompt", "batches of prompts are not supported; send one request per prompt"
-        )
-    req = _generate_request(
-        body, request_id, _int(body, "max_tokens", 0, _U32, DEFAULT_COMPLETION_MAX_TOKENS)
-    )
+    if not all(isinstance(p, (str, list)) for p in prompt):
+        return [_token_ids(prompt, "prompt")]
+    if len({type(p) for p in prompt}) != 1:
+        raise InvalidArgumentError("prompt", f"must be {_PROMPT_SHAPES}, not a mix")
+    if len(prompt) > MAX_PROMPTS:
+        raise InvalidArgumentError("prompt", f"at most {MAX_PROMPTS} prompts in one batch")
+    for i, p in enumerate(prompt):
+        if not p:
+            raise InvalidArgumentError(f"prompt[{i}]", "must not be empty")
+        if isinstance(p, list):
+            _token_ids(p, f"prompt[{i}]")
+    return prompt
+
+
+def completion_request(body: Any, info: ModelInfo, request_id: str) -> ApiRequest:
+    """``POST /v1/completions``: ``prompt`` is text, token ids, or a batch of either."""
+    common = _common(body, COMPLETION)
+    prompts = _prompts(body)
+    echo = _bool(body, "echo")
+    max_tokens = _int(body, "max_tokens", 0, _U32, DEFAULT_COMPLETION_MAX_TOKENS)
+    # NOTE: echo with max_tokens 0 (vLLM's echo without generation): one token is generated and
+    # dropped, so every request life still has an output position 0 carrying the prompt's scores.
+    generate = not (echo and max_tokens == 0)
+    template = _generate_request(body, request_id, max_tokens if generate else 1)
     # NOTE: OpenAI's completions logprobs: the top k, and always the sampled token's
     k = _int(body, "logprobs", 0, MAX_LOGPROBS + 1)
     if k is not None:
-        req.logprobs = k
-    if isinstance(prompt, str):
-        req.prompt = prompt
-    elif isinstance(prompt, list):
-        req.prompt_token_ids.token_ids.extend(_token_ids(prompt, "prompt"))
-    elif prompt is not None:
-        raise InvalidArgumentError("prompt", "must be a string or a list of token ids")
-    return ApiRequest(job=generate_from_pb(req, info), **common)
+        template.logprobs = k
+    scored = [v for v in (k if echo else None, common["prompt_logprobs"]) if v is not None]
+    if scored:
+        template.prompt_logprobs = max(scored)
+    jobs = []
+    for i, prompt in enumerate(prompts):
+        req = pb.GenerateRequest()
+        req.CopyFrom(template)
+        if isinstance(prompt, str):
+            req.prompt = prompt
+        elif prompt is not None:
+            req.prompt_token_ids.token_ids.extend(prompt)
+        if len(prompts) == 1:
+            jobs.append(generate_from_pb(req, info))
+            continue
+        try:
+            jobs.append(generate_from_pb(req, info))
+        except InvalidArgumentError as exc:
+            if not exc.field.startswith("prompt"):
+                raise
+            raise InvalidArgumentError(f"prompt[{i}]", f"{exc.field}: {exc.description}") from None
+    texts = tuple(p if isinstance(p, str) else None for p in prompts)
+    return ApiRequest(jobs=tuple(jobs), echo=echo, prompt_texts=texts, generate=generate, **common)
 
 
 def chat_request(body: Any, info: ModelInfo, request_id: str) -> ApiRequest:
@@ -285,7 +392,9 @@ def chat_request(body: Any, info: ModelInfo, request_id: str) -> ApiRequest:
         req.logprobs = top or 0
     elif top is not None:
         raise InvalidArgumentError("top_logprobs", 'needs "logprobs": true')
-    return ApiRequest(job=generate_from_pb(req, info), **common)
+    if common["prompt_logprobs"] is not None:
+        req.prompt_logprobs = common["prompt_logprobs"]
+    return ApiRequest(jobs=(generate_from_pb(req, info),), **common)
 
 
 # ---- responses --------------------------------------------------------------------
@@ -304,7 +413,7 @@ def _envelope(r: ApiRequest, chunk: bool) -> dict[str, Any]:
 
 def logprobs_body(
     r: ApiRequest,
-    items: Sequence[tuple[int, Logprob]],
+    items: Sequence[tuple[int, Logprob | None]],
     token_text: Callable[[int], str],
     text_offset: int = 0,
 ) -> dict[str, Any]:
@@ -312,7 +421,8 @@ def logprobs_body(
 
     Chat: ``content`` entries with ``token``, ``logprob``, ``bytes`` and ``top_logprobs``.
     Completions: ``tokens``, ``token_logprobs``, ``top_logprobs`` (the top k and always the
-    sampled token, so up to k + 1) and ``text_offset`` (from ``text_offset``, in token strings).
+    sampled token, so up to k + 1) and ``text_offset`` (from ``text_offset``, in token strings);
+    a None Logprob (echo's first prompt token, which nothing predicts) is null in both lists.
     """
     if r.kind == CHAT:
 
@@ -332,14 +442,42 @@ def logprobs_body(
         offsets.append(text_offset)
         text_offset += len(text)
     top = [
-        {**{token_text(tt): v for tt, v in lp.top}, token_text(t): lp.logprob} for t, lp in items
+        None
+        if lp is None
+        else {**{token_text(tt): v for tt, v in lp.top}, token_text(t): lp.logprob}
+        for t, lp in items
     ]
     return {
         "tokens": tokens,
-        "token_logprobs": [lp.logprob for _, lp in items],
+        "token_logprobs": [None if lp is None else lp.logprob for _, lp in items],
         "top_logprobs": top,
         "text_offset": offsets,
     }
+
+
+def echo_items(
+    r: ApiRequest, prompt_ids: Sequence[int], scores: Sequence[Logprob]
+) -> list[tuple[int, Logprob | None]]:
+    """The prompt's (token, Logprob) for an echoed choice's logprobs: the first token's None, the
+    rest with the request's top ``logprobs`` (the engine may have scored more for
+    ``prompt_logprobs``)."""
+    k = r.job.sampling.logprobs or 0
+    trimmed = [lp if len(lp.top) <= k else replace(lp, top=lp.top[:k]) for lp in scores]
+    return list(zip(prompt_ids, [None, *trimmed]))
+
+
+def prompt_logprobs_body(
+    prompt_ids: Sequence[int], scores: Sequence[Logprob], k: int, token_text: Callable[[int], str]
+) -> list[dict[str, Any] | None]:
+    """vLLM's ``prompt_logprobs`` of a choice: null for the first prompt token, then per token
+    ``{token id: {logprob, rank, decoded_token}}`` for the token itself and the top ``k``."""
+    out: list[dict[str, Any] | None] = [None]
+    for t, lp in zip(prompt_ids[1:], scores):
+        entry = {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": token_text(t)}}
+        for rank, (tt, v) in enumerate(lp.top[:k], start=1):
+            entry.setdefault(str(tt), {"logprob": v, "rank": rank, "decoded_token": token_text(tt)})
+        out.append(entry)
+    return out
 
 
 def _choice(
@@ -351,6 +489,7 @@ def _choice(
     role: bool = False,
     index: int = 0,
     logprobs: dict[str, Any] | None = None,
+    prompt_logprobs: list[dict[str, Any] | None] | None = None,
 ) -> dict[str, Any]:
     if r.kind == CHAT:
         body: dict[str, Any] = {"index": index}
@@ -367,6 +506,8 @@ def _choice(
     body["finish_reason"] = finish
     if r.return_token_ids and token_ids is not None:
         body["token_ids"] = list(token_ids)
+    if prompt_logprobs is not None:
+        body["prompt_logprobs"] = prompt_logprobs
     return body
 
 
@@ -376,6 +517,7 @@ class Choice:
     finish: str
     token_ids: Sequence[int]
     logprobs: dict[str, Any] | None = None  # ``logprobs_body`` when the request asked for them
+    prompt_logprobs: list[dict[str, Any] | None] | None = None  # ``prompt_logprobs_body``
 
 
 def response_body(
@@ -385,7 +527,16 @@ def response_body(
     return {
         **_envelope(r, False),
         "choices": [
-            _choice(r, c.text, c.finish, c.token_ids, False, index=i, logprobs=c.logprobs)
+            _choice(
+                r,
+                c.text,
+                c.finish,
+                c.token_ids,
+                False,
+                index=i,
+                logprobs=c.logprobs,
+                prompt_logprobs=c.prompt_logprobs,
+            )
             for i, c in enumerate(choices)
         ],
         "usage": usage(prompt_tokens, completion_tokens),

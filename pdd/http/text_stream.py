@@ -26,6 +26,8 @@ class Delta:
     text: str
     token_ids: tuple[int, ...]
     logprobs: tuple[Logprob, ...] = ()  # one per token when the request asked for them
+    # On the delta of output position 0: the prompt's logprobs (tokens 1..n-1) when asked for
+    prompt_logprobs: tuple[Logprob, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,8 @@ async def text_events(
             if isinstance(ev, TokenEvent):
                 produced += len(ev.token_ids)
                 text = stops.feed(detok.add(ev.token_ids))
-                yield Delta(text, ev.token_ids, ev.logprobs)
+                prompt = ev.prompt_logprobs if ev.start_position == 0 else None
+                yield Delta(text, ev.token_ids, ev.logprobs, prompt)
                 if stops.hit:
                     ending.reason = (
                         "stop"  # NOTE: before the close below, so metrics say stop, not cancelled

@@ -83,6 +83,8 @@ def sampling_to_pb(sp: SamplingParams) -> common_pb2.SamplingParams:
         msg.logprobs = sp.logprobs
     if sp.grammar is not None:
         msg.grammar = sp.grammar
+    if sp.prompt_logprobs is not None:
+        msg.prompt_logprobs = sp.prompt_logprobs
     return msg
 
 
@@ -117,6 +119,7 @@ def sampling_fields_from(msg, vocab_size: int | None = None) -> SamplingParams:
         logit_bias=tuple(msg.logit_bias.items()),
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         grammar=msg.grammar or None,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
     )
 
 
@@ -125,11 +128,12 @@ def logprob_to_pb(lp: Logprob) -> common_pb2.TokenLogprob:
         logprob=lp.logprob,
         top_token_ids=[t for t, _ in lp.top],
         top_logprobs=[v for _, v in lp.top],
+        rank=lp.rank or 0,
     )
 
 
 def logprob_from_pb(msg: common_pb2.TokenLogprob) -> Logprob:
-    return Logprob(msg.logprob, tuple(zip(msg.top_token_ids, msg.top_logprobs)))
+    return Logprob(msg.logprob, tuple(zip(msg.top_token_ids, msg.top_logprobs)), msg.rank or None)
 
 
 # --- enums ----------------------------------------------------------------
@@ -217,12 +221,16 @@ def tokens_to_pb(ev: Tokens, stage: int) -> common_pb2.TokenDelta:
         token_ids=list(ev.token_ids),
         stage=stage,
         logprobs=[logprob_to_pb(lp) for lp in ev.logprobs],
+        prompt_logprobs=[logprob_to_pb(lp) for lp in ev.prompt_logprobs],
     )
 
 
 def tokens_from_pb(msg: common_pb2.TokenDelta) -> Tokens:
     return Tokens(
-        msg.start_position, tuple(msg.token_ids), tuple(logprob_from_pb(lp) for lp in msg.logprobs)
+        msg.start_position,
+        tuple(msg.token_ids),
+        tuple(logprob_from_pb(lp) for lp in msg.logprobs),
+        tuple(logprob_from_pb(lp) for lp in msg.prompt_logprobs),
     )
 
 

@@ -136,6 +136,7 @@ def event_to_pb(
             start_position=ev.start_position,
             request_id=request_id,
             logprobs=[logprob_to_pb(lp) for lp in ev.logprobs],
+            prompt_logprobs=[logprob_to_pb(lp) for lp in ev.prompt_logprobs],
         )
     return pb.GenerateResponse(
         finish_reason=finish_to_pb(ev.finish_reason),

@@ -64,6 +64,7 @@ def event_to_pb(ev: PrefillEvent) -> pb.PrefillResponse:
             prompt_tokens=ev.prompt_tokens,
             cached_tokens=ev.cached_tokens,
             prefill_ms=ev.prefill_ms,
+            prompt_logprobs=[logprob_to_pb(lp) for lp in ev.prompt_logprobs],
         )
         if ev.logprob is not None:
             first.logprob.CopyFrom(logprob_to_pb(ev.logprob))
@@ -85,7 +86,8 @@ def event_from_pb(msg: pb.PrefillResponse) -> PrefillEvent:
     if which == "first_token":
         f = msg.first_token
         lp = logprob_from_pb(f.logprob) if f.HasField("logprob") else None
-        return FirstToken(f.token_id, f.prompt_tokens, f.cached_tokens, f.prefill_ms, lp)
+        prompt = tuple(logprob_from_pb(p) for p in f.prompt_logprobs)
+        return FirstToken(f.token_id, f.prompt_tokens, f.cached_tokens, f.prefill_ms, lp, prompt)
     if which == "transfer_done":
         t = msg.transfer_done
         return TransferDone(

@@ -423,3 +423,112 @@ async def test_grpc_requests_are_size_limited_too(stack):
             async for _ in g_grpc.GatewayServiceStub(ch).Generate(request, timeout=30):
                 pass
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+# ---- evaluation harnesses: batched prompts, echo + prompt logprobs (issue: lm-eval's API) ----
+
+
+async def _completions(stack, body: dict, headers: dict | None = None) -> dict:
+    async with aiohttp.ClientSession() as s:
+        async with s.post(
+            f"http://{stack.http_address}/v1/completions",
+            json={"model": MODEL, **body},
+            headers={"Authorization": f"Bearer {KEY}", **(headers or {})},
+        ) as r:
+            out = await r.json()
+            assert r.status == 200, out
+            return out
+
+
+def _reference_prompt_logprobs(prompt: list[int], k: int) -> list:
+    """Our in-process engine's scores of ``prompt`` (tokens 1..n-1): the pipelines' reference."""
+    engine = Engine(load_model(MODEL), EngineConfig(block_size=16, kv_cache_bytes=32 * 2**20))
+    engine.add_request("ref", prompt, SamplingParams(max_tokens=1, prompt_logprobs=k))
+    (out,) = engine.step()
+    return list(out.prompt_logprobs)
+
+
+LM_EVAL_CONTEXT = "Question: What is 11 plus 27?\nAnswer:"
+LM_EVAL_CHOICES = [" 38", " 39", " 48"]
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"X-PDD-Pipeline": "p-md"},
+        {"X-PDD-Pipeline": "p-rld-md", "X-PDD-Handoff-Mode": "catch-up"},
+    ],
+    ids=["p-md", "p-rld-md"],
+)
+async def test_what_lm_eval_sends_scores_the_same_through_two_pipelines(stack, reference, headers):
+    """lm-eval's loglikelihood request exactly (a batch of token-id lists, echo, max_tokens 1,
+    logprobs 1) through a forced pipeline: each continuation's score equals our in-process
+    engine's (|Δ| < 1e-4) and the routed pipeline is the one asked for."""
+    context = reference.encode(LM_EVAL_CONTEXT)
+    prompts = [context + reference.encode(c) for c in LM_EVAL_CHOICES]
+    before = total(scrape(stack.metrics["gateway"]), "pdd_requests_total")
+    routed_before = total(
+        scrape(stack.metrics["gateway"]), "pdd_requests_total", pipeline=headers["X-PDD-Pipeline"]
+    )
+    body = {"prompt": prompts, "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234}
+    out = await _completions(stack, {**body, "echo": True}, headers)
+    samples = scrape(stack.metrics["gateway"])
+    assert total(samples, "pdd_requests_total") - before == len(prompts)
+    assert total(
+        samples, "pdd_requests_total", pipeline=headers["X-PDD-Pipeline"]
+    ) - routed_before == len(prompts)
+    choices = sorted(out["choices"], key=lambda c: c["index"])
+    assert [c["index"] for c in choices] == [0, 1, 2]
+    for choice, prompt in zip(choices, prompts):
+        lp = choice["logprobs"]
+        assert len(lp["token_logprobs"]) == len(prompt) + 1 and lp["token_logprobs"][0] is None
+        assert lp["top_logprobs"][0] is None
+        want = _reference_prompt_logprobs(prompt, 1)
+        got = lp["token_logprobs"][1 : len(prompt)]
+        assert max(abs(g - w.logprob) for g, w in zip(got, want)) < 1e-4
+        # lm-eval's reading: the continuation's sum, and whether it is the greedy one
+        continuation = lp["token_logprobs"][len(context) : -1]
+        tops = lp["top_logprobs"][len(context) : -1]
+        greedy = all(t == max(top.values()) for t, top in zip(continuation, tops))
+        assert greedy == all(w.rank == 1 for w in want[len(context) - 1 :])
+        assert choice["text"].startswith(reference.text(prompt))
+    assert out["usage"]["prompt_tokens"] == sum(map(len, prompts))
+
+
+def test_echo_prompt_logprobs_equal_transformers(client, reference):
+    """The prompt's logprobs through the stack against transformers' log-softmax on the same
+    GGUF weights (float32)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pdd.engine.model_source import smollm2_gguf_path
+
+    path = smollm2_gguf_path()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    prompt = reference.encode("The capital of France is Paris, and the capital of Italy is")
+    r = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=2, temperature=0
+    )
+    (choice,) = r.choices
+    assert choice.text == reference.text(prompt) and r.usage.completion_tokens == 0
+    with torch.inference_mode():
+        lsm = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    want = [float(lsm[p - 1, prompt[p]]) for p in range(1, len(prompt))]
+    got = choice.logprobs.token_logprobs
+    assert got[0] is None and len(got) == len(prompt)
+    assert max(abs(g - w) for g, w in zip(got[1:], want)) < 1e-4
+
+
+def test_a_batch_of_prompts_equals_one_request_per_prompt(client, reference):
+    prompts = ["The sky is", "Two plus two is", "My favourite fruit is"]
+    r = client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0, n=2)
+    assert [c.index for c in r.choices] == list(range(6))
+    produced = 0
+    for p, prompt in enumerate(prompts):
+        ids = reference.greedy(reference.encode(prompt), 6)
+        assert r.choices[2 * p].text == r.choices[2 * p + 1].text == reference.text(ids)
+        produced += 2 * len(ids)
+    assert r.usage.prompt_tokens == sum(len(reference.encode(p)) for p in prompts)
+    assert r.usage.completion_tokens == produced

@@ -56,7 +56,7 @@ def test_logits_match_transformers_closely(llama_oracle):
     prompt = PROMPTS[1]
     engine.add_request("r", prompt, SamplingParams(max_tokens=1))
     batch = engine.scheduler.schedule()
-    _, logits = engine.runner.run(batch)
+    _, logits, _ = engine.runner.run(batch)
     ref = llama_oracle(ckpt).next_logits(prompt)
     torch.testing.assert_close(logits[0], ref, rtol=1e-4, atol=1e-4)
 

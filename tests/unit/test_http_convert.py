@@ -114,7 +114,8 @@ def test_a_batch_of_one_prompt_is_unwrapped():
         (dict(), "prompt"),
         (dict(prompt=""), "prompt"),
         (dict(prompt=[]), "prompt"),
-        (dict(prompt=["a", "b"]), "prompt"),
+        (dict(prompt=["a", [1]]), "prompt"),  # a batch is all strings or all token-id lists
+        (dict(prompt=["a", ""]), "prompt[1]"),
         (dict(prompt=[1, -2]), "prompt"),
         (dict(prompt=[1, 5000]), "prompt_token_ids[1]"),
         (dict(prompt=[1] * 200), "prompt_token_ids"),
@@ -134,7 +135,7 @@ def test_a_batch_of_one_prompt_is_unwrapped():
         (dict(prompt="x", best_of=2), "best_of"),
         (dict(prompt="x", stop=[""]), "stop"),
         (dict(prompt="x", stop=7), "stop"),
-        (dict(prompt="x", echo=True), "echo"),
+        (dict(prompt="x", echo="yes"), "echo"),
         (dict(prompt="x", logprobs=21), "logprobs"),
         (dict(prompt="x", logprobs=True), "logprobs"),
         (dict(prompt="x", presence_penalty=2.5), "presence_penalty"),

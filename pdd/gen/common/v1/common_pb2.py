@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apdd/common/v1/common.proto\x12\rpdd.common.v1\"\x99\x03\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\n \x01(\x02\x12@\n\nlogit_bias\x18\x0b \x03(\x0b\x32,.pdd.common.v1.SamplingParams.LogitBiasEntry\x12\x15\n\x08logprobs\x18\x0c \x01(\rH\x01\x88\x01\x01\x12\x0f\n\x07grammar\x18\r \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"\x8f\x01\n\x08KvLayout\x12%\n\x05\x64type\x18\x01 \x01(\x0e\x32\x16.pdd.common.v1.KvDtype\x12\x0c\n\x04\x61xes\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\"\xfb\x01\n\x10KvTransferHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x06layout\x18\x02 \x01(\x0b\x32\x17.pdd.common.v1.KvLayout\x12\x13\n\x0bstart_token\x18\x03 \x01(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x12\n\nnum_chunks\x18\x05 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x06 \x01(\x04\x12\x31\n\x0b\x63ompression\x18\x07 \x01(\x0e\x32\x1c.pdd.common.v1.KvCompression\x12\x11\n\ttoken_ids\x18\x08 \x03(\r\x12\x12\n\ncache_salt\x18\t \x01(\t\"Y\n\x07KvChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x05 \x01(\r\"\x8b\x01\n\nTokenDelta\x12\x16\n\x0estart_position\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12#\n\x05stage\x18\x03 \x01(\x0e\x32\x14.pdd.common.v1.Stage\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.pdd.common.v1.TokenLogprob\"L\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"g\n\x0bInstanceRef\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12!\n\x04role\x18\x03 \x01(\x0e\x32\x13.pdd.common.v1.Role\x12\x0f\n\x07\x63luster\x18\x04 \x01(\t\"4\n\x0e\x46ieldViolation\x12\r\n\x05\x66ield\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t*_\n\x08Pipeline\x12\x18\n\x14PIPELINE_UNSPECIFIED\x10\x00\x12\x11\n\rPIPELINE_P_MD\x10\x01\x12\x15\n\x11PIPELINE_P_RLD_MD\x10\x02\x12\x0f\n\x0bPIPELINE_MD\x10\x03*a\n\x0bHandoffMode\x12\x1c\n\x18HANDOFF_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15HANDOFF_MODE_ONE_SHOT\x10\x01\x12\x19\n\x15HANDOFF_MODE_CATCH_UP\x10\x02*Y\n\x05Stage\x12\x15\n\x11STAGE_UNSPECIFIED\x10\x00\x12\x11\n\rSTAGE_PREFILL\x10\x01\x12\x0f\n\x0bSTAGE_RELAY\x10\x02\x12\x15\n\x11STAGE_MAIN_DECODE\x10\x03*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*T\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0e\n\nROLE_RELAY\x10\x02\x12\x14\n\x10ROLE_MAIN_DECODE\x10\x03*\x80\x01\n\x07KvDtype\x12\x18\n\x14KV_DTYPE_UNSPECIFIED\x10\x00\x12\x14\n\x10KV_DTYPE_FLOAT32\x10\x01\x12\x14\n\x10KV_DTYPE_FLOAT16\x10\x02\x12\x15\n\x11KV_DTYPE_BFLOAT16\x10\x03\x12\x18\n\x14KV_DTYPE_FLOAT8_E4M3\x10\x04*a\n\rKvCompression\x12\x1e\n\x1aKV_COMPRESSION_UNSPECIFIED\x10\x00\x12\x17\n\x13KV_COMPRESSION_NONE\x10\x01\x12\x17\n\x13KV_COMPRESSION_ZLIB\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apdd/common/v1/common.proto\x12\rpdd.common.v1\"\xcb\x03\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\n \x01(\x02\x12@\n\nlogit_bias\x18\x0b \x03(\x0b\x32,.pdd.common.v1.SamplingParams.LogitBiasEntry\x12\x15\n\x08logprobs\x18\x0c \x01(\rH\x01\x88\x01\x01\x12\x0f\n\x07grammar\x18\r \x01(\t\x12\x1c\n\x0fprompt_logprobs\x18\x0e \x01(\rH\x02\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\x8f\x01\n\x08KvLayout\x12%\n\x05\x64type\x18\x01 \x01(\x0e\x32\x16.pdd.common.v1.KvDtype\x12\x0c\n\x04\x61xes\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\"\xfb\x01\n\x10KvTransferHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x06layout\x18\x02 \x01(\x0b\x32\x17.pdd.common.v1.KvLayout\x12\x13\n\x0bstart_token\x18\x03 \x01(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x12\n\nnum_chunks\x18\x05 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x06 \x01(\x04\x12\x31\n\x0b\x63ompression\x18\x07 \x01(\x0e\x32\x1c.pdd.common.v1.KvCompression\x12\x11\n\ttoken_ids\x18\x08 \x03(\r\x12\x12\n\ncache_salt\x18\t \x01(\t\"Y\n\x07KvChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x05 \x01(\r\"\xc1\x01\n\nTokenDelta\x12\x16\n\x0estart_position\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12#\n\x05stage\x18\x03 \x01(\x0e\x32\x14.pdd.common.v1.Stage\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.pdd.common.v1.TokenLogprob\x12\x34\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x1b.pdd.common.v1.TokenLogprob\"Z\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\x12\x0c\n\x04rank\x18\x04 \x01(\r\"g\n\x0bInstanceRef\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12!\n\x04role\x18\x03 \x01(\x0e\x32\x13.pdd.common.v1.Role\x12\x0f\n\x07\x63luster\x18\x04 \x01(\t\"4\n\x0e\x46ieldViolation\x12\r\n\x05\x66ield\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t*_\n\x08Pipeline\x12\x18\n\x14PIPELINE_UNSPECIFIED\x10\x00\x12\x11\n\rPIPELINE_P_MD\x10\x01\x12\x15\n\x11PIPELINE_P_RLD_MD\x10\x02\x12\x0f\n\x0bPIPELINE_MD\x10\x03*a\n\x0bHandoffMode\x12\x1c\n\x18HANDOFF_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15HANDOFF_MODE_ONE_SHOT\x10\x01\x12\x19\n\x15HANDOFF_MODE_CATCH_UP\x10\x02*Y\n\x05Stage\x12\x15\n\x11STAGE_UNSPECIFIED\x10\x00\x12\x11\n\rSTAGE_PREFILL\x10\x01\x12\x0f\n\x0bSTAGE_RELAY\x10\x02\x12\x15\n\x11STAGE_MAIN_DECODE\x10\x03*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*T\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0e\n\nROLE_RELAY\x10\x02\x12\x14\n\x10ROLE_MAIN_DECODE\x10\x03*\x80\x01\n\x07KvDtype\x12\x18\n\x14KV_DTYPE_UNSPECIFIED\x10\x00\x12\x14\n\x10KV_DTYPE_FLOAT32\x10\x01\x12\x14\n\x10KV_DTYPE_FLOAT16\x10\x02\x12\x15\n\x11KV_DTYPE_BFLOAT16\x10\x03\x12\x18\n\x14KV_DTYPE_FLOAT8_E4M3\x10\x04*a\n\rKvCompression\x12\x1e\n\x1aKV_COMPRESSION_UNSPECIFIED\x10\x00\x12\x17\n\x13KV_COMPRESSION_NONE\x10\x01\x12\x17\n\x13KV_COMPRESSION_ZLIB\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,36 +33,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_PIPELINE']._serialized_start=1327
-  _globals['_PIPELINE']._serialized_end=1422
-  _globals['_HANDOFFMODE']._serialized_start=1424
-  _globals['_HANDOFFMODE']._serialized_end=1521
-  _globals['_STAGE']._serialized_start=1523
-  _globals['_STAGE']._serialized_end=1612
-  _globals['_FINISHREASON']._serialized_start=1615
-  _globals['_FINISHREASON']._serialized_end=1764
-  _globals['_ROLE']._serialized_start=1766
-  _globals['_ROLE']._serialized_end=1850
-  _globals['_KVDTYPE']._serialized_start=1853
-  _globals['_KVDTYPE']._serialized_end=1981
-  _globals['_KVCOMPRESSION']._serialized_start=1983
-  _globals['_KVCOMPRESSION']._serialized_end=2080
+  _globals['_PIPELINE']._serialized_start=1445
+  _globals['_PIPELINE']._serialized_end=1540
+  _globals['_HANDOFFMODE']._serialized_start=1542
+  _globals['_HANDOFFMODE']._serialized_end=1639
+  _globals['_STAGE']._serialized_start=1641
+  _globals['_STAGE']._serialized_end=1730
+  _globals['_FINISHREASON']._serialized_start=1733
+  _globals['_FINISHREASON']._serialized_end=1882
+  _globals['_ROLE']._serialized_start=1884
+  _globals['_ROLE']._serialized_end=1968
+  _globals['_KVDTYPE']._serialized_start=1971
+  _globals['_KVDTYPE']._serialized_end=2099
+  _globals['_KVCOMPRESSION']._serialized_start=2101
+  _globals['_KVCOMPRESSION']._serialized_end=2198
   _globals['_SAMPLINGPARAMS']._serialized_start=46
-  _globals['_SAMPLINGPARAMS']._serialized_end=455
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=385
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=433
-  _globals['_KVLAYOUT']._serialized_start=458
-  _globals['_KVLAYOUT']._serialized_end=601
-  _globals['_KVTRANSFERHEADER']._serialized_start=604
-  _globals['_KVTRANSFERHEADER']._serialized_end=855
-  _globals['_KVCHUNK']._serialized_start=857
-  _globals['_KVCHUNK']._serialized_end=946
-  _globals['_TOKENDELTA']._serialized_start=949
-  _globals['_TOKENDELTA']._serialized_end=1088
-  _globals['_TOKENLOGPROB']._serialized_start=1090
-  _globals['_TOKENLOGPROB']._serialized_end=1166
-  _globals['_INSTANCEREF']._serialized_start=1168
-  _globals['_INSTANCEREF']._serialized_end=1271
-  _globals['_FIELDVIOLATION']._serialized_start=1273
-  _globals['_FIELDVIOLATION']._serialized_end=1325
+  _globals['_SAMPLINGPARAMS']._serialized_end=505
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=415
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=463
+  _globals['_KVLAYOUT']._serialized_start=508
+  _globals['_KVLAYOUT']._serialized_end=651
+  _globals['_KVTRANSFERHEADER']._serialized_start=654
+  _globals['_KVTRANSFERHEADER']._serialized_end=905
+  _globals['_KVCHUNK']._serialized_start=907
+  _globals['_KVCHUNK']._serialized_end=996
+  _globals['_TOKENDELTA']._serialized_start=999
+  _globals['_TOKENDELTA']._serialized_end=1192
+  _globals['_TOKENLOGPROB']._serialized_start=1194
+  _globals['_TOKENLOGPROB']._serialized_end=1284
+  _globals['_INSTANCEREF']._serialized_start=1286
+  _globals['_INSTANCEREF']._serialized_end=1389
+  _globals['_FIELDVIOLATION']._serialized_start=1391
+  _globals['_FIELDVIOLATION']._serialized_end=1443
 # @@protoc_insertion_point(module_scope)

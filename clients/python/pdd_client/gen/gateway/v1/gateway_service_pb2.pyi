@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_token_ids", "max_tokens", "temperature", "top_p", "seed", "stop_token_ids", "session_id", "cache_salt", "force_pipeline", "handoff_mode", "top_k", "ignore_eos", "request_id", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs", "grammar")
+    __slots__ = ("prompt", "prompt_token_ids", "max_tokens", "temperature", "top_p", "seed", "stop_token_ids", "session_id", "cache_salt", "force_pipeline", "handoff_mode", "top_k", "ignore_eos", "request_id", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs", "grammar", "prompt_logprobs")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,7 @@ class GenerateRequest(_message.Message):
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_token_ids: PromptTokenIds
     max_tokens: int
@@ -56,7 +57,8 @@ class GenerateRequest(_message.Message):
     logit_bias: _containers.ScalarMap[int, float]
     logprobs: int
     grammar: str
-    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[PromptTokenIds, _Mapping]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., session_id: _Optional[str] = ..., cache_salt: _Optional[str] = ..., force_pipeline: _Optional[_Union[_common_pb2.Pipeline, str]] = ..., handoff_mode: _Optional[_Union[_common_pb2.HandoffMode, str]] = ..., top_k: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., request_id: _Optional[str] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., logprobs: _Optional[int] = ..., grammar: _Optional[str] = ...) -> None: ...
+    prompt_logprobs: int
+    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[PromptTokenIds, _Mapping]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., session_id: _Optional[str] = ..., cache_salt: _Optional[str] = ..., force_pipeline: _Optional[_Union[_common_pb2.Pipeline, str]] = ..., handoff_mode: _Optional[_Union[_common_pb2.HandoffMode, str]] = ..., top_k: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., request_id: _Optional[str] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., logprobs: _Optional[int] = ..., grammar: _Optional[str] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
 
 class PromptTokenIds(_message.Message):
     __slots__ = ("token_ids",)
@@ -65,7 +67,7 @@ class PromptTokenIds(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("token_ids", "text", "stage", "start_position", "finish_reason", "stats", "request_id", "logprobs")
+    __slots__ = ("token_ids", "text", "stage", "start_position", "finish_reason", "stats", "request_id", "logprobs", "prompt_logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +76,7 @@ class GenerateResponse(_message.Message):
     STATS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     stage: _common_pb2.Stage
@@ -82,7 +85,8 @@ class GenerateResponse(_message.Message):
     stats: GenerateStats
     request_id: str
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., stage: _Optional[_Union[_common_pb2.Stage, str]] = ..., start_position: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stats: _Optional[_Union[GenerateStats, _Mapping]] = ..., request_id: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., stage: _Optional[_Union[_common_pb2.Stage, str]] = ..., start_position: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stats: _Optional[_Union[GenerateStats, _Mapping]] = ..., request_id: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class GenerateStats(_message.Message):
     __slots__ = ("pipeline", "handoff_mode", "prompt_tokens", "completion_tokens", "rld_tokens", "md_tokens", "predicted_hit_rate", "md_cached_tokens", "wan_kv_bytes", "ttft_ms", "handoff_at_token", "prefill_instance", "relay_instance", "main_decode_instance", "prefill_cached_tokens", "e2e_ms", "wan_transfer_ms", "migrations")
