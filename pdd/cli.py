@@ -4,7 +4,8 @@ pdd up        the whole local stack, each service its own process
 pdd generate  stream a completion from a running gateway
 pdd demo      the main job: stack + agentic trace in three modes + report
 pdd chaos     inject real faults into a stack and tabulate what the clients saw
-pdd bench     benchmarks: [run] one serving mode, compare, sim, link, engine
+pdd bench     benchmarks: [run] one serving mode, compare, sim, calibrate, link, engine
+pdd plan      size a deployment's pools for the best benefit-cost ratio (the simulator)
 pdd trace     traces: gen (agentic), mooncake (map a Mooncake trace)
 
 A mistake (a missing file, a bad flag value, an unreachable gateway) ends in one line on stderr
@@ -51,6 +52,12 @@ def _add_stack_flags(p: argparse.ArgumentParser) -> None:
         "--log-dir", type=Path, default=Path("pdd-logs"), help="one log file per service"
     )
     p.add_argument(
+        "--engine",
+        choices=("pdd", "vllm"),
+        default="pdd",
+        help="the engine of prefill, relay and main_decode (vllm: pip install 'pdd[vllm]')",
+    )
+    p.add_argument(
         "--engine-flag",
         action="append",
         default=[],
@@ -67,7 +74,7 @@ def _stack_config(args: argparse.Namespace, **over) -> StackConfig:
         relay=args.relay,
         main_decode=args.main_decode,
         wan=LinkSettings(args.wan_mbps, args.wan_delay_ms, args.wan_jitter_ms),
-        engine_flags=tuple(args.engine_flag),
+        engine_flags=("--engine", getattr(args, "engine", "pdd"), *args.engine_flag),
         log_dir=args.log_dir,
         **over,
     )
@@ -261,6 +268,7 @@ BENCH = {
     "run": "pdd.bench.runner",
     "compare": "pdd.bench.report",
     "sim": "pdd.bench.sim_command",
+    "calibrate": "pdd.bench.calibrate",
     "link": "pdd.testbed.link_bench",
     "engine": "pdd.bench.engine_bench",
 }
@@ -317,7 +325,7 @@ def _command(argv: list[str]) -> str:
         return f"pdd bench {name if name in BENCH else 'run'}"
     if head == ["trace"] and name in TRACE:
         return f"pdd trace {name}"
-    if head and head[0] in ("up", "generate", "demo", "chaos", "trace"):
+    if head and head[0] in ("up", "generate", "demo", "chaos", "trace", "plan"):
         return f"pdd {head[0]}"
     return "pdd"
 
@@ -355,6 +363,10 @@ def _dispatch(argv: list[str]) -> int:
         from pdd.bench import chaos
 
         return chaos.main(argv[1:])
+    if argv[:1] == ["plan"]:
+        from pdd.bench import plan
+
+        return plan.main(argv[1:])
     parser = argparse.ArgumentParser(
         prog="pdd", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
@@ -418,7 +430,10 @@ def _dispatch(argv: list[str]) -> int:
     sub.add_parser(
         "chaos", help="kill, partition and stop services mid-stream; the table (`make chaos`)"
     )
-    sub.add_parser("bench", help="[run] --trace F --mode M --out R | compare | sim | link | engine")
+    sub.add_parser(
+        "bench", help="[run] --trace F --mode M --out R | compare | sim | calibrate | link | engine"
+    )
+    sub.add_parser("plan", help="size the pools for the best benefit-cost (the simulator)")
     sub.add_parser("trace", help="gen | mooncake")
 
     args = parser.parse_args(argv)

@@ -48,6 +48,7 @@ from pdd.testbed.stack import LinkSettings, Stack, StackConfig
 # Fault → the pipeline its requests are forced onto ("" = the router's choice).
 FAULTS = {
     "main_decode": "p-md",
+    "main_decode_relayed": "p-rld-md",
     "prefill": "p-md",
     "relay": "p-rld-md",
     "kvstore": "",
@@ -63,6 +64,8 @@ PIPELINES = {
 MOMENTS = {
     "main_decode": ">= N in flight; SIGKILL the MainDecode holding the KV of most of those that "
     "streamed a token",
+    "main_decode_relayed": ">= N in flight; SIGKILL the MainDecode most of those the relay "
+    "streams are bound for, before their handoff (the WAN delay holds their KV back)",
     "prefill": ">= N in flight; SIGKILL the prefill holding an in-flight request's KV",
     "relay": ">= N in flight; SIGKILL the relay once it holds one that streamed a token (not yet "
     "handed off)",
@@ -421,7 +424,7 @@ async def _stream(
 
 
 @dataclass
-class _Engines:
+class EngineProbe:
     """DescribeCache on every engine instance, by its own address (never through the WAN)."""
 
     stack: Stack
@@ -474,7 +477,7 @@ class _Phase:
     def __init__(self, stack: Stack, cfg: ChaosConfig, fault: str, say) -> None:
         self.stack, self.cfg, self.fault, self.say = stack, cfg, fault, say
         self.pipeline = FAULTS[fault]
-        self.engines = _Engines(stack)
+        self.engines = EngineProbe(stack)
         self.tag = f"{fault}-{uuid.uuid4().hex[:6]}"
         self.records: list[StreamRecord] = []
         self.injected_at: float | None = None

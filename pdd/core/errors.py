@@ -64,6 +64,12 @@ class PeerError(PddError):
     def cancelled(self) -> bool:
         return self.code == "CANCELLED"
 
+    @property
+    def lost(self) -> bool:
+        """The peer, or its state for the request, is gone (died, unreachable, restarted or
+        the request moved away), as opposed to the peer refusing what was asked."""
+        return self.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED", "NOT_FOUND")
+
 
 @contextmanager
 def field_prefix(prefix: str) -> Iterator[None]:

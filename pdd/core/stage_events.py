@@ -31,19 +31,35 @@ class PrefillJob:
 
 @dataclass(frozen=True)
 class RelayJob:
+    """A relay request. ``resume_token_ids``: the outputs already streamed (a P-MD request
+    re-routed here when its KV could not cross the WAN in time): the relay prefills prompt +
+    those itself, speaks from the next position and finishes the request alone (a fault path)."""
+
     request_id: str
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
     cache_salt: str
     main_decode: InstanceRef
     handoff_mode: HandoffMode
+    resume_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if len(self.resume_token_ids) >= self.sampling.max_tokens:
+            raise InvalidArgumentError(
+                "resume_token_ids",
+                f"{len(self.resume_token_ids)} outputs leave nothing to decode "
+                f"(max_tokens={self.sampling.max_tokens})",
+            )
 
 
 @dataclass(frozen=True)
 class DecodeJob:
     """A MainDecode request. ``resume_token_ids``: the outputs already streamed to the client
-    (a request migrated from a lost stage, pipeline MD only): MainDecode makes them its outputs,
-    prefills prompt + those locally and speaks from position ``len(resume_token_ids)``."""
+    (a request moved here from a lost stage): MainDecode makes them its outputs and prefills
+    prompt + those locally (no KV is pushed). Pipeline MD: it speaks from position
+    ``len(resume_token_ids)``. Pipeline P-RLD-MD (the relay still streams while its MainDecode
+    was lost): it decodes on silently, says its KV is ready once that prefill is done, and
+    speaks from where a handoff's final batch ends."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
@@ -53,9 +69,9 @@ class DecodeJob:
     resume_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.resume_token_ids and self.pipeline is not Pipeline.MD:
+        if self.resume_token_ids and self.pipeline is Pipeline.P_MD:
             raise InvalidArgumentError(
-                "resume_token_ids", f"only with pipeline MD, got {self.pipeline.value}"
+                "resume_token_ids", f"only with pipeline MD or P-RLD-MD, got {self.pipeline.value}"
             )
         if len(self.resume_token_ids) >= self.sampling.max_tokens:
             raise InvalidArgumentError(
@@ -77,6 +93,8 @@ class FirstToken:
     cached_tokens: int
     prefill_ms: float
     logprob: Logprob | None = None
+    # sampling.prompt_logprobs: prompt tokens 1..n-1's (prefill computed the whole prompt)
+    prompt_logprobs: tuple[Logprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -105,6 +123,8 @@ class Tokens:
     start_position: int
     token_ids: tuple[int, ...]
     logprobs: tuple[Logprob, ...] = ()  # one per token when the request asked for them
+    # prompt tokens 1..n-1's, from the stage that computed the prompt (MD's local prefill), once
+    prompt_logprobs: tuple[Logprob, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,8 @@ requests with the same prefix share them); a finished request's full blocks do
 too, then its KV is freed — or kept until ``release`` with ``keep_after_finish``
 (the prefill service exports it first).
 
+It implements ``pdd.engine.protocol.EngineBackend``, the boundary the roles use.
+
 Disaggregation hooks: ``pause``/``resume`` (a paused request is never
 scheduled, e.g. while its KV arrives), ``export_kv``/``import_kv`` (the
 canonical wire format of ``kv_wire``), and ``append_tokens`` (extend: tokens
@@ -40,9 +42,10 @@ from pdd.engine.kv_cache import KvCache
 from pdd.engine.kv_wire import KvPayload
 from pdd.engine.model_config import ModelConfig, parse_dtype
 from pdd.engine.model_runner import ModelRunner
+from pdd.engine.protocol import check_token_ids, is_stop
 from pdd.engine.rope import RotaryTable
 from pdd.engine.sampler import Sampler
-from pdd.engine.sampling import Logprob, SamplingParams
+from pdd.engine.sampling import Logprob, SamplingParams, ranked_logprobs
 from pdd.engine.scheduler import Scheduler
 from pdd.engine.sequence import SeqStatus, Sequence
 
@@ -58,6 +61,9 @@ class StepOutput:
     logprob: Logprob | None = (
         None  # when the request asked for logprobs (never for appended tokens)
     )
+    # sampling.prompt_logprobs: prompt tokens 1..n-1's, on the request's first sampled output when
+    # this engine computed the whole prompt (None where it did not: e.g. its K/V was imported)
+    prompt_logprobs: tuple[Logprob, ...] | None = None
 
 
 class Engine:
@@ -149,6 +155,8 @@ class Engine:
         )
         if sampling.grammar is not None:
             seq.matcher = self._grammars.matcher(sampling.grammar)
+        if sampling.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None] * (len(prompt) - 1)
         self.blocks.match(seq)
         self.scheduler.add(seq)
         self._seqs[request_id] = seq
@@ -159,9 +167,15 @@ class Engine:
         self.last_batch = [(s.request_id, n) for s, n in batch]
         if not batch:
             return []
-        sampled, logits = self.runner.run(batch)
+        sampled, logits, scored = self.runner.run(batch)
         for seq, n in batch:
             seq.num_computed += n
+        for rows in scored:
+            seq, k = rows.seq, rows.seq.sampling.prompt_logprobs
+            targets = seq.token_ids[rows.start + 1 : rows.start + 1 + rows.logits.shape[0]]
+            seq.prompt_logprobs[rows.start : rows.start + len(targets)] = ranked_logprobs(
+                rows.logits, targets, k or 0
+            )
         tokens, logprobs = self.sampler.sample(logits, sampled)
         outputs = self._append_sampled(sampled, tokens, logprobs)
         self._settle_computed(batch, outputs)
@@ -179,12 +193,27 @@ class Engine:
                 reason = self._advance_grammar(seq, token, reason)
             outputs.append(
                 StepOutput(
-                    seq.request_id, token, seq.num_outputs - 1, reason is not None, reason, logprob
+                    seq.request_id,
+                    token,
+                    seq.num_outputs - 1,
+                    reason is not None,
+                    reason,
+                    logprob,
+                    self._take_prompt_logprobs(seq),
                 )
             )
             if reason is not None:
                 self._finish(seq, reason)
         return outputs
+
+    @staticmethod
+    def _take_prompt_logprobs(seq: Sequence) -> tuple[Logprob, ...] | None:
+        """The prompt's logprobs, once, if every position was computed here; then None (and the
+        request may match the radix cache again, e.g. after a preemption)."""
+        lps, seq.prompt_logprobs = seq.prompt_logprobs, None
+        if lps is None or any(lp is None for lp in lps):
+            return None
+        return tuple(lps)
 
     @staticmethod
     def _advance_grammar(seq: Sequence, token: int, reason: str | None) -> str | None:
@@ -409,6 +438,19 @@ class Engine:
     def holds_request(self, request_id: str) -> bool:
         return request_id in self._seqs
 
+    def request_counts(self) -> tuple[int, int, int]:
+        """(running, waiting = queued for admission, paused) requests."""
+        running, waiting = list(self.scheduler.running), list(self.scheduler.waiting)
+        return (
+            sum(1 for s in running if not s.paused),
+            sum(1 for s in waiting if not s.paused),
+            sum(1 for s in running + waiting if s.paused),
+        )
+
+    def cache_snapshot(self) -> list[CacheEvent]:
+        """The radix cache's content as "stored" events (kvstore rebuilds a dropped index)."""
+        return self.blocks.cache.snapshot_events()
+
     def output_token_ids(self, request_id: str) -> list[int]:
         return self._get(request_id).output_ids
 
@@ -455,17 +497,10 @@ class Engine:
         return seq
 
     def _check_tokens(self, field: str, token_ids: Seq[int]) -> list[int]:
-        ids = list(token_ids)
-        vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"{field} has ids outside the vocabulary [0, {vocab}): {bad[:5]}")
-        return ids
+        return check_token_ids(field, token_ids, self.model_config.vocab_size)
 
     def _is_stop(self, sp: SamplingParams, token: int) -> bool:
-        return token in sp.stop_token_ids or (
-            not sp.ignore_eos and token in self.model_config.eos_token_ids
-        )
+        return is_stop(sp, token, self.model_config.eos_token_ids)
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         if self._is_stop(seq.sampling, token):

@@ -21,19 +21,11 @@ Life of a request:
 A client that goes away cancels every call, and each service frees the
 request's KV when its call is cancelled.
 
-Migration: when MainDecode's stream fails (or prefill's, before the request is done) and no
-relay is streaming, the gateway cancels the request's other stage calls and opens an MD
-``decode`` on another live MainDecode (for a prefill loss possibly the same one) with the tokens
-streamed so far as ``resume_token_ids``: MainDecode prefills prompt + those itself and speaks
-from the next position, so the merge goes on with nothing lost or repeated (draws depend only on
-seed and position; penalties and grammar follow the tokens). A relay still streaming when
-MainDecode dies is *not* kept decoding to the end: its own stream fails once its handoff (or its
-wait for MainDecode's KV) does, and the request then migrates from what was streamed. At most
-``max_migrations`` per request; beyond it, or with no other MainDecode, the original error
-stands. A MainDecode that fails before it accepts the request is a loss like any other (the
-request starts MD on another); a relay that does falls back to P-MD on the same MainDecode. A
-MainDecode lost once the client has every token (max_tokens, a stop token, or the relay finished
-it) ends the request here with the finish reason the engine would have given (``_ended``).
+A stage lost mid-request (MainDecode, prefill, the relay) is survived by the fault paths in
+``pdd.serving.gateway_recovery`` (migration, re-home beside a relay that decodes on, the
+gateway's own handoff), which ``Gateway`` inherits. A MainDecode that fails before it accepts
+the request is a loss like any other; a relay that does falls back to P-MD on the same
+MainDecode (``_without_relay``).
 
 Each stage's stream is read by its own task into the request's queue (``StageEvent``,
 ``StageFailed``, ``StageEnded``); the merge reads the queue, so the peers are typed clients
@@ -51,20 +43,22 @@ from dataclasses import replace
 
 import structlog
 
-from pdd.core.errors import PddError, PeerError, UnavailableError
-from pdd.core.instance import Instance, Role
+from pdd.core.errors import PeerError, UnavailableError
+from pdd.core.instance import Instance
 from pdd.core.pipeline import Pipeline, Stage
 from pdd.core.request import Ending, FinalEvent, GenerateJob, TokenEvent
-from pdd.core.stage_events import Accepted, DecodeJob, HandoffBatch, PrefillJob, RelayJob
+from pdd.core.stage_events import Accepted, DecodeJob, FirstToken, PrefillJob, RelayJob
 from pdd.routing.policy import NoInstanceError, Route, RoutingConfig, route
 from pdd.server.tls import TlsConfig
 from pdd.serving.channels import Channels
 from pdd.serving.gateway_peers import GrpcPeers, Peers
+from pdd.serving.gateway_recovery import Recovery
 from pdd.serving.gateway_run import (
     MAIN_DECODE_LOST,
-    PREFILL_LOST,
+    KvDeadline,
     Loss,
     Refused,
+    Rehomed,
     Run,
     StageEnded,
     StageEvent,
@@ -73,20 +67,19 @@ from pdd.serving.gateway_run import (
     apply_event,
     count_tokens,
     final_event,
-    finish_here,
     refusal_of,
     stats_for,
     stop_calls,
     wait_accepted,
 )
 from pdd.serving.instance_view import InstanceView
-from pdd.telemetry.metrics import HANDOFFS, MIGRATIONS, RequestTracker
+from pdd.telemetry.metrics import RequestTracker
 from pdd.wire.call import EventStream
 
 log = structlog.get_logger(__name__)
 
 
-class Gateway:
+class Gateway(Recovery):
     def __init__(
         self,
         kvstore_address: str,
@@ -99,6 +92,7 @@ class Gateway:
         index_timeout_s: float = 1.0,
         max_migrations: int = 2,
         eos_token_ids: tuple[int, ...] | None = None,
+        kv_deadline_s: float = 0.0,
     ) -> None:
         """``peers``: where the kvstore, prefill, relay and MainDecode clients come from; by
         default gRPC clients on channels with ``tls`` (then required). ``index_timeout_s``: the
@@ -113,6 +107,11 @@ class Gateway:
         # How many times one request may move to another MainDecode (a poisoned request must
         # not walk the whole fleet).
         self.max_migrations = max_migrations
+        if kv_deadline_s < 0:
+            raise ValueError(f"kv_deadline_s: must be >= 0, got {kv_deadline_s}")
+        # How long a P-MD request's first token may wait for MainDecode's KV before the request
+        # is re-routed through the relay (a partitioned or stalled WAN); 0: never.
+        self.kv_deadline_s = kv_deadline_s
         self.eos_token_ids = eos_token_ids
         if peers is None:
             if tls is None:
@@ -256,7 +255,7 @@ class Gateway:
             DecodeJob(
                 job.request_id,
                 job.prompt_token_ids,
-                run.sampling,
+                run.stage_sampling(computes_prompt=pipeline is Pipeline.MD),
                 job.cache_salt,
                 pipeline,
                 resume_token_ids=resume,
@@ -272,13 +271,15 @@ class Gateway:
             RelayJob(
                 job.request_id,
                 job.prompt_token_ids,
-                run.sampling,
+                run.stage_sampling(computes_prompt=False),
                 job.cache_salt,
                 plan.main_decode.ref,
                 plan.handoff_mode,
+                resume_token_ids=tuple(run.merge.emitted) if run.rerouted else (),
             )
         )
         run.calls.append(stream)
+        run.relay_target = plan.main_decode.ref.instance_id
         return stream
 
     def _open_prefill(self, run: Run) -> EventStream:
@@ -296,13 +297,20 @@ class Gateway:
             )
         )
         run.calls.append(stream)
+        run.prefill_target = plan.main_decode.ref.instance_id
         return stream
 
     def _read(self, run: Run, streams: list[tuple[Stage, EventStream]]) -> None:
         """Read ``streams`` into a fresh queue (what older readers left on theirs is dropped)."""
         run.queue = asyncio.Queue()
-        run.readers = [asyncio.create_task(self._pump(st, s, run.queue)) for st, s in streams]
-        run.streaming = {st for st, _ in streams}
+        run.readers, run.streaming = [], {}
+        for stage, stream in streams:
+            self._add_reader(run, stage, stream)
+
+    def _add_reader(self, run: Run, stage: Stage, stream: EventStream) -> None:
+        """Read ``stream`` into the request's queue as the stage's open call."""
+        run.readers.append(asyncio.create_task(self._pump(stage, stream, run.queue)))
+        run.streaming[stage] = stream
 
     async def _pump(
         self, stage: Stage, stream: EventStream, queue: asyncio.Queue[StageItem]
@@ -310,150 +318,46 @@ class Gateway:
         # NOTE: read(), not `async for`: grpc.aio forbids mixing both on one call (accepted read()).
         try:
             while (event := await stream.read()) is not None:
-                queue.put_nowait(StageEvent(stage, event))
+                queue.put_nowait(StageEvent(stage, event, stream))
         except PeerError as exc:
             if not exc.cancelled:
-                queue.put_nowait(StageFailed(stage, exc))
+                queue.put_nowait(StageFailed(stage, exc, stream))
         except Exception as exc:  # noqa: BLE001 — never let a stage's stream fail silently
-            queue.put_nowait(StageFailed(stage, exc))
-        queue.put_nowait(StageEnded(stage))
+            queue.put_nowait(StageFailed(stage, exc, stream))
+        queue.put_nowait(StageEnded(stage, stream))
 
     async def _merged(self, run: Run) -> AsyncIterator[TokenEvent | FinalEvent]:
         # NOTE: every service ends its stream when its part is done (prefill after TransferDone,
         # relay after HandedOff/Finished, main_decode after Finished), so all ends = request done.
         # A migration replaces run.queue and run.streaming: read both afresh each time.
+        # What a replaced or stopped call says is dropped (``Run.current``).
         while run.streaming:
             match await run.queue.get():
-                case StageEnded(stage=stage):
-                    run.streaming.discard(stage)
-                    if stage is Stage.RELAY and run.pending and run.finish is None:
-                        await self._migrate(run, run.pending)
-                case StageFailed(stage=stage, error=error):
+                case StageEnded(stage=stage, stream=stream) if run.current(stage, stream):
+                    del run.streaming[stage]
+                    if stage is Stage.RELAY:
+                        await self._relay_ended(run)
+                case StageFailed(stage=stage, error=error, stream=stream) if run.current(
+                    stage, stream
+                ):
                     await self._on_failed(run, stage, error)
-                case StageEvent(stage=stage, event=event):
+                case StageEvent(stage=stage, event=Accepted(), stream=stream) if run.current(
+                    stage, stream
+                ):
+                    if stage is Stage.MAIN_DECODE and run.rehomed:
+                        self.on_rehome_accepted(run, stream)
+                case StageEvent(stage=stage, event=event, stream=stream) if run.current(
+                    stage, stream
+                ):
+                    if isinstance(event, FirstToken):
+                        self.start_kv_deadline(run)
                     for ev in apply_event(run, stage, event):
                         count_tokens(run, ev)
                         yield ev
+                case Rehomed(stream=stream):
+                    await self._on_rehomed(run, stream)
+                case KvDeadline():
+                    await self._on_kv_deadline(run)
         if run.pending is not None and run.finish is None:
             raise run.pending.error
         yield final_event(run)
-
-    async def _on_failed(self, run: Run, stage: Stage, error: Exception) -> None:
-        """A stage's stream broke: hand over for a lost relay, move the request to another
-        MainDecode for a lost MainDecode or prefill, or fail the request."""
-        if stage is Stage.RELAY and not run.relay_done:
-            if run.pending is not None:  # MainDecode (or prefill) went first: now move
-                await self._migrate(run, run.pending)
-                return
-            try:
-                # NOTE: the relay is gone mid-request: drive the handoff from the tokens streamed.
-                await self._take_over(run, error)
-            except (PeerError, UnavailableError) as exc:  # ... and MainDecode is gone too
-                run.lost.add(run.plan.main_decode.ref.instance_id)
-                await self._migrate(run, Loss(MAIN_DECODE_LOST, exc))
-            return
-        if stage is Stage.RELAY or not isinstance(error, PeerError):
-            raise error
-        if run.finish is not None and stage is not Stage.MAIN_DECODE:
-            raise error
-        if stage is Stage.MAIN_DECODE:
-            run.lost.add(run.plan.main_decode.ref.instance_id)
-        loss = Loss(MAIN_DECODE_LOST if stage is Stage.MAIN_DECODE else PREFILL_LOST, error)
-        if Stage.RELAY in run.streaming and not run.relay_done:
-            # NOTE: the relay still streams: it fails (or ends) once its handoff does; then move.
-            run.pending = run.pending or loss
-            return
-        await self._migrate(run, loss)
-
-    async def _migrate(self, run: Run, loss: Loss) -> None:
-        """Move the request to another live MainDecode from the tokens streamed so far (every
-        other stage call cancelled; MainDecode prefills what it lacks itself), or finish it here
-        if the client has every token already; the original error if the limit is reached, no
-        MainDecode is left or nothing is left to decode."""
-        stop_calls(run)
-        if (reason := self._ended(run)) is not None:
-            finish_here(run, reason, loss)
-            return
-        run.merge.pending.clear()  # NOTE: held tokens of the old path: the new one recomputes them
-        at = len(run.merge.emitted)
-        while run.stats.migrations < self.max_migrations and at < run.sampling.max_tokens:
-            target = await self._next_main_decode(run)
-            if target is None:
-                break
-            run.stats.migrations += 1
-            MIGRATIONS.labels(loss.cause).inc()
-            source, run.plan = run.plan.main_decode, replace(run.plan, main_decode=target)
-            log.warning(
-                "migrated",
-                from_instance=source.ref.instance_id,
-                to_instance=target.ref.instance_id,
-                at=at,
-                cause=loss.cause,
-                error=str(loss.error)[:200],
-            )
-            try:
-                await self._resume(run, target)
-                return
-            except (PeerError, UnavailableError) as exc:
-                log.warning("migration_refused", instance=target.ref.instance_id, error=str(exc))
-                run.lost.add(target.ref.instance_id)
-                loss = Loss(MAIN_DECODE_LOST, loss.error)
-        raise loss.error
-
-    def _ended(self, run: Run) -> str | None:
-        """Why the request ended, if the client has every token and the gateway can tell as the
-        engine would (a stop token ends it, even the last one; else max_tokens: "length"). None
-        if it may go on or only MainDecode can say (a grammar completed, an eos id unknown
-        here): then it migrates with what was streamed and the new MainDecode says."""
-        if run.finish is not None:  # NOTE: a stage said so already (the relay finished it)
-            return run.finish
-        out, sp = run.merge.emitted, run.sampling
-        if not out:
-            return None
-        eos = () if sp.ignore_eos else self.eos_token_ids
-        if out[-1] in sp.stop_token_ids or (eos is not None and out[-1] in eos):
-            return "stop"
-        if len(out) >= sp.max_tokens and eos is not None:
-            return "length"
-        return None
-
-    async def _next_main_decode(self, run: Run) -> Instance | None:
-        """A live MainDecode not lost for this request (the seeded rng picks among them)."""
-        try:
-            instances = await self.instances()
-        except PddError as exc:
-            log.warning("migration_without_instances", error=str(exc)[:200])
-            return None
-        candidates = sorted(
-            (
-                i
-                for i in instances
-                if i.ref.role is Role.MAIN_DECODE and i.ref.instance_id not in run.lost
-            ),
-            key=lambda i: i.ref.instance_id,
-        )
-        return self.rng.choice(candidates) if candidates else None
-
-    async def _resume(self, run: Run, target: Instance) -> None:
-        """Open the request on ``target`` as MD from the tokens streamed; read it once accepted."""
-        stream = self._open_decode(run, target, Pipeline.MD, tuple(run.merge.emitted))
-        await wait_accepted(stream, Stage.MAIN_DECODE)
-        # NOTE: no relay and no prefill any more: nothing to take over, nothing pending.
-        run.relay_done, run.pending = True, None
-        run.stats.main_decode_instance = target.ref.instance_id
-        self._read(run, [(Stage.MAIN_DECODE, stream)])
-
-    async def _take_over(self, run: Run, cause: BaseException) -> None:
-        """Hand the request to MainDecode ourselves: token IDs are all it needs besides its KV."""
-        plan, tokens = run.plan, tuple(run.merge.emitted)
-        log.warning("relay_lost_gateway_handoff", at=len(tokens), error=str(cause)[:200])
-        HANDOFFS.labels(
-            plan.handoff_mode.value if plan.handoff_mode else "one-shot", "gateway"
-        ).inc()
-        call = self.peers.main_decode(plan.main_decode.ref.address).token_handoff()
-        run.calls.append(call)
-        batch = HandoffBatch(run.job.request_id, 0, tokens, final=True, mode=plan.handoff_mode)
-        await call.send(batch)
-        await call.done(wait=True)
-        run.stats.handoff_at_token = len(tokens)
-        run.relay_done = True

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import structlog
 
 from pdd.core.errors import FailedPreconditionError, PeerError, UnavailableError
 from pdd.core.pipeline import Pipeline, Stage
 from pdd.core.request import FinalEvent, GenerateJob, RequestStats, TokenEvent
-from pdd.core.sampling_params import SamplingParams
+from pdd.core.sampling_params import Logprob, SamplingParams
 from pdd.core.stage_events import (
     Accepted,
     DecodeEvent,
@@ -39,12 +39,18 @@ log = structlog.get_logger(__name__)
 # --- the request's queue: what each stage's reader task says --------------------------------
 
 
+# NOTE: each item names the stream it came from: a stage's call can be replaced while the
+# request goes on (MainDecode re-homed beside a relay that streams on), and what the old call
+# says last must not end or fail the new one.
+
+
 @dataclass(frozen=True)
 class StageEvent:
     """One event of a stage's stream, as the peer client read it."""
 
     stage: Stage
     event: PrefillEvent | RelayEvent | DecodeEvent
+    stream: object = None
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,7 @@ class StageFailed:
 
     stage: Stage
     error: Exception
+    stream: object = None
 
 
 @dataclass(frozen=True)
@@ -60,9 +67,23 @@ class StageEnded:
     """A stage's stream is over (after its last event, or after ``StageFailed``)."""
 
     stage: Stage
+    stream: object = None
 
 
-StageItem = StageEvent | StageFailed | StageEnded
+@dataclass(frozen=True)
+class Rehomed:
+    """The MainDecode the request was re-homed on (``stream``: its call) holds the KV: take the
+    request from the relay."""
+
+    stream: object
+
+
+@dataclass(frozen=True)
+class KvDeadline:
+    """A P-MD request's KV deadline passed (``Gateway.kv_deadline_s`` after its first token)."""
+
+
+StageItem = StageEvent | StageFailed | StageEnded | Rehomed | KvDeadline
 
 MAIN_DECODE_LOST = "main_decode_lost"
 PREFILL_LOST = "prefill_lost"
@@ -115,17 +136,56 @@ class Run:
     relay_done: bool = False
     finish: str | None = None
     completion_tokens: int | None = None
-    # The tasks reading the stage streams into ``queue``, and the stages whose streams are open.
+    # The tasks reading the stage streams into ``queue``, and each open stage's stream.
     readers: list[asyncio.Task] = field(default_factory=list)
-    streaming: set[Stage] = field(default_factory=set)
+    streaming: dict[Stage, EventStream] = field(default_factory=dict)
     # MainDecode instances lost for this request (never chosen again for it); a loss waiting
     # for the relay's stream to end before the request migrates (``stats.migrations``: so far).
     lost: set[str] = field(default_factory=set)
     pending: Loss | None = None
+    # The MainDecode the relay hands over to, and the one prefill pushes to (instance ids);
+    # ``rehomed``: MainDecode's call waits for the gateway's own handoff (``Rehomed``).
+    relay_target: str = ""
+    prefill_target: str = ""
+    rehomed: bool = False
+    # P-MD re-routed through the relay at its KV deadline: the relay resumes from what was
+    # streamed and finishes the request.
+    rerouted: bool = False
+    # sampling.prompt_logprobs: what the stage that computed the prompt sent (tokens 1..n-1's)
+    prompt_logprobs: tuple[Logprob, ...] | None = None
+
+    def current(self, stage: Stage, stream: object) -> bool:
+        """Whether ``stream`` is the stage's open call (not one replaced or stopped)."""
+        return self.streaming.get(stage) is stream
 
     @property
     def logprobs(self) -> bool:
         return self.sampling.logprobs is not None
+
+    def stage_sampling(self, computes_prompt: bool) -> SamplingParams:
+        """The sampling a stage is sent: prompt logprobs only for the one that computes the
+        prompt (its prefix-cache hit is bypassed for them), and only while output 0 is unsent."""
+        if self.sampling.prompt_logprobs is None or (computes_prompt and not self.merge.emitted):
+            return self.sampling
+        return replace(self.sampling, prompt_logprobs=None)
+
+    def take_prompt_logprobs(self, logprobs: tuple[Logprob, ...]) -> None:
+        if (
+            self.sampling.prompt_logprobs is not None
+            and self.prompt_logprobs is None
+            and len(logprobs) == len(self.job.prompt_token_ids) - 1
+        ):
+            self.prompt_logprobs = logprobs
+
+    def with_prompt(self, stage: Stage, events: list[TokenEvent]) -> list[TokenEvent]:
+        """``events`` with the prompt's logprobs on the one carrying output position 0."""
+        if self.sampling.prompt_logprobs is None or not events or events[0].start_position:
+            return events
+        if self.prompt_logprobs is None:
+            raise FailedPreconditionError(
+                f"{stage.value} sent output 0 without the prompt logprobs asked for"
+            )
+        return [replace(events[0], prompt_logprobs=self.prompt_logprobs), *events[1:]]
 
 
 def stats_for(job: GenerateJob, plan: Route) -> RequestStats:
@@ -204,7 +264,8 @@ def apply_event(run: Run, stage: Stage, event: object) -> list[TokenEvent]:
                     f"{stage.value} sent its token without the logprobs asked for"
                 )
             lps = [event.logprob] if run.logprobs else []
-            return run.merge.add(0, [event.token_id], Stage.PREFILL, lps)
+            run.take_prompt_logprobs(event.prompt_logprobs)
+            return run.with_prompt(stage, run.merge.add(0, [event.token_id], Stage.PREFILL, lps))
         case TransferDone():
             stats.wan_kv_bytes = event.wan_kv_bytes
             stats.wan_transfer_ms = event.wan_transfer_ms
@@ -215,7 +276,10 @@ def apply_event(run: Run, stage: Stage, event: object) -> list[TokenEvent]:
                     f"{len(event.token_ids)} tokens; the request asked for them"
                 )
             lps = event.logprobs if run.logprobs else ()
-            return run.merge.add(event.start_position, event.token_ids, stage, lps)
+            run.take_prompt_logprobs(event.prompt_logprobs)
+            return run.with_prompt(
+                stage, run.merge.add(event.start_position, event.token_ids, stage, lps)
+            )
         case HandedOff():
             stats.handoff_at_token = event.at_position
             run.relay_done = True

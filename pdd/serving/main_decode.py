@@ -18,6 +18,10 @@ Life of a request (one ``decode`` generator per request, opened by the gateway):
      carries the outputs already streamed; they are appended as the request's outputs
      before it first runs (penalties and grammar follow them), the engine prefills
      prompt + those in its own batch and MainDecode speaks from the next position;
+  P-RLD-MD resume (re-homed here while the relay streams on, its first MainDecode lost): the
+     same local prefill, but silent: the KV counts as ready once it produced its first output
+     (``wait_kv_ready``), it decodes ahead like a catch-up target, and speaks from the end of
+     the handoff's final batch (the gateway's, taking the request from the relay);
   4. decode: every output is streamed with its position; finishing inserts
      prompt + output into the DRC (cache events reach kvstore), so the
      session's next turn hits here.
@@ -55,6 +59,7 @@ from pdd.core.stage_events import (
     Tokens,
 )
 from pdd.engine.engine import StepOutput
+from pdd.engine.protocol import EngineBackend
 from pdd.engine.sampling import Logprob
 from pdd.kv.receiver import KvReceiver, ReceivedKv
 from pdd.serving.engine_instance import EngineInstance
@@ -148,7 +153,9 @@ class MainDecode:
         return self.instance.runner
 
     @property
-    def engine(self):
+    def engine(self) -> EngineBackend:
+        """The engine, through its boundary only (``pdd.engine.protocol``): ours or vLLM's."""
+        assert self.instance.engine is not None, "EngineInstance.start() was not awaited"
         return self.instance.engine
 
     async def decode(self, job: DecodeJob) -> AsyncIterator[Accepted | Tokens | Finished]:
@@ -224,6 +231,8 @@ class MainDecode:
             state.kv_ready.set()  # NOTE: nothing to receive: a stray handoff must not wait for KV
             state.emit_from = len(state.job.resume_token_ids)
             return None
+        if state.job.resume_token_ids:
+            return None  # NOTE: re-homed P-RLD-MD: the KV is rebuilt here (``_on_output``)
         return asyncio.create_task(self._receive_kv(state))
 
     async def _on_item(self, state: _State, item: object) -> list[Tokens | Finished]:
@@ -242,12 +251,16 @@ class MainDecode:
 
     async def _on_output(self, state: _State, out: StepOutput) -> list[Tokens | Finished]:
         await self._note(state, out)
+        if not state.kv_ready.is_set():
+            state.kv_ready.set()  # NOTE: a re-homed request's local prefill is done
         events: list[Tokens | Finished] = []
         if out.token_id is not None and state.emit_from is not None:
             if out.position >= state.emit_from:
                 state.md_tokens += 1
                 logprobs = self._logprobs(state, [out.position])
-                events.append(Tokens(out.position, (out.token_id,), logprobs))
+                # NOTE: prompt logprobs come with the first output of a prompt prefilled here (MD)
+                prompt = out.prompt_logprobs or ()
+                events.append(Tokens(out.position, (out.token_id,), logprobs, prompt))
         if out.finished:
             state.finish_reason = out.finish_reason
             if state.emit_from is not None:
@@ -360,12 +373,22 @@ class MainDecode:
         state = self._requests.get(request_id)
         if state is None:
             raise NotFoundError(f"request_id: {request_id!r} is not decoding here")
+        ready, closed = (
+            asyncio.ensure_future(state.kv_ready.wait()),
+            asyncio.ensure_future(state.closed.wait()),
+        )
         try:
-            await asyncio.wait_for(state.kv_ready.wait(), timeout_ms / 1000)
-            ready = True
-        except TimeoutError:
-            ready = False
-        return KvReadiness(ready, self.decode_interval_s * 1000)
+            await asyncio.wait(
+                (ready, closed), timeout=timeout_ms / 1000, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            ready.cancel()
+            closed.cancel()
+        # NOTE: a call closed meanwhile (the gateway moved the request) must not be waited on:
+        # a relay polling it learns at once that this MainDecode no longer has the request.
+        if state.closed.is_set():
+            raise NotFoundError(f"request_id: {request_id!r} is no longer decoding here")
+        return KvReadiness(state.kv_ready.is_set(), self.decode_interval_s * 1000)
 
     async def handoff(self, batch: HandoffBatch) -> HandoffAck:
         """Extend one handoff batch (see ``_extend_handoff``) and acknowledge it."""

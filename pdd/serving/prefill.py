@@ -34,6 +34,7 @@ from pdd.core.errors import FailedPreconditionError, InvalidArgumentError
 from pdd.core.pipeline import Pipeline
 from pdd.core.stage_events import FirstToken, PrefillJob, TransferDone
 from pdd.engine.engine import StepOutput
+from pdd.engine.protocol import EngineBackend
 from pdd.kv.fast_link.region import Completion, PrepareRequest, Reservation
 from pdd.kv.fast_link.select import usable_candidates
 from pdd.kv.fast_link.sender import FastLinkSender
@@ -174,7 +175,9 @@ class Prefill:
         return self.instance.runner
 
     @property
-    def engine(self):
+    def engine(self) -> EngineBackend:
+        """The engine, through its boundary only (``pdd.engine.protocol``): ours or vLLM's."""
+        assert self.instance.engine is not None, "EngineInstance.start() was not awaited"
         return self.instance.engine
 
     async def prefill(self, job: PrefillJob) -> AsyncIterator[FirstToken | TransferDone]:
@@ -202,7 +205,9 @@ class Prefill:
             first.set_result((out.token_id,))
             # NOTE: the token leaves before any housekeeping: awaiting the engine thread first let it
             # wait behind the event loop's other work (the KV pushes starting) — 10-150 ms of TTFT.
-            yield FirstToken(out.token_id, n, cached, prefill_ms, out.logprob)
+            yield FirstToken(
+                out.token_id, n, cached, prefill_ms, out.logprob, out.prompt_logprobs or ()
+            )
             await self.runner.call(self.engine.release, rid)
             held = False
             done = await self._transfer_done(job, tasks)
@@ -290,20 +295,24 @@ class Prefill:
                 return out
 
     async def _transfer_done(self, job: PrefillJob, tasks: list[asyncio.Task]) -> TransferDone:
-        wan: PushReport = await tasks[0]
+        # NOTE: both links run to their end before either's failure counts: a lost MainDecode
+        # must not cut the relay's KV short (the relay decodes on alone while the gateway
+        # re-homes the request), nor a lost relay MainDecode's.
+        wan, *fast_sent = await asyncio.gather(*tasks, return_exceptions=True)
         fast = _FastLinkSent()
-        if len(tasks) > 1:
-            try:
-                fast = await tasks[1]
-            except Exception as exc:  # noqa: BLE001
-                # NOTE: a lost relay must not fail the request: MainDecode has its KV over the
-                # WAN, and the gateway hands the tokens it streamed over to MainDecode itself.
-                log.warning(
-                    "fast_link_failed",
-                    relay=job.relay.instance_id if job.relay else "",
-                    error=f"{type(exc).__name__}: {exc}",
-                )
-                fast = _FastLinkSent(transport="failed")
+        if fast_sent and isinstance(exc := fast_sent[0], BaseException):
+            # NOTE: a lost relay must not fail the request: MainDecode has its KV over the
+            # WAN, and the gateway hands the tokens it streamed over to MainDecode itself.
+            log.warning(
+                "fast_link_failed",
+                relay=job.relay.instance_id if job.relay else "",
+                error=f"{type(exc).__name__}: {exc}",
+            )
+            fast = _FastLinkSent(transport="failed")
+        elif fast_sent:
+            fast = fast_sent[0]
+        if isinstance(wan, BaseException):
+            raise wan
         return TransferDone(
             fast.kv_bytes,
             wan.wire_bytes,

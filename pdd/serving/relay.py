@@ -21,22 +21,25 @@ Life of a request (one ``decode`` generator per request, opened by the gateway):
      the relay then frees the request's KV at once;
   4. a request that finishes here first still hands its final tokens over
      (``request_finished``), so MainDecode's DRC holds prompt + output.
+MainDecode lost (its KV wait or the handoff fails with the peer gone: ``PeerError.lost``): the
+relay decodes on alone — a fault path, logged and counted, never planned — streaming every
+token; the gateway re-homes the request on another MainDecode and takes it from the relay once
+that one has rebuilt the KV, or, with none left, the relay finishes the request itself.
 Cancellation (the gateway's call ends) aborts the request and frees its KV.
 
 The request's mailbox (its engine-loop queue) holds the engine's ``StepOutput``s and
-``StepFailed``, and the relay's own ``KvReady``, ``HandoffDone`` and ``Failed``. MainDecode is
-a peer (``MainDecodePeer``): a ``MainDecodeClient`` over gRPC, or an in-process one in tests.
+``StepFailed``, and the relay's own ``KvReady``, ``HandoffDone`` and ``Failed``
+(``pdd.serving.relay_life``, with the request's record). MainDecode is a peer
+(``MainDecodePeer``): a ``MainDecodeClient`` over gRPC, or an in-process one in tests.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import functools
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any
 
 import structlog
 
@@ -47,159 +50,34 @@ from pdd.core.stage_events import (
     Accepted,
     Finished,
     HandedOff,
-    HandoffAck,
-    HandoffBatch,
-    KvReadiness,
     RelayEvent,
     RelayJob,
     Tokens,
 )
 from pdd.engine.engine import StepOutput
+from pdd.engine.protocol import EngineBackend
 from pdd.kv.fast_link.receiver import FastLinkReceiver
 from pdd.serving.channels import Channels
 from pdd.serving.engine_instance import EngineInstance
 from pdd.serving.kv_bridge import import_range
 from pdd.serving.mailbox import StepFailed
+from pdd.serving.relay_life import (
+    LEAD_PRIOR_S,
+    Failed,
+    HandoffDone,
+    HandoffStream,
+    KvReady,
+    MainDecodePeer,
+    RelayConfig,
+    RelayLife,
+    handoff_batch,
+    post_outcome,
+)
 from pdd.serving.stream_pacer import StreamPacer, SwitchTimes
 from pdd.telemetry import metrics
 from pdd.wire.main_decode_client import MainDecodeClient
 
 log = structlog.get_logger(__name__)
-
-
-# NOTE: the lead before a switch to that MainDecode was timed (learned from the first switch on):
-# 1.5 × a typical switch on the testbed (two WAN hops, a step in flight and the extension step).
-LEAD_PRIOR_S = 0.03
-
-
-@dataclass(frozen=True)
-class RelayConfig:
-    kv_timeout_s: float = 60.0
-    # How long a request that finished here waits for MainDecode to hold the KV.
-    finished_handoff_timeout_s: float = 600.0
-    # Catch-up stops once MainDecode is at most this many tokens behind.
-    catch_up_gap: int = 8
-    max_catch_up_rounds: int = 8
-    # During a catch-up handoff the relay streams no faster than MainDecode decodes, holding a
-    # token at most this long (``stream_pacer``); 0 turns pacing off.
-    pace_max_hold_s: float = 0.05
-    # The playout lead the relay's stream keeps behind its computation (``stream_pacer``):
-    # None = what recent switches to the same MainDecode took (LEAD_PRIOR_S until one was
-    # timed), 0 = none; never more than pace_max_hold_s.
-    stream_lead_s: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.stream_lead_s is not None and self.stream_lead_s < 0:
-            raise ValueError(
-                f"stream_lead_s: must be >= 0 or None (learned), got {self.stream_lead_s}"
-            )
-        if self.pace_max_hold_s < 0:
-            raise ValueError(f"pace_max_hold_s: must be >= 0, got {self.pace_max_hold_s}")
-        if self.catch_up_gap < 0:
-            raise ValueError(f"catch_up_gap: must be >= 0, got {self.catch_up_gap}")
-        if self.max_catch_up_rounds < 0:
-            raise ValueError(f"max_catch_up_rounds: must be >= 0, got {self.max_catch_up_rounds}")
-
-
-class HandoffStream(Protocol):
-    """One token handoff to MainDecode (``pdd.wire.call.HandoffCall``): batch in, ack out."""
-
-    async def send(self, batch: HandoffBatch) -> HandoffAck: ...
-
-    async def done(self, *, wait: bool = False) -> None: ...
-
-    def cancel(self) -> None: ...
-
-
-class MainDecodePeer(Protocol):
-    """What the relay asks of the MainDecode it hands a request to (``MainDecodeClient``)."""
-
-    async def wait_kv_ready(self, request_id: str, timeout_ms: int) -> KvReadiness: ...
-
-    def token_handoff(self) -> HandoffStream: ...
-
-
-# --- the relay's own mailbox items (beside the engine loop's StepOutput and StepFailed) ---------
-
-
-@dataclass(frozen=True)
-class KvReady:
-    """MainDecode holds the request's KV; it decodes a token every ``interval_s`` (0: unknown)."""
-
-    interval_s: float
-
-    def __post_init__(self) -> None:
-        if self.interval_s < 0:
-            raise ValueError(f"interval_s: must be >= 0, got {self.interval_s}")
-
-
-@dataclass(frozen=True)
-class HandoffDone:
-    """MainDecode took the request over: the relay's stream ends with ``handed_off``."""
-
-    handed_off: HandedOff
-
-
-@dataclass(frozen=True)
-class Failed:
-    """A task beside the stream (MainDecode's KV wait, the handoff) failed: so does the stream."""
-
-    error: BaseException
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.error, BaseException):
-            raise ValueError(f"error: must be an exception, got {type(self.error).__name__}")
-
-
-@dataclass
-class _Life:
-    """One request on the relay, from admission to handoff or finish."""
-
-    job: RelayJob
-    mailbox: asyncio.Queue
-    md: MainDecodePeer
-    tasks: list[asyncio.Task] = field(default_factory=list)
-    # Outputs from this position on are the relay's own (before it: prefill's first token).
-    own_from: int = 0
-    # NOTE: the engine forgets a finished request; keep its outputs here.
-    outputs: list[int] = field(default_factory=list)
-    # Set once decoding starts (``_start``): its lead is what recent switches took by then.
-    pacer: StreamPacer = field(init=False)
-    # NOTE: the relay's share of TTFDT, logged with its first token: KV arrived → decoding → out.
-    ttfdt_share: tuple[float, float] | None = None
-    # NOTE: collected by a task of its own and stamped on arrival, also while the pacer
-    # holds a token, so a held token is held from when it was computed.
-    pending: collections.deque[tuple[float, object]] = field(default_factory=collections.deque)
-    arrived: asyncio.Event = field(default_factory=asyncio.Event)
-
-
-def _post_outcome(mailbox: asyncio.Queue, task: asyncio.Task) -> None:
-    """A task beside the stream ended: what it returned (or the error it raised) is mail."""
-    if task.cancelled():
-        return
-    exc = task.exception()
-    item = task.result() if exc is None else Failed(exc)
-    if item is not None:
-        mailbox.put_nowait(item)
-
-
-def _batch(
-    job: RelayJob,
-    outputs: Sequence[int],
-    start: int,
-    *,
-    final: bool = False,
-    request_finished: bool = False,
-) -> HandoffBatch:
-    """The handoff batch of ``outputs[start:]``."""
-    return HandoffBatch(
-        job.request_id,
-        start,
-        tuple(outputs[start:]),
-        final=final,
-        request_finished=request_finished,
-        mode=job.handoff_mode,
-    )
 
 
 class Relay:
@@ -233,7 +111,9 @@ class Relay:
         return self.instance.runner
 
     @property
-    def engine(self):
+    def engine(self) -> EngineBackend:
+        """The engine, through its boundary only (``pdd.engine.protocol``): ours or vLLM's."""
+        assert self.instance.engine is not None, "EngineInstance.start() was not awaited"
         return self.instance.engine
 
     async def decode(self, job: RelayJob) -> AsyncIterator[RelayEvent]:
@@ -241,12 +121,15 @@ class Relay:
         if rid in self._active:
             raise InvalidArgumentError("request_id", f"{rid!r} is already decoding here")
         self._active.add(rid)
-        life = _Life(job, self.runner.open(rid), self._main_decode(job.main_decode))
+        life = RelayLife(job, self.runner.open(rid), self._main_decode(job.main_decode))
         try:
             await self._admit(job)
             yield Accepted()
-            await self._start(life)
-            self._spawn(life, self._wait_kv(life))
+            if job.resume_token_ids:
+                await self._start_resumed(life)
+            else:
+                await self._start(life)
+                self._spawn(life, self._wait_kv(life))
             life.tasks.append(asyncio.create_task(self._collect(life)))
             while True:
                 computed_at, item = await self._next(life)
@@ -262,6 +145,8 @@ class Relay:
                     case HandoffDone(handed_off=handed_off):
                         yield handed_off
                         return
+                    case Failed(error=PeerError() as error) if error.lost:
+                        await self._go_alone(life, error)
                     case Failed(error=error) | StepFailed(error=error):
                         raise error  # NOTE: surfaces MainDecode's errors on this stream
                     case _:
@@ -279,7 +164,7 @@ class Relay:
             paused=True,
         )
 
-    async def _start(self, life: _Life) -> None:
+    async def _start(self, life: RelayLife) -> None:
         """Wait for prefill's KV on the fast link, import it, append the first token, decode."""
         rid = life.job.request_id
         region = await self.fast.wait_complete(rid, self.config.kv_timeout_s)
@@ -300,13 +185,29 @@ class Relay:
         life.own_from = len(first)
         life.outputs = first
 
-    def _spawn(self, life: _Life, work: Coroutine[Any, Any, object]) -> None:
+    async def _start_resumed(self, life: RelayLife) -> None:
+        """A request re-routed here mid-stream: prefill prompt + the outputs streamed, locally
+        (penalties and grammar follow them), and decode on alone from the next position."""
+        rid, resume = life.job.request_id, list(life.job.resume_token_ids)
+
+        def start() -> None:
+            self.engine.append_tokens(rid, resume, 0)
+            self.engine.resume(rid)
+
+        await self.runner.call(start)
+        life.pacer = StreamPacer(self.config.pace_max_hold_s, lead_s=0.0)
+        life.pacer.release()  # NOTE: no switch will come: nothing to hide
+        life.own_from, life.outputs, life.alone = len(resume), resume, True
+        metrics.RELAY_ALONE.labels("rerouted").inc()
+        log.warning("relay_resumed", at=len(resume))
+
+    def _spawn(self, life: RelayLife, work: Coroutine[Any, Any, object]) -> None:
         """Run ``work`` beside the stream; its result (a mailbox item, or None) or error is mail."""
         task = asyncio.create_task(work)
         life.tasks.append(task)
-        task.add_done_callback(functools.partial(_post_outcome, life.mailbox))
+        task.add_done_callback(functools.partial(post_outcome, life.mailbox))
 
-    async def _collect(self, life: _Life) -> None:
+    async def _collect(self, life: RelayLife) -> None:
         """Move the mailbox to ``pending``, each item stamped with when it arrived."""
         while True:
             item = await life.mailbox.get()
@@ -316,13 +217,13 @@ class Relay:
             life.arrived.set()
 
     @staticmethod
-    async def _next(life: _Life) -> tuple[float, object]:
+    async def _next(life: RelayLife) -> tuple[float, object]:
         while not life.pending:
             life.arrived.clear()
             await life.arrived.wait()
         return life.pending.popleft()
 
-    async def _stream(self, life: _Life, computed_at: float, out: StepOutput) -> Tokens | None:
+    async def _stream(self, life: RelayLife, computed_at: float, out: StepOutput) -> Tokens | None:
         """The relay's token ``out``, once the pacer lets it leave (None: not one of its own)."""
         if out.token_id is None or out.position < life.own_from:
             return None
@@ -339,20 +240,50 @@ class Relay:
             life.ttfdt_share = None
         return Tokens(out.position, (out.token_id,), () if out.logprob is None else (out.logprob,))
 
-    async def _finish_here(self, life: _Life, out: StepOutput) -> Finished:
-        """The request finished here first: MainDecode still gets every token for its DRC."""
+    async def _finish_here(self, life: RelayLife, out: StepOutput) -> Finished:
+        """The request finished here first: MainDecode still gets every token for its DRC
+        (unless it was lost: then the relay finished the request alone)."""
         for task in life.tasks:
             task.cancel()
         job = life.job
-        await self._wait_md(life)
-        call = life.md.token_handoff()
-        outputs = life.outputs[: out.position + 1]
-        await call.send(_batch(job, outputs, 0, final=True, request_finished=True))
-        await call.done()
-        metrics.HANDOFFS.labels(job.handoff_mode.value, "finished").inc()
-        return Finished(out.finish_reason, out.position + 1)
+        finished = Finished(out.finish_reason, out.position + 1)
+        if not life.alone:
+            try:
+                await self._wait_md(life)
+                call = life.md.token_handoff()
+                outputs = life.outputs[: out.position + 1]
+                await call.send(handoff_batch(job, outputs, 0, final=True, request_finished=True))
+                await call.done()
+                metrics.HANDOFFS.labels(job.handoff_mode.value, "finished").inc()
+                return finished
+            except PeerError as exc:
+                if not exc.lost:
+                    raise
+                await self._go_alone(life, exc)
+        metrics.RELAY_ALONE.labels("finished").inc()
+        log.warning("relay_finished_alone", completion_tokens=out.position + 1)
+        return finished
 
-    async def _wait_md(self, life: _Life) -> float:
+    async def _go_alone(self, life: RelayLife, error: PeerError) -> None:
+        """MainDecode is lost: decode on (resumed, if the handoff had paused it), unpaced."""
+        if life.alone:
+            return
+        life.alone = True
+        metrics.RELAY_ALONE.labels("main_decode_lost").inc()
+        log.warning(
+            "relay_main_decode_lost",
+            main_decode=life.job.main_decode.instance_id,
+            at=len(life.outputs),
+            error=str(error)[:200],
+        )
+        life.pacer.release()  # NOTE: no switch is coming: nothing to hide, nothing to pace to
+        await self.runner.call(self._resume_alone, life.job.request_id)
+
+    def _resume_alone(self, rid: str) -> None:
+        if self.engine.holds_request(rid):
+            self.engine.resume(rid)
+
+    async def _wait_md(self, life: RelayLife) -> float:
         """Wait until MainDecode holds the request's KV; returns its decode interval (s, 0 if
         unknown)."""
         rid = life.job.request_id
@@ -365,16 +296,16 @@ class Relay:
             if readiness.ready:
                 return readiness.decode_interval_ms / 1000
 
-    async def _wait_kv(self, life: _Life) -> KvReady:
+    async def _wait_kv(self, life: RelayLife) -> KvReady:
         return KvReady(await self._wait_md(life))
 
-    def _begin_handoff(self, life: _Life, interval_s: float) -> None:
+    def _begin_handoff(self, life: RelayLife, interval_s: float) -> None:
         """MainDecode holds the KV: hand the request over beside the stream."""
         if life.job.handoff_mode is HandoffMode.CATCH_UP:
             life.pacer.pace(interval_s)
         self._spawn(life, self._handoff(life))
 
-    async def _handoff(self, life: _Life) -> HandoffDone | None:
+    async def _handoff(self, life: RelayLife) -> HandoffDone | None:
         """Hand the request over (None: it finished here meanwhile; ``decode`` hands it over as
         finished). Releases the pacer once MainDecode has acknowledged the final batch: it
         speaks next."""
@@ -392,7 +323,7 @@ class Relay:
             raise
         return self._handed_off(life, t0, caught_up[1] + 1, *final)
 
-    async def _catch_up(self, life: _Life, call: HandoffStream) -> tuple[int, int] | None:
+    async def _catch_up(self, life: RelayLife, call: HandoffStream) -> tuple[int, int] | None:
         """The catch-up rounds (none one-shot): (outputs sent, rounds), None if it finished."""
         job = life.job
         rounds_left = (
@@ -406,14 +337,14 @@ class Relay:
             # NOTE: MainDecode decodes ahead between rounds; what it computed needs no extend step.
             if len(outputs) - computed <= self.config.catch_up_gap:
                 break
-            ack = await call.send(_batch(job, outputs, sent))
+            ack = await call.send(handoff_batch(job, outputs, sent))
             sent, rounds, rounds_left = ack.extended_through, rounds + 1, rounds_left - 1
             computed = ack.computed_through
             life.pacer.pace(ack.decode_interval_ms / 1000)
         return sent, rounds
 
     async def _send_final(
-        self, life: _Life, call: HandoffStream, sent: int
+        self, life: RelayLife, call: HandoffStream, sent: int
     ) -> tuple[int, float, float] | None:
         """Pause, send the rest as the final batch: (outputs handed over, switch s, lag s), None
         if it finished here meanwhile."""
@@ -423,7 +354,7 @@ class Relay:
         if outputs is None:
             return None
         t_final, lag_s = time.perf_counter(), life.pacer.lag_s
-        await call.send(_batch(job, outputs, sent, final=True))
+        await call.send(handoff_batch(job, outputs, sent, final=True))
         life.pacer.release()
         switch_s = time.perf_counter() - t_final
         self._switch_times.observe((job.main_decode.address, job.handoff_mode), switch_s)
@@ -431,7 +362,7 @@ class Relay:
         return len(outputs), switch_s, lag_s
 
     def _handed_off(
-        self, life: _Life, t0: float, rounds: int, at: int, switch_s: float, lag_s: float
+        self, life: RelayLife, t0: float, rounds: int, at: int, switch_s: float, lag_s: float
     ) -> HandoffDone:
         mode = life.job.handoff_mode
         metrics.HANDOFFS.labels(mode.value, "live").inc()
@@ -456,7 +387,7 @@ class Relay:
         self.engine.pause(rid)
         return self.engine.output_token_ids(rid)
 
-    def _clean_up(self, life: _Life) -> None:
+    def _clean_up(self, life: RelayLife) -> None:
         rid = life.job.request_id
         for task in life.tasks:
             task.cancel()

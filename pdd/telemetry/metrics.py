@@ -105,6 +105,13 @@ FAST_LINK_TRANSFER = Histogram(
     ["transport"],
     buckets=_TRANSFER,
 )
+RELAY_ALONE = Counter(
+    "pdd_relay_alone",
+    "Relay requests whose MainDecode was lost mid-request (event: main_decode_lost), P-MD "
+    "requests re-routed here when their KV could not cross the WAN in time (event: rerouted), "
+    "and those the relay then finished alone (event: finished) — fault paths, never planned",
+    ["event"],
+)
 HANDOFFS = Counter(
     "pdd_handoffs",
     "Relay → MainDecode token handoffs by mode (kind: live = MainDecode "
@@ -215,10 +222,11 @@ class _LiveCollector(Collector):
             used.add_metric([role, key], n_used)
             total.add_metric([role, key], n_total)
             usage.add_metric([role, key], n_used / n_total if n_total else 0.0)
-            running, waiting = list(eng.scheduler.running), list(eng.scheduler.waiting)
-            queue.add_metric([role, key, "running"], sum(1 for s in running if not s.paused))
-            queue.add_metric([role, key, "waiting"], sum(1 for s in waiting if not s.paused))
-            queue.add_metric([role, key, "paused"], sum(1 for s in running + waiting if s.paused))
+            # NOTE: through the engine boundary (pdd.engine.protocol), whichever engine it is.
+            running, waiting, paused = eng.request_counts()
+            queue.add_metric([role, key, "running"], running)
+            queue.add_metric([role, key, "waiting"], waiting)
+            queue.add_metric([role, key, "paused"], paused)
         in_use = waiting_streams = 0
         for pool in pools:
             try:

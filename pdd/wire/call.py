@@ -10,6 +10,7 @@ can be driven by an in-process peer.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Generic, TypeVar
 
@@ -40,18 +41,27 @@ class EventStream(Generic[E]):
         self.peer = peer
         self._call = call
         self._convert = convert
+        self._cancelled = False
 
     async def read(self) -> E | None:
-        """The next event; None once the peer ended the stream."""
+        """The next event; None once the peer ended the stream. Cancelled by ``cancel``: a
+        CANCELLED ``PeerError`` (grpc.aio raises CancelledError in a pending read)."""
         try:
             msg = await self._call.read()
         except grpc.aio.AioRpcError as exc:
             raise peer_error(exc, self.peer) from None
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            # NOTE: only the call was cancelled, not the reading task: say so as a peer error.
+            if self._cancelled and task is not None and not task.cancelling():
+                raise PeerError("CANCELLED", "cancelled", self.peer) from None
+            raise
         if msg is grpc.aio.EOF:
             return None
         return self._convert(msg)
 
     def cancel(self) -> None:
+        self._cancelled = True
         self._call.cancel()
 
     async def __aiter__(self) -> AsyncIterator[E]:

@@ -31,6 +31,7 @@ def job_to_pb(job: RelayJob) -> pb.DecodeRequest:
         cache_salt=job.cache_salt,
         main_decode=instance_ref_to_pb(job.main_decode),
         handoff_mode=handoff_to_pb(job.handoff_mode),
+        resume_token_ids=list(job.resume_token_ids),
     )
 
 
@@ -39,6 +40,11 @@ def job_from_pb(msg: pb.DecodeRequest, vocab: int) -> RelayJob:
     if not msg.HasField("main_decode"):
         raise InvalidArgumentError("main_decode", "is required")
     mode = handoff_from_pb(msg.handoff_mode, "handoff_mode") or HandoffMode.ONE_SHOT
+    for i, t in enumerate(msg.resume_token_ids):
+        if t >= vocab:
+            raise InvalidArgumentError(
+                f"resume_token_ids[{i}]", f"token id {t} is outside the vocabulary ({vocab})"
+            )
     return RelayJob(
         rid,
         prompt,
@@ -46,6 +52,7 @@ def job_from_pb(msg: pb.DecodeRequest, vocab: int) -> RelayJob:
         msg.cache_salt,
         instance_ref_from_pb(msg.main_decode, "main_decode"),
         mode,
+        tuple(msg.resume_token_ids),
     )
 
 

@@ -32,6 +32,11 @@ GATEWAY = Settings(
         "times one request may move to another MainDecode when its MainDecode or prefill is "
         "lost mid-request; 0 = never",
     ),
+    Flag(
+        "kv_deadline_s",
+        "seconds a P-MD request's first token waits for MainDecode's KV (a partitioned WAN) "
+        "before a relay takes the request over; 0 = never",
+    ),
     title="gateway",
 )
 HTTP = Settings(

@@ -28,6 +28,9 @@ class GatewayConfig:
     # How many times one request may move to another MainDecode when its MainDecode or
     # prefill is lost mid-request (0: never; the request fails with the stage's error).
     max_migrations: int = 2
+    # How long a P-MD request's first token may wait for MainDecode's KV (a partitioned or
+    # stalled WAN) before the request is re-routed through a relay, which finishes it (0: never).
+    kv_deadline_s: float = 30.0
 
     def __post_init__(self) -> None:
         if ":" not in self.kvstore_address:
@@ -36,5 +39,7 @@ class GatewayConfig:
             raise ValueError(f"stage_timeout_s: must be positive, got {self.stage_timeout_s}")
         if self.max_migrations < 0:
             raise ValueError(f"max_migrations: must be >= 0, got {self.max_migrations}")
+        if self.kv_deadline_s < 0:
+            raise ValueError(f"kv_deadline_s: must be >= 0, got {self.kv_deadline_s}")
         if self.index_timeout_s <= 0:
             raise ValueError(f"index_timeout_s: must be positive, got {self.index_timeout_s}")

@@ -56,6 +56,7 @@ def build(config: GatewayConfig) -> ServiceSpec:
         index_timeout_s=config.index_timeout_s,
         max_migrations=config.max_migrations,
         eos_token_ids=info.eos_token_ids,
+        kv_deadline_s=config.kv_deadline_s,
     )
     servicer = GatewayServicer(gateway, info, decode)
     http = OpenAIServer(gateway, info, decode, config.http) if config.http.port else None

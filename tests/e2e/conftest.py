@@ -7,10 +7,13 @@ Redis, the WAN emulator between the clusters.
 
 from __future__ import annotations
 
+import asyncio
+import time
 import uuid
 
 import pytest
 
+from pdd.bench.chaos import EngineProbe
 from pdd.testbed.stack import LinkSettings, Stack, StackConfig
 
 TINY = "tiny:7,ctx=512"
@@ -26,11 +29,11 @@ def make_stack(
     gateway_flags=(),
     **config: object,
 ) -> Stack:
-    """A started stack of the tiny model; ``config``: more StackConfig fields (main_decode=2,
-    relay=0, http_port, restart, key_prefix, ...)."""
+    """A started stack of the tiny model; ``config``: more StackConfig fields (model,
+    main_decode=2, relay=0, http_port, restart, key_prefix, ...)."""
     config.setdefault("key_prefix", f"e2e{uuid.uuid4().hex[:8]}")
+    config.setdefault("model", TINY)
     stack_config = StackConfig(
-        model=TINY,
         redis_url=redis_url,
         gateway_port=0,
         wan=wan,
@@ -58,3 +61,11 @@ def stack(redis_url, tmp_path_factory):
     yield s
     codes = s.stop()
     assert all(code == 0 for code in codes.values()), f"unclean exits: {codes}"
+
+
+async def no_kv_held(stack, rid: str, timeout_s: float = 10.0) -> None:
+    """Every engine frees the request's KV (MainDecode once the cancellation crossed the WAN)."""
+    deadline = time.monotonic() + timeout_s
+    while (held := await EngineProbe(stack).holding([rid])) and any(held.values()):
+        assert time.monotonic() < deadline, f"KV of {rid} still held: {held}"
+        await asyncio.sleep(0.2)

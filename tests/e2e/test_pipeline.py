@@ -90,7 +90,7 @@ async def wait_indexed(stack, prompt, salt, want):
                     prompt_token_ids=prompt, cache_salt=salt, role=common_pb2.ROLE_MAIN_DECODE
                 )
             )
-            best = max(h.cached_tokens for h in hits.hits)
+            best = max((h.cached_tokens for h in hits.hits), default=0)
             if best >= want:
                 return
             await asyncio.sleep(0.05)

@@ -27,6 +27,7 @@ from pdd.core.stage_events import (
     HandedOff,
     HandoffAck,
     HandoffBatch,
+    KvReadiness,
     Tokens,
     TransferDone,
 )
@@ -160,6 +161,9 @@ class FakePeers:
         self.kv.hits[2] = Hit(MAIN_DECODE, 4, 0.5)
         self.kv.hits += [Hit(i, 0, 0.0) for i in later or {} if i != MAIN_DECODE]
         self.closed = False
+        # By MainDecode address: set once it holds a re-homed request's KV; who polled it.
+        self.ready: dict[str, asyncio.Event] = {}
+        self.polled: list[str] = []
 
     def kvstore(self) -> FakeKvstore:
         return self.kv
@@ -209,6 +213,13 @@ class FakePeers:
 
             def token_handoff(self):
                 return peers.handoff
+
+            async def wait_kv_ready(self, request_id, timeout_ms):
+                peers.polled.append(address)
+                ready = peers.ready.setdefault(address, asyncio.Event())
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(ready.wait(), timeout_ms / 1000)
+                return KvReadiness(ready.is_set(), 0.0)
 
         return Client()
 
@@ -464,23 +475,99 @@ async def test_a_prefill_lost_before_its_first_token_resumes_as_md_with_nothing_
     assert migrations("prefill_lost") == before + 1
 
 
-async def test_a_main_decode_lost_while_the_relay_streams_migrates_once_the_relay_fails():
-    """The relay is not kept decoding: once its handoff to the dead MainDecode fails, the
-    request moves from what was streamed (the relay's tokens included)."""
-    md_lost, first_sent = asyncio.Event(), asyncio.Event()
+async def test_a_main_decode_lost_while_the_relay_streams_is_rehomed_and_takes_over_when_ready():
+    """The relay keeps decoding (alone) while another MainDecode rebuilds the KV from the
+    tokens streamed; once that one holds it, the gateway stops the relay and hands over."""
+    md_lost, rebuilt = asyncio.Event(), asyncio.Event()
     peers = FakePeers(
         # NOTE: Signal then the error in one read: MainDecode's loss is queued before the relay goes on
-        md=[Accepted(0), first_sent, Signal(md_lost), lost("m0")],
-        prefill=[first_token(), Signal(first_sent), TRANSFER],
-        relay=[Accepted(), Tokens(1, (21,)), md_lost, Tokens(2, (22,)), lost("r0")],
-        later={MAIN_DECODE_1: [[Accepted(0), Tokens(3, (23,)), Finished("length", 4, 1)]]},
+        md=[Accepted(0), Signal(md_lost), lost("m0")],
+        prefill=[first_token(), TRANSFER],
+        relay=[Accepted(), Tokens(1, (21,)), md_lost, Tokens(2, (22,)), Tokens(3, (23,))]
+        + [Signal(rebuilt), HOLD],
+        later={MAIN_DECODE_1: [[Accepted(0), HOLD]]},
+    )
+    m1 = MAIN_DECODE_1.ref.address
+    peers.ready[m1] = rebuilt  # it holds the KV once the relay has streamed through 23
+    # after the gateway's final batch, m1 speaks from its end
+    peers.later[m1][0].script = [
+        Accepted(0),
+        peers.handed,
+        Tokens(4, (24,)),
+        Finished("length", 5, 1),
+    ]
+    before = migrations("main_decode_lost")
+    tokens, final = await asyncio.wait_for(run(peers, job(Pipeline.P_RLD_MD)), 10)
+    ids, stages = flat(tokens)
+    assert ids == [20, 21, 22, 23, 24]
+    assert stages == [Stage.PREFILL] + [Stage.RELAY] * 3 + [Stage.MAIN_DECODE]
+    ((address, rehomed),) = peers.resumed
+    # rebuilt from what was streamed when m0 was lost: the relay's first token and prefill's
+    assert address == m1 and rehomed.pipeline is Pipeline.P_RLD_MD
+    assert rehomed.resume_token_ids in ((20,), (20, 21))
+    assert m1 in peers.polled and peers.relay_stream.cancelled
+    (batch,) = peers.handoff.batches
+    assert (batch.start_position, batch.token_ids, batch.final) == (0, (20, 21, 22, 23), True)
+    s = final.stats
+    assert (s.main_decode_instance, s.migrations, s.handoff_at_token) == ("m1", 1, 4)
+    assert migrations("main_decode_lost") == before + 1
+
+
+async def test_with_no_other_main_decode_the_relay_finishes_the_request_alone():
+    md_lost = asyncio.Event()
+    peers = FakePeers(
+        md=[Accepted(0), Signal(md_lost), lost("m0")],
+        prefill=[first_token(), TRANSFER],
+        relay=[Accepted(), Tokens(1, (21,)), md_lost, Tokens(2, (22, 23)), Finished("length", 4)],
     )
     tokens, final = await asyncio.wait_for(run(peers, job(Pipeline.P_RLD_MD)), 10)
+    assert flat(tokens)[0] == [20, 21, 22, 23] and not peers.resumed
+    assert final.finish_reason == "length" and final.stats.rld_tokens == 3
+    assert not peers.handoff.batches
+
+
+async def test_a_relay_finishing_before_the_rehomed_main_decode_is_ready_stops_it():
+    md_lost = asyncio.Event()
+    peers = FakePeers(
+        md=[Accepted(0), Signal(md_lost), lost("m0")],
+        prefill=[first_token(), TRANSFER],
+        relay=[Accepted(), Tokens(1, (21,)), md_lost, Tokens(2, (22, 23)), Finished("length", 4)],
+        later={MAIN_DECODE_1: [[Accepted(0), HOLD]]},  # never ready
+    )
+    tokens, final = await asyncio.wait_for(run(peers, job(Pipeline.P_RLD_MD)), 10)
+    assert flat(tokens)[0] == [20, 21, 22, 23] and final.finish_reason == "length"
+    ((address, _),) = peers.resumed
+    assert peers.later[address] == [] and not peers.handoff.batches
+    assert final.stats.main_decode_instance == "m1"
+
+
+async def test_a_prefill_lost_while_the_relay_streams_rehomes_away_from_the_relays_target():
+    """MainDecode m0 will never get its push: the request is rebuilt on m1 (never on m0 itself,
+    which the relay may still be polling), and the relay stays the stream meanwhile."""
+    relay_spoke, rebuilt = asyncio.Event(), asyncio.Event()
+    peers = FakePeers(
+        md=[Accepted(0), HOLD],
+        prefill=[first_token(), relay_spoke, lost("p0")],
+        relay=[Accepted(), Tokens(1, (21,)), Signal(relay_spoke), Tokens(2, (22,))]
+        + [Signal(rebuilt), HOLD],
+        later={MAIN_DECODE_1: [[Accepted(0), HOLD]]},
+    )
+    m1 = MAIN_DECODE_1.ref.address
+    peers.ready[m1] = rebuilt
+    peers.later[m1][0].script = [
+        Accepted(0),
+        peers.handed,
+        Tokens(3, (23,)),
+        Finished("length", 4, 1),
+    ]
+    before = migrations("prefill_lost")
+    tokens, final = await asyncio.wait_for(run(peers, job(Pipeline.P_RLD_MD)), 10)
     assert flat(tokens)[0] == [20, 21, 22, 23]
-    ((address, resumed),) = peers.resumed
-    assert address == MAIN_DECODE_1.ref.address and resumed.resume_token_ids == (20, 21, 22)
-    assert not peers.handoff.batches  # no handoff to the MainDecode known lost
-    assert final.stats.completion_tokens == 4 and final.stats.main_decode_instance == "m1"
+    ((address, rehomed),) = peers.resumed
+    assert address == m1 and rehomed.pipeline is Pipeline.P_RLD_MD
+    assert peers.md.cancelled  # m0 waited for a push that could not come
+    assert peers.handoff.batches[-1].token_ids == (20, 21, 22)
+    assert migrations("prefill_lost") == before + 1
 
 
 async def test_migrations_stop_at_the_limit_with_the_lost_stages_error():
@@ -671,3 +758,59 @@ async def test_a_main_decode_lost_at_max_tokens_with_the_eos_ids_unknown_fails_t
     with pytest.raises(PeerError, match="m0: connection reset"):
         await asyncio.wait_for(run(peers, job(Pipeline.P_MD)), 10)
     assert not peers.resumed
+
+
+async def test_rehome_targets_refusing_one_after_another_leave_the_relay_to_finish():
+    """Re-homing never blocks the relay's stream: each refusal comes back as a failed stream,
+    the next MainDecode is tried, and with none left the relay finishes the request."""
+    md_lost, m1_tried, m2_tried = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    peers = FakePeers(
+        md=[Accepted(0), Signal(md_lost), lost("m0")],
+        prefill=[first_token(), TRANSFER],
+        # NOTE: the relay goes on only once both targets were tried (in either order)
+        relay=[Accepted(), Tokens(1, (21,)), md_lost, Tokens(2, (22,)), m1_tried, m2_tried]
+        + [Tokens(3, (23,)), Finished("length", 4)],
+        later={
+            MAIN_DECODE_1: [[Signal(m1_tried), lost("m1")]],
+            MAIN_DECODE_2: [[Signal(m2_tried), lost("m2")]],
+        },
+    )
+    tokens, final = await asyncio.wait_for(run(peers, job(Pipeline.P_RLD_MD)), 10)
+    assert flat(tokens)[0] == [20, 21, 22, 23] and final.finish_reason == "length"
+    assert sorted(a for a, _ in peers.resumed) == sorted(
+        [MAIN_DECODE_1.ref.address, MAIN_DECODE_2.ref.address]
+    )
+    assert final.stats.migrations == 2 and not peers.handoff.batches
+
+
+async def test_a_p_md_request_past_its_kv_deadline_is_rerouted_through_the_relay():
+    """MainDecode never speaks (its WAN is partitioned): at the deadline the relay takes the
+    request from what was streamed (it prefills prompt + those itself) and finishes it."""
+    peers = FakePeers(
+        md=[Accepted(0), HOLD],
+        prefill=[first_token(), HOLD],  # its push cannot cross either
+        relay=[Accepted(), Tokens(1, (21, 22)), Tokens(3, (23,)), Finished("length", 4)],
+    )
+    before = migrations("kv_deadline")
+    tokens, final = await asyncio.wait_for(run(peers, job(Pipeline.P_MD), kv_deadline_s=0.2), 10)
+    ids, stages = flat(tokens)
+    assert ids == [20, 21, 22, 23] and stages == [Stage.PREFILL] + [Stage.RELAY] * 3
+    relay_job = peers.jobs["relay"]
+    assert relay_job.resume_token_ids == (20,) and relay_job.main_decode == MAIN_DECODE.ref
+    assert peers.md.cancelled and peers.prefill_stream.cancelled
+    s = final.stats
+    assert (s.relay_instance, s.migrations, s.rld_tokens) == ("r0", 1, 3)
+    assert final.finish_reason == "length" and migrations("kv_deadline") == before + 1
+
+
+async def test_a_p_md_request_whose_main_decode_speaks_in_time_is_not_rerouted():
+    """MainDecode spoke before the deadline, then paused past it: it holds the KV; no re-route."""
+    resume = asyncio.Event()
+    peers = FakePeers(
+        md=[Accepted(0), Tokens(1, (21,)), resume, Tokens(2, (22,)), Finished("length", 3, 2)],
+        prefill=[first_token(), TRANSFER],
+    )
+    asyncio.get_running_loop().call_later(0.3, resume.set)
+    tokens, final = await asyncio.wait_for(run(peers, job(Pipeline.P_MD), kv_deadline_s=0.05), 10)
+    assert flat(tokens)[0] == [20, 21, 22] and "relay" not in peers.jobs
+    assert final.stats.migrations == 0

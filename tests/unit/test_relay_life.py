@@ -109,7 +109,11 @@ class InProcessMainDecode:
         self.calls: list[_Handoff] = []
 
     async def wait_kv_ready(self, request_id: str, timeout_ms: int) -> KvReadiness:
-        return await self.md.wait_kv_ready(request_id, timeout_ms)
+        try:
+            return await self.md.wait_kv_ready(request_id, timeout_ms)
+        except PddError as exc:
+            code, details = status_for(exc)
+            raise PeerError(code.name, details, "main_decode") from None
 
     def token_handoff(self) -> _Handoff:
         self.calls.append(_Handoff(self))
@@ -244,7 +248,8 @@ PROMPT = [(i * 37) % 251 + 1 for i in range(29)]
 async def test_handoff_output_equals_a_single_engine(ckpt, oracle, mode):
     n = 120
     # NOTE: gap 0: every catch-up round that finds the relay ahead sends; at least one does.
-    async with Stack(ckpt, RelayConfig(catch_up_gap=0)) as stack:
+    # At most 3 rounds: on a loaded host 8 rounds could outlast the request's 120 tokens.
+    async with Stack(ckpt, RelayConfig(catch_up_gap=0, max_catch_up_rounds=3)) as stack:
         relay_job, md_job = _jobs("r1", PROMPT, n, mode)
         md_events: list = []
         md_task = await _open_md(stack, md_job, md_events)
@@ -335,3 +340,89 @@ async def test_a_failed_handoff_fails_the_relay_stream_with_the_peer_error(ckpt)
         md_task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await md_task
+
+
+async def test_a_main_decode_lost_before_its_kv_leaves_the_relay_decoding_alone(ckpt, oracle):
+    """MainDecode's call ends while the relay waits for its KV: the relay decodes on, streams
+    every token and finishes the request itself (no handoff), as a single engine would."""
+    n = 40
+    async with Stack(ckpt, RelayConfig()) as stack:
+        relay_job, md_job = _jobs("r4", PROMPT, n, HandoffMode.ONE_SHOT)
+        md_events: list = []
+        md_task = await _open_md(stack, md_job, md_events)
+        await stack.send_fast("r4", PROMPT, "s")
+        stream = stack.relay.decode(relay_job)
+        relay_events = await _read_through(stream, 4)
+        md_task.cancel()  # NOTE: MainDecode loses the request; the relay's long-poll learns it
+        with contextlib.suppress(asyncio.CancelledError):
+            await md_task
+        relay_events += [ev async for ev in stream]
+        assert relay_events[-1] == Finished("length", n) and stack.peer.batches == []
+        first = stack.prefilled("r4", PROMPT, "s")[1]
+        relayed = _positions(relay_events)
+        assert sorted(relayed) == list(range(1, n))
+        tokens = [first] + [relayed[p] for p in range(1, n)]
+        oracle.assert_greedy_equal(PROMPT, tokens, _reference(ckpt, PROMPT, n))
+        assert not await stack.relay_loop.call(stack.relay_engine.holds_request, "r4")
+
+
+async def test_a_rehomed_main_decode_rebuilds_the_kv_and_continues_from_the_final_batch(
+    ckpt, oracle
+):
+    """The gateway's re-home: a P-RLD-MD call with the tokens streamed so far prefills them
+    here, says its KV is ready, decodes ahead silently, and speaks from the end of the
+    gateway's final batch (the relay's tokens, taken from it): one unbroken greedy output."""
+    n, k = 40, 3
+    async with Stack(ckpt, RelayConfig()) as stack:
+        relay_job, _ = _jobs("r5", PROMPT, n, HandoffMode.ONE_SHOT)
+        await stack.send_fast("r5", PROMPT, "s")
+        stream = stack.relay.decode(relay_job)
+        relay_events = await _read_through(stream, k - 1)
+        first = stack.prefilled("r5", PROMPT, "s")[1]
+        streamed = [first] + [_positions(relay_events)[p] for p in range(1, k)]
+        rehome = DecodeJob(
+            "r5", tuple(PROMPT), relay_job.sampling, "s", Pipeline.P_RLD_MD, tuple(streamed)
+        )
+        md_events: list = []
+        md_task = await _open_md(stack, rehome, md_events)
+        readiness = await stack.peer.wait_kv_ready("r5", 30_000)
+        assert readiness.ready
+        relay_events += await _read_through(stream, k + 5)  # the relay stays the stream meanwhile
+        await stream.aclose()  # NOTE: the gateway takes the request from the relay
+        relayed = _positions(relay_events)
+        taken = [first] + [relayed[p] for p in range(1, max(relayed) + 1)]
+        call = stack.peer.token_handoff()
+        await call.send(HandoffBatch("r5", 0, tuple(taken), final=True))
+        await asyncio.wait_for(md_task, 30)
+        md_out = _positions(md_events)
+        assert sorted(md_out) == list(range(len(taken), n))  # nothing before the batch's end
+        tokens = taken + [md_out[p] for p in range(len(taken), n)]
+        oracle.assert_greedy_equal(PROMPT, tokens, _reference(ckpt, PROMPT, n))
+        assert isinstance(md_events[-1], Finished) and md_events[-1].completion_tokens == n
+
+
+async def test_a_request_rerouted_here_resumes_from_the_streamed_tokens_and_finishes_alone(
+    ckpt, oracle
+):
+    """No fast-link KV: the relay prefills prompt + the tokens streamed itself, speaks from the
+    next position, never polls MainDecode, and its tokens continue a single engine's output."""
+    n, k = 30, 4
+    ref = _reference(ckpt, PROMPT, n)
+    async with Stack(ckpt, RelayConfig()) as stack:
+        relay_job, _ = _jobs("r6", PROMPT, n, HandoffMode.ONE_SHOT)
+        resumed = RelayJob(
+            "r6",
+            tuple(PROMPT),
+            relay_job.sampling,
+            "s",
+            MD_REF,
+            HandoffMode.ONE_SHOT,
+            tuple(ref[:k]),
+        )
+        events = [ev async for ev in stack.relay.decode(resumed)]
+        assert isinstance(events[0], Accepted) and events[-1] == Finished("length", n)
+        relayed = _positions(events)
+        assert sorted(relayed) == list(range(k, n)) and stack.peer.batches == []
+        tokens = list(ref[:k]) + [relayed[p] for p in range(k, n)]
+        oracle.assert_greedy_equal(PROMPT, tokens, ref)
+        assert not await stack.relay_loop.call(stack.relay_engine.holds_request, "r6")

@@ -20,20 +20,22 @@ FAST_LINK_TRANSPORT_SHM: FastLinkTransport
 FAST_LINK_TRANSPORT_TCP: FastLinkTransport
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "main_decode", "handoff_mode")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "main_decode", "handoff_mode", "resume_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     MAIN_DECODE_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_MODE_FIELD_NUMBER: _ClassVar[int]
+    RESUME_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     cache_salt: str
     main_decode: _common_pb2.InstanceRef
     handoff_mode: _common_pb2.HandoffMode
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., main_decode: _Optional[_Union[_common_pb2.InstanceRef, _Mapping]] = ..., handoff_mode: _Optional[_Union[_common_pb2.HandoffMode, str]] = ...) -> None: ...
+    resume_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., main_decode: _Optional[_Union[_common_pb2.InstanceRef, _Mapping]] = ..., handoff_mode: _Optional[_Union[_common_pb2.HandoffMode, str]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("accepted", "tokens", "handed_off", "finished")

@@ -1,0 +1,330 @@
+"""How a gateway request survives a lost stage (``Recovery``, the fault paths ``Gateway``
+inherits): everything here starts from one fact — the gateway holds every token it streamed, and
+sampling draws depend only on (seed, position) — so any stage can be replaced mid-request by
+replaying prompt + streamed tokens on another instance, with the output unchanged.
+
+- relay lost before its handoff: the gateway hands MainDecode the tokens streamed itself
+  (``_take_over``);
+- MainDecode (or prefill) lost, no relay streaming: *migration* — every other stage call is
+  cancelled and the request opens as MD on another live MainDecode with the tokens streamed as
+  ``resume_token_ids`` (MainDecode prefills prompt + those itself and speaks from the next
+  position; for a prefill loss possibly the same one);
+- MainDecode (or the prefill pushing to it) lost while the relay streams: *re-home* — the relay
+  decodes on alone (it learns MainDecode is gone from its own calls), the request opens as
+  P-RLD-MD on another MainDecode (never the relay's own target, which the relay may still poll)
+  with the tokens streamed, which rebuilds the KV; once it holds it (``Rehomed``) the gateway
+  stops the relay and hands over; with no MainDecode left, or the relay finishing first, the
+  relay finishes the request;
+- MainDecode lost once the client has every token: the request ends at the gateway with the
+  finish reason the engine would have given (``_ended``).
+Moves are limited per request (``max_migrations``); beyond it, or with no MainDecode left, the
+original error stands. Each move is logged (``migrated``, ``rehomed``) and counted
+(``pdd_migrations_total{cause}``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import replace
+
+import structlog
+
+from pdd.core.errors import PddError, PeerError, UnavailableError
+from pdd.core.instance import Instance, Role
+from pdd.core.pipeline import HandoffMode, Pipeline, Stage
+from pdd.core.stage_events import HandoffBatch
+from pdd.serving.gateway_run import (
+    MAIN_DECODE_LOST,
+    PREFILL_LOST,
+    KvDeadline,
+    Loss,
+    Rehomed,
+    Run,
+    finish_here,
+    stop_calls,
+    wait_accepted,
+)
+from pdd.telemetry.metrics import HANDOFFS, MIGRATIONS
+from pdd.wire.call import EventStream
+
+log = structlog.get_logger(__name__)
+
+
+class Recovery:
+    """The gateway's fault paths (mixed into ``Gateway``, whose stage calls and peers they use)."""
+
+    # NOTE: provided by Gateway.
+    max_migrations: int
+    eos_token_ids: tuple[int, ...] | None
+    stage_timeout_s: float
+    kv_deadline_s: float
+
+    # --- a P-MD request whose KV cannot cross the WAN in time --------------------------------
+
+    def start_kv_deadline(self, run: Run) -> None:
+        """P-MD, prefill's first token out: post ``KvDeadline`` after ``kv_deadline_s``."""
+        if self.kv_deadline_s <= 0 or run.plan.pipeline is not Pipeline.P_MD or run.rerouted:
+            return
+        queue = run.queue
+
+        async def fire() -> None:
+            await asyncio.sleep(self.kv_deadline_s)
+            queue.put_nowait(KvDeadline())
+
+        run.readers.append(asyncio.create_task(fire()))
+
+    async def _on_kv_deadline(self, run: Run) -> None:
+        """MainDecode has not spoken by the deadline (its WAN partitioned or stalled): re-route
+        the request through a relay, which prefills prompt + the tokens streamed itself and
+        finishes the request alone; MainDecode's and prefill's calls are cancelled (each frees
+        the request's KV once the cancellation reaches it). With no relay, it waits on."""
+        if (
+            run.plan.pipeline is not Pipeline.P_MD
+            or run.rerouted
+            or run.stats.md_tokens
+            or run.finish is not None
+            or Stage.MAIN_DECODE not in run.streaming
+            or not run.merge.emitted
+            or len(run.merge.emitted) >= run.sampling.max_tokens
+        ):
+            return
+        try:
+            relays = [i for i in await self.instances() if i.ref.role is Role.RELAY]
+        except PddError:
+            relays = []
+        if not relays:
+            log.warning("kv_deadline_without_relay", main_decode=run.stats.main_decode_instance)
+            return
+        relay = self.rng.choice(sorted(relays, key=lambda i: i.ref.instance_id))
+        for stage in (Stage.MAIN_DECODE, Stage.PREFILL):
+            if (old := run.streaming.pop(stage, None)) is not None:
+                old.cancel()
+        run.rerouted, run.relay_done = True, False
+        run.plan = replace(run.plan, relay=relay, handoff_mode=HandoffMode.ONE_SHOT)
+        run.stats.relay_instance = relay.ref.instance_id
+        run.stats.migrations += 1
+        MIGRATIONS.labels("kv_deadline").inc()
+        log.warning(
+            "rerouted_through_relay",
+            relay=relay.ref.instance_id,
+            main_decode=run.plan.main_decode.ref.instance_id,
+            at=len(run.merge.emitted),
+            deadline_s=self.kv_deadline_s,
+        )
+        self._add_reader(run, Stage.RELAY, self._open_relay(run))
+
+    async def _on_failed(self, run: Run, stage: Stage, error: Exception) -> None:
+        """A stage's stream broke: hand over for a lost relay, move the request to another
+        MainDecode for a lost MainDecode or prefill, or fail the request."""
+        if stage is Stage.RELAY and not run.relay_done:
+            if run.pending is not None:  # MainDecode (or prefill) went first: now move
+                await self._migrate(run, run.pending)
+                return
+            try:
+                # NOTE: the relay is gone mid-request: drive the handoff from the tokens streamed.
+                log.warning("relay_lost", error=str(error)[:200])
+                await self._take_over(run, "relay_lost_gateway_handoff")
+            except (PeerError, UnavailableError) as exc:  # ... and MainDecode is gone too
+                run.lost.add(run.plan.main_decode.ref.instance_id)
+                await self._migrate(run, Loss(MAIN_DECODE_LOST, exc))
+            return
+        if stage is Stage.RELAY or not isinstance(error, PeerError):
+            raise error
+        if stage is Stage.PREFILL and (
+            run.prefill_target in run.lost
+            or run.prefill_target != run.plan.main_decode.ref.instance_id
+        ):
+            # NOTE: it was pushing to a MainDecode the request has left: nothing is lost.
+            log.info("prefill_failed_after_leaving", error=str(error)[:200])
+            return
+        if run.finish is not None and stage is not Stage.MAIN_DECODE:
+            raise error
+        if stage is Stage.MAIN_DECODE:
+            run.lost.add(run.plan.main_decode.ref.instance_id)
+        loss = Loss(MAIN_DECODE_LOST if stage is Stage.MAIN_DECODE else PREFILL_LOST, error)
+        if Stage.RELAY in run.streaming and not run.relay_done:
+            # NOTE: the relay still streams (alone, once it finds MainDecode gone): keep it.
+            await self._rehome(run, loss)
+            return
+        await self._migrate(run, loss)
+
+    async def _rehome(self, run: Run, loss: Loss) -> None:
+        """The relay streams on while its MainDecode (or the prefill pushing to it) is lost:
+        rebuild the request on another MainDecode beside the relay (pipeline P-RLD-MD from the
+        tokens streamed: it prefills those itself) and take the request from the relay once that
+        one holds the KV (``Rehomed``); with none left, the relay finishes the request alone."""
+        at = tuple(run.merge.emitted)
+        if not at or (loss.cause == PREFILL_LOST and run.stats.rld_tokens == 0):
+            # NOTE: no head start to keep, or the relay may never get its KV: move it all.
+            await self._migrate(run, loss)
+            return
+        if (old := run.streaming.pop(Stage.MAIN_DECODE, None)) is not None:
+            old.cancel()  # NOTE: it waits for a push that will not come
+        run.rehomed = False
+        # NOTE: nothing here waits on the new MainDecode (the relay's tokens keep flowing): its
+        # Accepted starts the wait for its KV (``on_rehome_accepted``); a refusal fails its
+        # stream, which comes back here for the next one.
+        target = None
+        if run.stats.migrations < self.max_migrations and len(at) < run.sampling.max_tokens:
+            target = await self._next_main_decode(run, exclude=run.relay_target)
+        if target is None:
+            log.warning("relay_finishes_request", at=len(at), cause=loss.cause)
+            return
+        run.stats.migrations += 1
+        MIGRATIONS.labels(loss.cause).inc()
+        log.warning(
+            "rehomed",
+            from_instance=run.plan.main_decode.ref.instance_id,
+            to_instance=target.ref.instance_id,
+            at=len(at),
+            cause=loss.cause,
+            error=str(loss.error)[:200],
+        )
+        stream = self._open_decode(run, target, Pipeline.P_RLD_MD, at)
+        run.plan = replace(run.plan, main_decode=target)
+        run.stats.main_decode_instance = target.ref.instance_id
+        run.rehomed = True
+        self._add_reader(run, Stage.MAIN_DECODE, stream)
+
+    def on_rehome_accepted(self, run: Run, stream: EventStream) -> None:
+        """The re-homed MainDecode accepted: wait (beside the stream) for it to hold the KV."""
+        target = run.plan.main_decode
+        run.readers.append(asyncio.create_task(self._await_kv(run, target, stream)))
+
+    async def _await_kv(self, run: Run, target: Instance, stream: EventStream) -> None:
+        """Post ``Rehomed`` once the re-homed MainDecode holds the KV (its loss fails its own
+        stream, which decides what happens next)."""
+        client, queue = self.peers.main_decode(target.ref.address), run.queue
+        deadline = time.monotonic() + self.stage_timeout_s
+        while (left_s := deadline - time.monotonic()) > 0:
+            try:
+                readiness = await client.wait_kv_ready(
+                    run.job.request_id, int(min(left_s, 30.0) * 1000)
+                )
+            except PeerError:
+                return
+            if readiness.ready:
+                queue.put_nowait(Rehomed(stream))
+                return
+
+    async def _on_rehomed(self, run: Run, stream: object) -> None:
+        """The re-homed MainDecode holds the KV: stop the relay, hand the tokens streamed over."""
+        relay = run.streaming.get(Stage.RELAY)
+        if not (run.rehomed and run.current(Stage.MAIN_DECODE, stream)) or relay is None:
+            return
+        if run.relay_done:
+            return
+        relay.cancel()
+        try:
+            await self._take_over(run, "rehomed_gateway_handoff")
+        except (PeerError, UnavailableError) as exc:
+            run.lost.add(run.plan.main_decode.ref.instance_id)
+            await self._migrate(run, Loss(MAIN_DECODE_LOST, exc))
+
+    async def _relay_ended(self, run: Run) -> None:
+        """The relay's stream is over: a loss waiting on it moves the request now; a re-homed
+        MainDecode still waiting for the handoff is stopped if the relay finished the request."""
+        if run.pending and run.finish is None:
+            await self._migrate(run, run.pending)
+        elif run.rehomed and run.finish is not None:
+            log.warning("relay_finished_rehomed_request", at=len(run.merge.emitted))
+            if (md := run.streaming.pop(Stage.MAIN_DECODE, None)) is not None:
+                md.cancel()
+            run.rehomed = False
+
+    async def _migrate(self, run: Run, loss: Loss) -> None:
+        """Move the request to another live MainDecode from the tokens streamed so far (every
+        other stage call cancelled; MainDecode prefills what it lacks itself), or finish it here
+        if the client has every token already; the original error if the limit is reached, no
+        MainDecode is left or nothing is left to decode."""
+        stop_calls(run)
+        if (reason := self._ended(run)) is not None:
+            finish_here(run, reason, loss)
+            return
+        run.merge.pending.clear()  # NOTE: held tokens of the old path: the new one recomputes them
+        at = len(run.merge.emitted)
+        while run.stats.migrations < self.max_migrations and at < run.sampling.max_tokens:
+            target = await self._next_main_decode(run)
+            if target is None:
+                break
+            run.stats.migrations += 1
+            MIGRATIONS.labels(loss.cause).inc()
+            source, run.plan = run.plan.main_decode, replace(run.plan, main_decode=target)
+            log.warning(
+                "migrated",
+                from_instance=source.ref.instance_id,
+                to_instance=target.ref.instance_id,
+                at=at,
+                cause=loss.cause,
+                error=str(loss.error)[:200],
+            )
+            try:
+                await self._resume(run, target)
+                return
+            except (PeerError, UnavailableError) as exc:
+                log.warning("migration_refused", instance=target.ref.instance_id, error=str(exc))
+                run.lost.add(target.ref.instance_id)
+                loss = Loss(MAIN_DECODE_LOST, loss.error)
+        raise loss.error
+
+    def _ended(self, run: Run) -> str | None:
+        """Why the request ended, if the client has every token and the gateway can tell as the
+        engine would (a stop token ends it, even the last one; else max_tokens: "length"). None
+        if it may go on or only MainDecode can say (a grammar completed, an eos id unknown
+        here): then it migrates with what was streamed and the new MainDecode says."""
+        if run.finish is not None:  # NOTE: a stage said so already (the relay finished it)
+            return run.finish
+        out, sp = run.merge.emitted, run.sampling
+        if not out:
+            return None
+        eos = () if sp.ignore_eos else self.eos_token_ids
+        if out[-1] in sp.stop_token_ids or (eos is not None and out[-1] in eos):
+            return "stop"
+        if len(out) >= sp.max_tokens and eos is not None:
+            return "length"
+        return None
+
+    async def _next_main_decode(self, run: Run, exclude: str = "") -> Instance | None:
+        """A live MainDecode not lost for this request, nor ``exclude`` (the seeded rng picks
+        among them)."""
+        try:
+            instances = await self.instances()
+        except PddError as exc:
+            log.warning("migration_without_instances", error=str(exc)[:200])
+            return None
+        candidates = sorted(
+            (
+                i
+                for i in instances
+                if i.ref.role is Role.MAIN_DECODE
+                and i.ref.instance_id not in run.lost
+                and i.ref.instance_id != exclude
+            ),
+            key=lambda i: i.ref.instance_id,
+        )
+        return self.rng.choice(candidates) if candidates else None
+
+    async def _resume(self, run: Run, target: Instance) -> None:
+        """Open the request on ``target`` as MD from the tokens streamed; read it once accepted."""
+        stream = self._open_decode(run, target, Pipeline.MD, tuple(run.merge.emitted))
+        await wait_accepted(stream, Stage.MAIN_DECODE)
+        # NOTE: no relay and no prefill any more: nothing to take over, nothing pending.
+        run.relay_done, run.pending, run.rehomed = True, None, False
+        run.stats.main_decode_instance = target.ref.instance_id
+        self._read(run, [(Stage.MAIN_DECODE, stream)])
+
+    async def _take_over(self, run: Run, event: str) -> None:
+        """Hand the request to MainDecode ourselves: token IDs are all it needs besides its KV."""
+        plan, tokens = run.plan, tuple(run.merge.emitted)
+        log.warning(event, at=len(tokens), main_decode=plan.main_decode.ref.instance_id)
+        HANDOFFS.labels(
+            plan.handoff_mode.value if plan.handoff_mode else "one-shot", "gateway"
+        ).inc()
+        call = self.peers.main_decode(plan.main_decode.ref.address).token_handoff()
+        run.calls.append(call)
+        batch = HandoffBatch(run.job.request_id, 0, tokens, final=True, mode=plan.handoff_mode)
+        await call.send(batch)
+        await call.done(wait=True)
+        run.stats.handoff_at_token = len(tokens)
+        run.relay_done, run.rehomed = True, False
