@@ -42,12 +42,12 @@ from pdd.engine.kv_cache import KvCache
 from pdd.engine.kv_wire import KvPayload
 from pdd.engine.model_config import ModelConfig, parse_dtype
 from pdd.engine.model_runner import ModelRunner
-from pdd.engine.protocol import check_token_ids, is_stop
 from pdd.engine.rope import RotaryTable
 from pdd.engine.sampler import Sampler
 from pdd.engine.sampling import Logprob, SamplingParams, ranked_logprobs
 from pdd.engine.scheduler import Scheduler
 from pdd.engine.sequence import SeqStatus, Sequence
+from pdd.engine.token_rules import check_token_ids, is_stop
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ from pdd.engine.engine import StepOutput
 from pdd.engine.errors import KvCapacityError
 from pdd.engine.kv_wire import KvPayload
 from pdd.engine.model_config import ModelConfig, parse_dtype
-from pdd.engine.protocol import check_token_ids, is_stop
+from pdd.engine.token_rules import check_token_ids, is_stop
 from pdd.engine_vllm import kv_store
 from pdd.engine_vllm.cache_events import CacheMirror, MirrorPublisher
 from pdd.engine_vllm.sampling import to_vllm, unsupported
