@@ -36,8 +36,9 @@ from pdd.core.model_info import ModelInfo
 from pdd.core.request import new_request_id
 from pdd.core.sampling_params import Logprob
 from pdd.http import openai_convert as conv
+from pdd.http import openai_responses as responses
 from pdd.http.config import HttpConfig
-from pdd.http.errors import ApiError, error_body, http_error_for, is_expected
+from pdd.http.errors import ApiError, error_body, error_headers, http_error_for, is_expected
 from pdd.http.text_stream import Delta, End, choice_events
 from pdd.serving.gateway import Gateway
 from pdd.telemetry import metrics
@@ -170,7 +171,9 @@ class OpenAIServer:
             log.info("http_error", status=status, error=body["error"]["message"])
         else:
             log.exception("http_internal_error", status=status)
-        return _json(body, status)
+        resp = _json(body, status)
+        resp.headers.update(error_headers(status))
+        return resp
 
     def _authorize(self, request: web.Request) -> None:
         if not self.config.api_keys or not request.path.startswith("/v1/"):
@@ -313,21 +316,21 @@ class OpenAIServer:
         logprobs: list[Logprob],
         prompt: tuple[Logprob, ...] | None,
         end: End,
-    ) -> conv.Choice:
+    ) -> responses.Choice:
         prompt_ids = api.prompt_of(i).prompt_token_ids
         items: list[tuple[int, Logprob | None]] = list(zip(ids, logprobs))
         if api.echo:
             text = self._prompt_text(api, i) + text
             if api.logprobs:
-                items = conv.echo_items(api, prompt_ids, self._scores(prompt)) + items
-        return conv.Choice(
+                items = responses.echo_items(api, prompt_ids, self._scores(prompt)) + items
+        return responses.Choice(
             text,
-            conv.finish_reason(end.finish_reason) if api.generate else "length",
+            responses.finish_reason(end.finish_reason) if api.generate else "length",
             ids,
-            conv.logprobs_body(api, items, self._token_text) if api.logprobs else None,
+            responses.logprobs_body(api, items, self._token_text) if api.logprobs else None,
             None
             if api.prompt_logprobs is None
-            else conv.prompt_logprobs_body(
+            else responses.prompt_logprobs_body(
                 prompt_ids, self._scores(prompt), api.prompt_logprobs, self._token_text
             ),
         )
@@ -356,7 +359,7 @@ class OpenAIServer:
             self._choice(api, i, "".join(texts[i]), ids[i], logprobs[i], prompts[i], ends[i])
             for i in range(k)
         ]
-        return _json(conv.response_body(api, choices, *self._usage(api, ends)))
+        return _json(responses.response_body(api, choices, *self._usage(api, ends)))
 
     def _echo_chunk(
         self, api: conv.ApiRequest, i: int, prompt: tuple[Logprob, ...] | None, offsets: list[int]
@@ -364,10 +367,12 @@ class OpenAIServer:
         """A streamed choice's first chunk under echo: the prompt (and its logprobs)."""
         logprobs = None
         if api.logprobs:
-            items = conv.echo_items(api, api.prompt_of(i).prompt_token_ids, self._scores(prompt))
-            logprobs = conv.logprobs_body(api, items, self._token_text, offsets[i])
+            items = responses.echo_items(
+                api, api.prompt_of(i).prompt_token_ids, self._scores(prompt)
+            )
+            logprobs = responses.logprobs_body(api, items, self._token_text, offsets[i])
             offsets[i] += sum(len(t) for t in logprobs["tokens"])
-        return conv.chunk_body(
+        return responses.chunk_body(
             api, self._prompt_text(api, i), None, None, index=i, logprobs=logprobs
         )
 
@@ -392,7 +397,7 @@ class OpenAIServer:
                     await resp.prepare(request)
                     if api.kind == conv.CHAT:
                         for c in range(k):
-                            await send(conv.chunk_body(api, role=True, index=c))
+                            await send(responses.chunk_body(api, role=True, index=c))
                 if isinstance(ev, Delta):
                     if not echoed[i]:
                         echoed[i] = True
@@ -401,23 +406,23 @@ class OpenAIServer:
                         continue
                     logprobs = None
                     if api.logprobs and ev.token_ids:
-                        logprobs = conv.logprobs_body(
+                        logprobs = responses.logprobs_body(
                             api, list(zip(ev.token_ids, ev.logprobs)), self._token_text, offsets[i]
                         )
                         if api.kind == conv.COMPLETION:
                             offsets[i] += sum(len(t) for t in logprobs["tokens"])
                     if ev.text or api.return_token_ids or logprobs:
                         await send(
-                            conv.chunk_body(
+                            responses.chunk_body(
                                 api, ev.text, None, ev.token_ids, index=i, logprobs=logprobs
                             )
                         )
                     continue
                 ends[i] = ev
-                finish = conv.finish_reason(ev.finish_reason) if api.generate else "length"
-                await send(conv.chunk_body(api, "", finish, (), index=i))
+                finish = responses.finish_reason(ev.finish_reason) if api.generate else "length"
+                await send(responses.chunk_body(api, "", finish, (), index=i))
                 if api.include_usage and len(ends) == k:
-                    await send(conv.usage_chunk(api, *self._usage(api, ends)))
+                    await send(responses.usage_chunk(api, *self._usage(api, ends)))
         except (ConnectionResetError, asyncio.CancelledError):
             log.info("http_client_gone")
             raise

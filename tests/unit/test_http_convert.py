@@ -11,6 +11,7 @@ from pdd.core.errors import InvalidArgumentError
 from pdd.core.model_info import ModelInfo
 from pdd.core.sampling_params import Logprob
 from pdd.http import openai_convert as conv
+from pdd.http import openai_responses as responses
 from pdd.http.chat_template import render_chat
 
 TEMPLATE = (
@@ -237,7 +238,7 @@ def test_chat_needs_a_template_and_template_errors_are_bad_requests():
 
 def test_response_shapes_match_openai():
     r = completion(prompt="x", return_token_ids=True)
-    body = conv.response_body(r, [conv.Choice("hello", "length", [1, 2])], 3, 2)
+    body = responses.response_body(r, [responses.Choice("hello", "length", [1, 2])], 3, 2)
     assert (
         body["object"] == "text_completion" and body["id"] == "cmpl-rid-1" and body["model"] == "m"
     )
@@ -262,23 +263,23 @@ def test_response_shapes_match_openai():
         INFO,
         "c3",
     )
-    first = conv.chunk_body(c, role=True)
+    first = responses.chunk_body(c, role=True)
     assert first["object"] == "chat.completion.chunk"
     assert (
         first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
         and first["usage"] is None
     )
-    assert conv.chunk_body(c, "4")["choices"][0]["delta"] == {"content": "4"}
-    last = conv.chunk_body(c, "", "stop", ())
+    assert responses.chunk_body(c, "4")["choices"][0]["delta"] == {"content": "4"}
+    last = responses.chunk_body(c, "", "stop", ())
     assert last["choices"][0]["delta"] == {} and last["choices"][0]["finish_reason"] == "stop"
     assert "token_ids" not in last["choices"][0]
-    tail = conv.usage_chunk(c, 7, 1)
+    tail = responses.usage_chunk(c, 7, 1)
     assert tail["choices"] == [] and tail["usage"]["total_tokens"] == 8
-    whole = conv.response_body(
+    whole = responses.response_body(
         conv.chat_request(
             {"model": "m", "messages": [{"role": "user", "content": "q"}]}, INFO, "c4"
         ),
-        [conv.Choice("4", "stop", [9])],
+        [responses.Choice("4", "stop", [9])],
         7,
         1,
     )
@@ -311,16 +312,16 @@ def test_n_choices_are_requests_of_their_own():
     assert [len(j.request_id) for j in long_id] == [128] * 12 and len(
         {j.request_id for j in long_id}
     ) == 12
-    body = conv.response_body(
-        r, [conv.Choice("a", "stop", [1]), conv.Choice("bc", "length", [2, 3])], 1, 3
+    body = responses.response_body(
+        r, [responses.Choice("a", "stop", [1]), responses.Choice("bc", "length", [2, 3])], 1, 3
     )
     assert [(c["index"], c["text"]) for c in body["choices"]] == [(0, "a"), (1, "bc")]
-    assert conv.chunk_body(r, "z", index=2)["choices"][0]["index"] == 2
+    assert responses.chunk_body(r, "z", index=2)["choices"][0]["index"] == 2
 
 
 def test_finish_reasons_are_openai_ones():
-    assert conv.finish_reason("length") == "length"
-    assert conv.finish_reason("stop") == conv.finish_reason(None) == "stop"
+    assert responses.finish_reason("length") == "length"
+    assert responses.finish_reason("stop") == responses.finish_reason(None) == "stop"
 
 
 def test_logprobs_requests_and_shapes():
@@ -332,7 +333,7 @@ def test_logprobs_requests_and_shapes():
         (104, Logprob(-0.25, ((104, -0.25), (105, -2.0)))),
         (105, Logprob(-3.0, ((104, -0.5), (106, -1.0)))),
     ]
-    body = conv.logprobs_body(r, items, chr, text_offset=10)
+    body = responses.logprobs_body(r, items, chr, text_offset=10)
     # completions: the sampled token is always among top_logprobs (up to k + 1 entries)
     assert body == {
         "tokens": ["h", "i"],
@@ -352,7 +353,7 @@ def test_logprobs_requests_and_shapes():
         "c",
     )
     assert chat.job.sampling.logprobs == 1
-    assert conv.logprobs_body(chat, items[:1], chr) == {
+    assert responses.logprobs_body(chat, items[:1], chr) == {
         "content": [
             {
                 "token": "h",
@@ -388,9 +389,9 @@ def test_logprobs_requests_and_shapes():
             "c",
         )
     assert err.value.field == "top_logprobs"
-    whole = conv.response_body(r, [conv.Choice("hi", "length", [104, 105], body)], 1, 2)
+    whole = responses.response_body(r, [responses.Choice("hi", "length", [104, 105], body)], 1, 2)
     assert whole["choices"][0]["logprobs"] == body
-    assert conv.chunk_body(r, "h", logprobs=body)["choices"][0]["logprobs"] == body
+    assert responses.chunk_body(r, "h", logprobs=body)["choices"][0]["logprobs"] == body
 
 
 def test_response_format_becomes_a_grammar():
