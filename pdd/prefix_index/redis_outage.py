@@ -13,14 +13,21 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from pdd.core.errors import UnavailableError
 
 
-def redis_address(redis: Redis) -> str:
-    """Where ``redis`` connects, for messages: host:port, or the unix socket's path."""
+def redis_address(redis: Redis | RedisCluster) -> str:
+    """Where ``redis`` connects, for messages: host:port, or the unix socket's path (a cluster:
+    its startup node, marked so)."""
+    if isinstance(redis, RedisCluster):
+        node = redis.get_default_node() or next(
+            iter(redis.nodes_manager.startup_nodes.values()), None
+        )
+        return f"cluster {node.host}:{node.port}" if node else "cluster"
     kw = redis.connection_pool.connection_kwargs
     if "path" in kw:
         return f"unix:{kw['path']}"

@@ -5,16 +5,25 @@ when the lease lapses Redis drops the record, and ``list`` stops returning
 it (its block set carries the same expiry, so its index entries go too).
 
 Keys (under a configurable prefix ``p``):
-  ``p:inst:<id>``   JSON record of the instance, PEXPIRE = lease
-  ``p:instances``   set of ids ever registered (pruned lazily on ``list``)
+  ``p:inst:{<id>}``        JSON record of the instance, PEXPIRE = lease
+  ``p:inst:{<id>}:lease``  its lease length
+  ``p:instances``          set of ids ever registered (pruned lazily on ``list``)
+and the index's (``index``): ``p:blocks:{<id>}``, ``p:parents:{<id>}``, ``p:kids:{<id>}``,
+``p:seq:{<id>}``.
+
+NOTE (Redis Cluster): ``{<id>}`` is a hash tag, so every key of one instance lives in one slot and
+each multi-key command or transaction below touches one instance's keys only; ``p:instances`` is
+written on its own. ``list`` reads the records with one MGET (per slot on a cluster).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 
 from pdd.core.instance import Instance, InstanceLoad, InstanceRef, Role
 
@@ -47,16 +56,43 @@ def _decode(raw: bytes | str) -> Instance:
     )
 
 
+# NOTE: a record changes only at a heartbeat, and every prediction reads all of them: decoded
+# once per version (Instance is frozen, so sharing one is safe); ~1 ms saved per 64 instances.
+_decode_seen = functools.lru_cache(maxsize=4096)(_decode)
+
+
 class InstanceRegistry:
-    def __init__(self, redis: Redis, prefix: str = "pdd") -> None:
+    def __init__(self, redis: Redis | RedisCluster, prefix: str = "pdd") -> None:
         self._redis = redis
         self._prefix = prefix
+        self._cluster = isinstance(redis, RedisCluster)
 
     def _key(self, instance_id: str) -> str:
-        return f"{self._prefix}:inst:{instance_id}"
+        return self.instance_key(instance_id)
+
+    def instance_key(self, instance_id: str) -> str:
+        return f"{self._prefix}:inst:{{{instance_id}}}"
 
     def blocks_key(self, instance_id: str) -> str:
-        return f"{self._prefix}:blocks:{instance_id}"
+        return f"{self._prefix}:blocks:{{{instance_id}}}"
+
+    def parents_key(self, instance_id: str) -> str:
+        return f"{self._prefix}:parents:{{{instance_id}}}"
+
+    def kids_key(self, instance_id: str) -> str:
+        return f"{self._prefix}:kids:{{{instance_id}}}"
+
+    def seq_key(self, instance_id: str) -> str:
+        return f"{self._prefix}:seq:{{{instance_id}}}"
+
+    def index_keys(self, instance_id: str) -> list[str]:
+        """Every index key of the instance (one slot), the block set first."""
+        return [
+            self.blocks_key(instance_id),
+            self.parents_key(instance_id),
+            self.kids_key(instance_id),
+            self.seq_key(instance_id),
+        ]
 
     @property
     def _ids_key(self) -> str:
@@ -66,16 +102,21 @@ class InstanceRegistry:
         if ttl_ms <= 0:
             raise ValueError(f"ttl_ms: must be positive, got {ttl_ms}")
         inst = Instance(inst.ref, inst.block_size, inst.model, inst.load, _now_ms())
-        key = self._key(inst.ref.instance_id)
+        iid = inst.ref.instance_id
+        key = self._key(iid)
+        # NOTE: the id goes into the (other-slot) id set first: a record is never live unlisted.
+        await self._redis.sadd(self._ids_key, iid)
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.set(key, _encode(inst), px=ttl_ms)
             pipe.hset(f"{key}:lease", mapping={"ttl_ms": ttl_ms})
             pipe.pexpire(f"{key}:lease", ttl_ms)
-            pipe.sadd(self._ids_key, inst.ref.instance_id)
             if reset_index:
-                pipe.delete(self.blocks_key(inst.ref.instance_id))
+                # A fresh index expects the instance's cache events from sequence number 1.
+                pipe.delete(*self.index_keys(iid))
+                pipe.set(self.seq_key(iid), 1, px=ttl_ms)
             else:
-                pipe.pexpire(self.blocks_key(inst.ref.instance_id), ttl_ms)
+                for k in self.index_keys(iid):
+                    pipe.pexpire(k, ttl_ms)
             await pipe.execute()
 
     async def heartbeat(self, instance_id: str, load: InstanceLoad) -> bool:
@@ -90,16 +131,15 @@ class InstanceRegistry:
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.set(key, _encode(inst), px=ttl_ms)
             pipe.pexpire(f"{key}:lease", ttl_ms)
-            pipe.pexpire(self.blocks_key(instance_id), ttl_ms)
+            for k in self.index_keys(instance_id):
+                pipe.pexpire(k, ttl_ms)
             await pipe.execute()
         return True
 
     async def deregister(self, instance_id: str) -> bool:
         key = self._key(instance_id)
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.delete(key, f"{key}:lease", self.blocks_key(instance_id))
-            pipe.srem(self._ids_key, instance_id)
-            removed, _ = await pipe.execute()
+        removed = await self._redis.delete(key, f"{key}:lease", *self.index_keys(instance_id))
+        await self._redis.srem(self._ids_key, instance_id)
         return bool(removed)
 
     async def get(self, instance_id: str) -> Instance | None:
@@ -113,9 +153,10 @@ class InstanceRegistry:
         )
         if not ids:
             return []
-        raws = await self._redis.mget([self._key(i) for i in ids])
+        keys = [self._key(i) for i in ids]
+        raws = await (self._redis.mget_nonatomic(keys) if self._cluster else self._redis.mget(keys))
         gone = [i for i, raw in zip(ids, raws) if raw is None]
         if gone:
             await self._redis.srem(self._ids_key, *gone)
-        live = [_decode(raw) for raw in raws if raw is not None]
+        live = [_decode_seen(raw) for raw in raws if raw is not None]
         return [i for i in live if role is None or i.ref.role is role]

@@ -3,7 +3,8 @@
 Life of a prediction: the gateway sends a prompt's token ids (and cache
 salt) → the live instances are read from the registry (filtered by id/role)
 → each instance's chained block hashes are tested against its block set →
-per instance, the leading tokens it holds and the hit rate.
+per instance, the leading tokens it holds and the hit rate (a binary search over the chain in
+Redis, O(log blocks) lookups per instance: ``index``).
 
 Every call fails fast with ``UnavailableError`` when Redis is unreachable (``redis_outage``); the
 client's socket timeouts (kvstore's ``redis_timeout_s``) bound how long "fast" is.
@@ -15,8 +16,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 
-from pdd.core.cache_event import CacheEvent
+from pdd.core.cache_event import CacheEvent, PublishResult
 from pdd.core.errors import InvalidArgumentError, NotFoundError
 from pdd.core.instance import Instance, InstanceLoad, Role
 from pdd.prefix_index.index import PrefixIndex
@@ -32,7 +34,7 @@ class Hit:
 
 
 class PrefixStore:
-    def __init__(self, redis: Redis, prefix: str = "pdd") -> None:
+    def __init__(self, redis: Redis | RedisCluster, prefix: str = "pdd") -> None:
         self.redis = redis
         self.registry = InstanceRegistry(redis, prefix)
         self.index = PrefixIndex(redis, self.registry)
@@ -54,13 +56,24 @@ class PrefixStore:
         with redis_outage(self._where):
             return await self.registry.list(role)
 
-    async def publish(self, instance_id: str, events: Iterable[CacheEvent]) -> int:
+    async def publish(
+        self, instance_id: str, events: Iterable[CacheEvent], *, first_seq: int = 0
+    ) -> PublishResult:
+        """Apply the events; ``first_seq``: the sequence number of the first (0: unsequenced).
+
+        ``resync`` in the answer: a gap before this batch; the instance must republish its cache.
+        """
         with redis_outage(self._where):
             if await self.registry.get(instance_id) is None:
                 raise NotFoundError(
                     f"instance_id: {instance_id!r} is not registered (lease expired?)"
                 )
-            return await self.index.apply(instance_id, events)
+            return await self.index.apply(instance_id, events, first_seq=first_seq)
+
+    @property
+    def gaps(self) -> int:
+        """Batches refused for a gap in their instance's event sequence (each asked a resync)."""
+        return self.index.gaps
 
     async def predict(
         self,
@@ -69,7 +82,9 @@ class PrefixStore:
         *,
         instance_ids: Sequence[str] = (),
         role: Role | None = None,
+        reference: bool = False,
     ) -> list[Hit]:
+        """``reference``: count with the slow per-block reference (tests, ``pdd bench index``)."""
         if not prompt:
             raise InvalidArgumentError("prompt_token_ids", "must not be empty")
         with redis_outage(self._where):
@@ -77,6 +92,7 @@ class PrefixStore:
             if instance_ids:
                 wanted = set(instance_ids)
                 live = [i for i in live if i.ref.instance_id in wanted]
-            cached = await self.index.cached_tokens(prompt, salt, live)
+            count = self.index.cached_tokens_reference if reference else self.index.cached_tokens
+            cached = await count(prompt, salt, live)
         n = len(prompt)
         return [Hit(i, cached[i.ref.instance_id], cached[i.ref.instance_id] / n) for i in live]

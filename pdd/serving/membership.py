@@ -20,6 +20,13 @@ it: replaying a tail of them after the snapshot changes nothing. An event
 emitted *after* the read must never precede the snapshot (an "evicted" would
 be undone by its "stored"), which is why events published while it is
 taken wait behind it.
+
+Sequence numbers: each batch carries the number of its first event (``first_seq``), counted from 1
+at every registration with a reset index; kvstore refuses a batch past the next number it expects
+(events were lost: a batch given up on, or one kvstore never saw) and answers ``resync``, which
+triggers the same re-registration + snapshot at once (``resyncs`` counts them all). A retried
+batch kvstore already applied is not applied twice. NOTE: registration and publishing take turns
+(``_wire``), so a batch is never numbered against a registration it was not sent under.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from typing import Protocol
 
 import structlog
 
-from pdd.core.cache_event import CacheEvent
+from pdd.core.cache_event import CacheEvent, PublishResult
 from pdd.core.errors import PddError
 from pdd.core.instance import Instance, InstanceLoad
 
@@ -53,7 +60,9 @@ class Kvstore(Protocol):
 
     async def deregister(self, instance_id: str) -> object: ...
 
-    async def publish(self, instance_id: str, events: Sequence[CacheEvent]) -> int: ...
+    async def publish(
+        self, instance_id: str, events: Sequence[CacheEvent], *, first_seq: int = 0
+    ) -> PublishResult | int: ...
 
 
 async def _no_cache() -> list[CacheEvent]:
@@ -84,6 +93,13 @@ class Membership:
         self._resync_pending = False
         self.published = 0
         self.resyncs = 0
+        # Sequence number of the next event sent; 1 after each registration with a reset index.
+        self._next_seq = 1
+        self._wire = asyncio.Lock()
+        # Set when kvstore asked for a resync: the heartbeat task does it now, not a period later.
+        self._wake = asyncio.Event()
+        # Resyncs kvstore asked for (a gap it saw in the event sequence).
+        self.gaps = 0
 
     @property
     def instance_id(self) -> str:
@@ -121,13 +137,20 @@ class Membership:
             log.warning("cache_event_flush_timeout", pending=self._events.qsize())
 
     async def _register(self, *, reset_index: bool) -> None:
-        register = self.kvstore.register(self.instance, self.ttl_ms, reset_index=reset_index)
-        await asyncio.wait_for(register, 5.0)
+        async with self._wire:
+            register = self.kvstore.register(self.instance, self.ttl_ms, reset_index=reset_index)
+            await asyncio.wait_for(register, 5.0)
+            if reset_index:
+                self._next_seq = 1
 
     async def _heartbeat(self) -> None:
         period = self.ttl_ms / 3000
         while True:
-            await asyncio.sleep(period)
+            try:
+                await asyncio.wait_for(self._wake.wait(), period)
+            except TimeoutError:
+                pass
+            self._wake.clear()
             try:
                 beat = self.kvstore.heartbeat(self.instance_id, self._load())
                 if not await asyncio.wait_for(beat, period):
@@ -171,7 +194,20 @@ class Membership:
         """Publish one batch, retrying a few times."""
         for attempt in range(5):
             try:
-                await asyncio.wait_for(self.kvstore.publish(self.instance_id, batch), 5.0)
+                async with self._wire:
+                    publish = self.kvstore.publish(
+                        self.instance_id, batch, first_seq=self._next_seq
+                    )
+                    ack = await asyncio.wait_for(publish, 5.0)
+                    self._next_seq += len(batch)
+                if isinstance(ack, PublishResult) and ack.resync:
+                    # NOTE: kvstore saw a gap before this batch and applied none of it; the
+                    # snapshot taken by the resync holds whatever these events did.
+                    log.warning("cache_event_gap_resync", first_seq=self._next_seq - len(batch))
+                    self.gaps += 1
+                    self._resync_pending = True
+                    self._wake.set()
+                    return
                 self.published += len(batch)
                 return
             except (PddError, TimeoutError) as exc:
@@ -181,4 +217,6 @@ class Membership:
         # instance evicted (or miss ones it stored). The next heartbeat that gets through
         # re-registers with a reset index and republishes the whole cache (``_resync``).
         log.warning("cache_events_dropped_resync_pending", events=len(batch))
+        async with self._wire:
+            self._next_seq += len(batch)  # so kvstore, too, sees the gap
         self._resync_pending = True

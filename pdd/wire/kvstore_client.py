@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import grpc
 
-from pdd.core.cache_event import CacheEvent
+from pdd.core.cache_event import CacheEvent, PublishResult
 from pdd.core.instance import Instance, InstanceLoad, Role
 from pdd.gen.kvstore.v1 import kvstore_service_pb2 as pb
 from pdd.gen.kvstore.v1 import kvstore_service_pb2_grpc as pb_grpc
@@ -48,13 +48,19 @@ class KvstoreClient:
         resp = await unary(PEER, self._stub.ListInstances(msg, timeout=self.timeout_s))
         return [conv.instance_from_pb(m, f"instances[{i}]") for i, m in enumerate(resp.instances)]
 
-    async def publish(self, instance_id: str, events: Sequence[CacheEvent]) -> int:
-        """Apply ``events`` to the instance's index entries; how many were applied."""
+    async def publish(
+        self, instance_id: str, events: Sequence[CacheEvent], *, first_seq: int = 0
+    ) -> PublishResult:
+        """Apply ``events`` to the instance's index entries (``first_seq``: the first one's
+        sequence number, 0: unsequenced); how many were applied, and whether kvstore saw a gap
+        and asks for a resync."""
         msg = pb.PublishCacheEventsRequest(
-            instance_id=instance_id, events=[conv.cache_event_to_pb(e) for e in events]
+            instance_id=instance_id,
+            events=[conv.cache_event_to_pb(e) for e in events],
+            first_seq=first_seq,
         )
         resp = await unary(PEER, self._stub.PublishCacheEvents(msg, timeout=self.timeout_s))
-        return resp.applied
+        return PublishResult(resp.applied, resp.resync)
 
     async def predict(self, prompt: Sequence[int], salt: str = "") -> list[Hit]:
         """Every live instance with how many leading tokens of ``prompt`` it is predicted to hold."""

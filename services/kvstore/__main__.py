@@ -28,7 +28,11 @@ DEFAULT_PORT = 50051
 
 KVSTORE = Settings(
     KvstoreConfig,
-    Flag("redis_url", "unset: an embedded redis-server for the life of this process"),
+    Flag(
+        "redis_url",
+        "unset: an embedded redis-server for the life of this process; "
+        "redis+cluster://HOST:PORT: a Redis Cluster (any node)",
+    ),
     Flag("key_prefix", "namespace of every key"),
     Flag("redis_timeout_s", "socket timeout of each Redis call; past it: UNAVAILABLE"),
     title="kvstore",

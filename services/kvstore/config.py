@@ -6,10 +6,17 @@ from dataclasses import dataclass, field
 
 from pdd.server.config import ServerConfig
 
+CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
+
+
+def is_cluster_url(url: str) -> bool:
+    return url.startswith(CLUSTER_SCHEMES)
+
 
 @dataclass(frozen=True)
 class KvstoreConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
+    # redis+cluster://host:port (or rediss+cluster://): a Redis Cluster, any node as the seed.
     redis_url: str = "redis://127.0.0.1:6379/0"
     # Namespace of every key, so several stacks (or tests) can share one Redis.
     key_prefix: str = "pdd"
@@ -18,9 +25,10 @@ class KvstoreConfig:
     redis_timeout_s: float = 1.0
 
     def __post_init__(self) -> None:
-        if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+        if not self.redis_url.startswith(CLUSTER_SCHEMES + ("redis://", "rediss://", "unix://")):
             raise ValueError(
-                f"redis_url: expected redis://, rediss:// or unix://, got {self.redis_url!r}"
+                "redis_url: expected redis://, rediss://, unix://, redis+cluster:// or "
+                f"rediss+cluster://, got {self.redis_url!r}"
             )
         if not self.key_prefix or ":" in self.key_prefix:
             raise ValueError(f"key_prefix: must be non-empty without ':', got {self.key_prefix!r}")

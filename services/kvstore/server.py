@@ -9,7 +9,10 @@ Redis fails kvstore at once, so a misconfigured ``--redis-url`` is seen, not ser
 from __future__ import annotations
 
 import grpc
+import structlog
+from prometheus_client import Counter
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 
 from pdd.gen.kvstore.v1 import kvstore_service_pb2 as pb
 from pdd.gen.kvstore.v1 import kvstore_service_pb2_grpc as pb_grpc
@@ -18,7 +21,15 @@ from pdd.prefix_index.store import PrefixStore
 from pdd.server.bootstrap import ServiceSpec
 from pdd.wire import kvstore as conv
 from pdd.wire.common import role_from_pb
-from services.kvstore.config import KvstoreConfig
+from services.kvstore.config import KvstoreConfig, is_cluster_url
+
+log = structlog.get_logger(__name__)
+
+INDEX_GAPS = Counter(
+    "pdd_kvstore_index_resyncs_requested",
+    "Batches of cache events refused for a gap in their instance's sequence (events lost): each "
+    "answered with resync, so the instance republishes its whole cache",
+)
 
 
 class KvstoreServicer(pb_grpc.KvstoreServiceServicer):
@@ -53,20 +64,28 @@ class KvstoreServicer(pb_grpc.KvstoreServiceServicer):
     ) -> pb.PublishCacheEventsResponse:
         instance_id = conv.require_instance_id(request.instance_id)
         events = [conv.cache_event_from_pb(ev, i) for i, ev in enumerate(request.events)]
-        return pb.PublishCacheEventsResponse(applied=await self.store.publish(instance_id, events))
+        result = await self.store.publish(instance_id, events, first_seq=request.first_seq)
+        if result.resync:
+            INDEX_GAPS.inc()
+            log.warning("cache_event_gap_resync_requested", instance_id=instance_id)
+        return pb.PublishCacheEventsResponse(applied=result.applied, resync=result.resync)
 
     async def PredictHits(self, request: pb.PredictHitsRequest, context) -> pb.PredictHitsResponse:
         hits = await self.store.predict(**conv.predict_from_pb(request))
         return pb.PredictHitsResponse(hits=[conv.hit_to_pb(h) for h in hits])
 
 
+def connect_redis(url: str, timeout_s: float) -> Redis | RedisCluster:
+    """A client for ``url``: ``redis+cluster://`` (``rediss+cluster://``) is a Redis Cluster."""
+    timeouts = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+    if is_cluster_url(url):
+        return RedisCluster.from_url(url.replace("+cluster", "", 1), **timeouts)
+    return Redis.from_url(url, **timeouts)
+
+
 def build(config: KvstoreConfig) -> ServiceSpec:
     """The kvstore as a ServiceSpec for the shared bootstrap."""
-    redis = Redis.from_url(
-        config.redis_url,
-        socket_timeout=config.redis_timeout_s,
-        socket_connect_timeout=config.redis_timeout_s,
-    )
+    redis = connect_redis(config.redis_url, config.redis_timeout_s)
     servicer = KvstoreServicer(PrefixStore(redis, config.key_prefix))
 
     async def start() -> None:

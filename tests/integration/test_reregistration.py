@@ -107,7 +107,7 @@ async def _hits(stub, instance_id: str, prompt: list[int], salt: str = SALT) -> 
 async def _lapse(redis: Redis, key_prefix: str, instance_id: str) -> None:
     """What a lapsed lease leaves in Redis: the record, the lease and the block set are gone."""
     registry = InstanceRegistry(redis, key_prefix)
-    inst_key = f"{key_prefix}:inst:{instance_id}"
+    inst_key = registry.instance_key(instance_id)
     assert await redis.delete(inst_key, f"{inst_key}:lease", registry.blocks_key(instance_id)) == 3
 
 

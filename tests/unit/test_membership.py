@@ -87,7 +87,7 @@ async def test_a_lapsed_lease_reregisters_and_the_snapshot_precedes_newer_events
         assert await _hits(store, "md-0") == 20
 
         registry = InstanceRegistry(store.redis, key_prefix)
-        key = f"{key_prefix}:inst:md-0"
+        key = registry.instance_key("md-0")
         assert await store.redis.delete(key, f"{key}:lease", registry.blocks_key("md-0")) == 3
 
         await _until(lambda: member.resyncs == 1)
@@ -129,7 +129,9 @@ class RecordingKvstore:
         self._check()
         self.calls.append(("deregister",))
 
-    async def publish(self, instance_id: str, events: Sequence[CacheEvent]) -> int:
+    async def publish(
+        self, instance_id: str, events: Sequence[CacheEvent], *, first_seq: int = 0
+    ) -> int:
         self._check()
         self.calls.append(("publish", *events))
         return len(events)

@@ -39,7 +39,7 @@ class FlakyKvstore:
     async def deregister(self, instance_id) -> None:
         self._answer()
 
-    async def publish(self, instance_id, events) -> int:
+    async def publish(self, instance_id, events, *, first_seq=0) -> int:
         self._answer()
         self.published.extend(events)
         return len(events)

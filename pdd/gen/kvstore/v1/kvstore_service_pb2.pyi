@@ -114,18 +114,22 @@ class CacheEvent(_message.Message):
     def __init__(self, kind: _Optional[_Union[CacheEventKind, str]] = ..., block_hashes: _Optional[_Iterable[int]] = ..., parent_hash: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class PublishCacheEventsRequest(_message.Message):
-    __slots__ = ("instance_id", "events")
+    __slots__ = ("instance_id", "events", "first_seq")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_SEQ_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     events: _containers.RepeatedCompositeFieldContainer[CacheEvent]
-    def __init__(self, instance_id: _Optional[str] = ..., events: _Optional[_Iterable[_Union[CacheEvent, _Mapping]]] = ...) -> None: ...
+    first_seq: int
+    def __init__(self, instance_id: _Optional[str] = ..., events: _Optional[_Iterable[_Union[CacheEvent, _Mapping]]] = ..., first_seq: _Optional[int] = ...) -> None: ...
 
 class PublishCacheEventsResponse(_message.Message):
-    __slots__ = ("applied",)
+    __slots__ = ("applied", "resync")
     APPLIED_FIELD_NUMBER: _ClassVar[int]
+    RESYNC_FIELD_NUMBER: _ClassVar[int]
     applied: int
-    def __init__(self, applied: _Optional[int] = ...) -> None: ...
+    resync: bool
+    def __init__(self, applied: _Optional[int] = ..., resync: _Optional[bool] = ...) -> None: ...
 
 class PredictHitsRequest(_message.Message):
     __slots__ = ("prompt_token_ids", "cache_salt", "instance_ids", "role")
