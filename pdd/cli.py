@@ -4,7 +4,8 @@ pdd up        the whole local stack, each service its own process
 pdd generate  stream a completion from a running gateway
 pdd demo      the main job: stack + agentic trace in three modes + report
 pdd chaos     inject real faults into a stack and tabulate what the clients saw
-pdd bench     benchmarks: [run] one serving mode, compare, sim, calibrate, link, engine
+pdd bench     benchmarks: [run] one serving mode, compare, sim, calibrate, link, engine, burst,
+              index
 pdd plan      size a deployment's pools for the best benefit-cost ratio (the simulator)
 pdd trace     traces: gen (agentic), mooncake (map a Mooncake trace)
 
@@ -271,6 +272,8 @@ BENCH = {
     "calibrate": "pdd.bench.calibrate",
     "link": "pdd.testbed.link_bench",
     "engine": "pdd.bench.engine_bench",
+    "burst": "pdd.bench.burst",
+    "index": "pdd.bench.index_bench",
 }
 TRACE = {"gen": "pdd.bench.trace", "mooncake": "pdd.bench.mooncake"}
 
@@ -431,7 +434,9 @@ def _dispatch(argv: list[str]) -> int:
         "chaos", help="kill, partition and stop services mid-stream; the table (`make chaos`)"
     )
     sub.add_parser(
-        "bench", help="[run] --trace F --mode M --out R | compare | sim | calibrate | link | engine"
+        "bench",
+        help="[run] --trace F --mode M --out R | compare | sim | calibrate | link | engine | burst "
+        "| index",
     )
     sub.add_parser("plan", help="size the pools for the best benefit-cost (the simulator)")
     sub.add_parser("trace", help="gen | mooncake")

@@ -11,6 +11,7 @@ import argparse
 from pdd.core.instance import InstanceRef, Role
 from pdd.engine.config import EngineConfig
 from pdd.server.settings import MB, Flag, Settings
+from pdd.serving.admission import AdmissionConfig
 from pdd.serving.engine_instance import InstanceConfig
 from services.stack_defaults import KVSTORE_ADDRESS, MODEL
 
@@ -47,6 +48,19 @@ ENGINE = Settings(
     title="engine",
 )
 
+ADMISSION = Settings(
+    AdmissionConfig,
+    Flag(
+        "max_admitted",
+        "requests admitted at once, beyond: RESOURCE_EXHAUSTED; 0 = --max-num-seqs",
+    ),
+    Flag(
+        "max_admitted_tokens",
+        "KV tokens reserved at once (prompt + max_tokens each); 0 = the whole KV pool",
+    ),
+    title="admission",
+)
+
 
 def add_instance_flags(parser: argparse.ArgumentParser, role: Role) -> None:
     main_decode = role is Role.MAIN_DECODE
@@ -58,6 +72,7 @@ def add_instance_flags(parser: argparse.ArgumentParser, role: Role) -> None:
     )
     INSTANCE.add(parser, kvstore_address=KVSTORE_ADDRESS, model=MODEL)
     ENGINE.add(parser)
+    ADMISSION.add(parser)
 
 
 def instance_config(args: argparse.Namespace, role: Role, host: str) -> InstanceConfig:
@@ -68,4 +83,5 @@ def instance_config(args: argparse.Namespace, role: Role, host: str) -> Instance
         args,
         ref=InstanceRef(ref["instance_id"], address, role, ref["cluster"]),
         engine=ENGINE.build(args),
+        admission=ADMISSION.build(args),
     )

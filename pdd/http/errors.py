@@ -17,6 +17,8 @@ from pdd.core import errors
 from pdd.server.errors import is_domain_error, status_for
 
 INVALID = "invalid_request_error"
+# Seconds a client refused for load (429: a stage or the gateway is full) is asked to wait.
+RETRY_AFTER_S = 1
 
 
 class ApiError(Exception):
@@ -76,6 +78,11 @@ def http_error_for(exc: BaseException) -> tuple[int, dict[str, Any]]:
     status, kind = _GRPC.get(code, (500, "server_error"))
     param = exc.field if isinstance(exc, errors.InvalidArgumentError) else None
     return status, error_body(message, kind, param)
+
+
+def error_headers(status: int) -> dict[str, str]:
+    """The headers an error response carries: ``Retry-After`` on a refusal for load (429)."""
+    return {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else {}
 
 
 def is_expected(exc: BaseException) -> bool:

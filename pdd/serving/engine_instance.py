@@ -26,6 +26,7 @@ from pdd.engine.config import EngineConfig
 from pdd.engine.engine import Engine
 from pdd.engine.protocol import EngineBackend, EngineKind
 from pdd.server.tls import TlsConfig, open_channel
+from pdd.serving.admission import AdmissionConfig
 from pdd.serving.engine_loop import EngineLoop
 from pdd.serving.membership import Membership
 from pdd.serving.model_spec import load_model
@@ -67,6 +68,8 @@ class InstanceConfig:
     engine_kind: EngineKind = EngineKind.PDD
     # torch intra-op threads; 0 keeps torch's default.
     threads: int = 0
+    # The role's bounded admission (requests, reserved KV tokens); beyond it: RESOURCE_EXHAUSTED.
+    admission: AdmissionConfig = AdmissionConfig()
 
     def __post_init__(self) -> None:
         if self.lease_ttl_ms < 300:

@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -50,9 +51,10 @@ from pdd.core.request import Ending, FinalEvent, GenerateJob, TokenEvent
 from pdd.core.stage_events import Accepted, DecodeJob, FirstToken, PrefillJob, RelayJob
 from pdd.routing.policy import NoInstanceError, Route, RoutingConfig, route
 from pdd.server.tls import TlsConfig
+from pdd.serving.admission import DEFAULT_MAX_IN_FLIGHT, Admission, Limits
 from pdd.serving.channels import Channels
-from pdd.serving.gateway_peers import GrpcPeers, Peers
-from pdd.serving.gateway_recovery import Recovery
+from pdd.serving.gateway_peers import REQUEST_DEADLINE, GrpcPeers, Peers
+from pdd.serving.gateway_recovery import Recovery, is_refusal
 from pdd.serving.gateway_run import (
     MAIN_DECODE_LOST,
     KvDeadline,
@@ -93,12 +95,14 @@ class Gateway(Recovery):
         max_migrations: int = 2,
         eos_token_ids: tuple[int, ...] | None = None,
         kv_deadline_s: float = 0.0,
+        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
     ) -> None:
         """``peers``: where the kvstore, prefill, relay and MainDecode clients come from; by
         default gRPC clients on channels with ``tls`` (then required). ``index_timeout_s``: the
         deadline of each kvstore call, past which the request is routed without the index.
         ``eos_token_ids``: the model's (None: unknown), so that a request whose MainDecode dies
-        after the client has its last token can be finished here (``_ended``)."""
+        after the client has its last token can be finished here (``_ended``).
+        ``max_in_flight``: requests generated at once; beyond, RESOURCE_EXHAUSTED at once."""
         self.routing = routing
         self.rng = rng or random.Random()
         self.stage_timeout_s = stage_timeout_s
@@ -113,6 +117,10 @@ class Gateway(Recovery):
         # is re-routed through the relay (a partitioned or stalled WAN); 0: never.
         self.kv_deadline_s = kv_deadline_s
         self.eos_token_ids = eos_token_ids
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight: must be >= 1, got {max_in_flight}")
+        # NOTE: the gateway reserves no KV: only the request count is bounded.
+        self.admission = Admission("gateway", lambda: Limits(max_in_flight, sys.maxsize))
         if peers is None:
             if tls is None:
                 raise ValueError("tls: required unless the gateway is given its peers")
@@ -148,10 +156,15 @@ class Gateway(Recovery):
             raise UnavailableError(str(exc)) from None
 
     async def generate(
-        self, job: GenerateJob, ending: Ending | None = None
+        self, job: GenerateJob, ending: Ending | None = None, *, deadline_s: float | None = None
     ) -> AsyncIterator[TokenEvent | FinalEvent]:
         """The request's events. A caller that ends it early on purpose (a stop string) says why in
-        ``ending`` before closing the stream; otherwise a stream closed early counts as cancelled."""
+        ``ending`` before closing the stream; otherwise a stream closed early counts as cancelled.
+        ``deadline_s``: the client's time left (its gRPC deadline), which bounds every stage call
+        (with ``stage_timeout_s``)."""
+        ticket = self.admission.admit(job.request_id, 0)  # NOTE: before any work
+        if deadline_s is not None:
+            REQUEST_DEADLINE.set(time.monotonic() + deadline_s)
         tracker = RequestTracker()
         final = False
         try:
@@ -171,6 +184,7 @@ class Gateway(Recovery):
             if not final and ending is not None and ending.reason is not None:
                 tracker.finished(ending.reason)
             tracker.close()
+            ticket.release()
 
     async def _generate(
         self, job: GenerateJob, tracker: RequestTracker
@@ -201,13 +215,19 @@ class Gateway(Recovery):
     async def _start(self, run: Run) -> None:
         """Open the request's stage streams and read them (prefill, main_decode, relay: the order
         they are read in). MainDecode failing before it accepts moves the request like a later
-        loss (another MainDecode, counted against ``max_migrations``)."""
-        try:
-            accepted, streams = await self._accept(run)
-        except Refused as refused:
-            run.lost.add(run.plan.main_decode.ref.instance_id)
-            await self._migrate(run, Loss(MAIN_DECODE_LOST, refused.error))
-            return
+        loss (another MainDecode, counted against ``max_migrations``); one refusing it (full)
+        sends it to another MainDecode on the same pipeline, or refuses the client."""
+        while True:
+            try:
+                accepted, streams = await self._accept(run)
+                break
+            except Refused as refused:
+                if is_refusal(refused.error):  # NOTE: full, not lost: another one, same pipeline
+                    await self._refused_main_decode(run, refused.error)
+                    continue
+                run.lost.add(run.plan.main_decode.ref.instance_id)
+                await self._migrate(run, Loss(MAIN_DECODE_LOST, refused.error))
+                return
         run.stats.md_cached_tokens = accepted.cached_tokens
         if run.plan.pipeline is not Pipeline.MD:
             streams = [(Stage.PREFILL, self._open_prefill(run)), *streams]

@@ -3,6 +3,8 @@ channel per address), or in tests in-process fakes with the same methods."""
 
 from __future__ import annotations
 
+import time
+from contextvars import ContextVar
 from typing import Protocol
 
 from pdd.serving.channels import Channels
@@ -10,6 +12,11 @@ from pdd.wire.kvstore_client import KvstoreClient
 from pdd.wire.main_decode_client import MainDecodeClient
 from pdd.wire.prefill_client import PrefillClient
 from pdd.wire.relay_client import RelayClient
+
+# The deadline (``time.monotonic()``) of the request being served, from its client's (gRPC
+# deadline): each stage call it opens gets min(its time left, --stage-timeout-s). Set per request by
+# ``Gateway.generate``; every request runs in its own task (a copy of the context).
+REQUEST_DEADLINE: ContextVar[float | None] = ContextVar("pdd_request_deadline", default=None)
 
 
 class Cancellable(Protocol):
@@ -47,14 +54,22 @@ class GrpcPeers:
             self.channels.get(self.kvstore_address), timeout_s=self.index_timeout_s
         )
 
+    def stage_timeout(self) -> float:
+        """The deadline of a stage call opened now: ``stage_timeout_s``, or less if the request's
+        own deadline comes first (never below 1 ms: a call past it fails DEADLINE_EXCEEDED)."""
+        deadline = REQUEST_DEADLINE.get()
+        if deadline is None:
+            return self.stage_timeout_s
+        return max(0.001, min(self.stage_timeout_s, deadline - time.monotonic()))
+
     def prefill(self, address: str) -> PrefillClient:
-        return PrefillClient(self.channels.get(address), timeout_s=self.stage_timeout_s)
+        return PrefillClient(self.channels.get(address), timeout_s=self.stage_timeout())
 
     def relay(self, address: str) -> RelayClient:
-        return RelayClient(self.channels.get(address), timeout_s=self.stage_timeout_s)
+        return RelayClient(self.channels.get(address), timeout_s=self.stage_timeout())
 
     def main_decode(self, address: str) -> MainDecodeClient:
-        return MainDecodeClient(self.channels.get(address), timeout_s=self.stage_timeout_s)
+        return MainDecodeClient(self.channels.get(address), timeout_s=self.stage_timeout())
 
     async def close(self) -> None:
         await self.channels.close()

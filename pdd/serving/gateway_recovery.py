@@ -17,6 +17,10 @@ replaying prompt + streamed tokens on another instance, with the output unchange
   relay finishes the request;
 - MainDecode lost once the client has every token: the request ends at the gateway with the
   finish reason the engine would have given (``_ended``).
+A stage *refusing* a request at its admission (RESOURCE_EXHAUSTED: it is full, nothing of the
+request ran there) is not a loss: the request goes to another live instance of that role
+(``_refused_main_decode``, ``_refused_prefill``; a refusing relay already means P-MD), or, with
+none left, its client is refused with RESOURCE_EXHAUSTED. Refusals are not moves.
 Moves are limited per request (``max_migrations``); beyond it, or with no MainDecode left, the
 original error stands. Each move is logged (``migrated``, ``rehomed``) and counted
 (``pdd_migrations_total{cause}``).
@@ -49,6 +53,11 @@ from pdd.telemetry.metrics import HANDOFFS, MIGRATIONS
 from pdd.wire.call import EventStream
 
 log = structlog.get_logger(__name__)
+
+
+def is_refusal(error: BaseException) -> bool:
+    """Whether a stage refused the request at its admission (full): nothing of it ran there."""
+    return isinstance(error, PeerError) and error.code == "RESOURCE_EXHAUSTED"
 
 
 class Recovery:
@@ -138,6 +147,9 @@ class Recovery:
             # NOTE: it was pushing to a MainDecode the request has left: nothing is lost.
             log.info("prefill_failed_after_leaving", error=str(error)[:200])
             return
+        if stage is Stage.PREFILL and is_refusal(error) and not run.merge.emitted:
+            await self._refused_prefill(run, error)
+            return
         if run.finish is not None and stage is not Stage.MAIN_DECODE:
             raise error
         if stage is Stage.MAIN_DECODE:
@@ -148,6 +160,46 @@ class Recovery:
             await self._rehome(run, loss)
             return
         await self._migrate(run, loss)
+
+    # --- a stage refusing the request at its admission (full) ---------------------------------
+
+    async def _refused_main_decode(self, run: Run, error: Exception) -> None:
+        """MainDecode refused the request before accepting it: every call is stopped and the
+        plan moves to another live MainDecode (the caller opens it again on the same pipeline);
+        with none left, ``error`` (RESOURCE_EXHAUSTED) is the client's answer."""
+        source = run.plan.main_decode.ref.instance_id
+        run.lost.add(source)  # NOTE: never asked again for this request
+        stop_calls(run)
+        target = await self._next_main_decode(run)
+        if target is None:
+            raise error
+        log.info(
+            "refused_rerouted",
+            role="main_decode",
+            from_instance=source,
+            to_instance=target.ref.instance_id,
+        )
+        run.plan = replace(run.plan, main_decode=target)
+        run.stats.main_decode_instance = target.ref.instance_id
+
+    async def _refused_prefill(self, run: Run, error: Exception) -> None:
+        """Prefill refused the request before computing any of it: another live prefill takes
+        it (MainDecode and the relay, which accepted, wait on for its KV); with none left,
+        ``error`` (RESOURCE_EXHAUSTED) is the client's answer."""
+        source = run.plan.prefill.ref.instance_id
+        run.lost.add(source)
+        target = await self._next_instance(run, Role.PREFILL)
+        if target is None:
+            raise error
+        log.info(
+            "refused_rerouted",
+            role="prefill",
+            from_instance=source,
+            to_instance=target.ref.instance_id,
+        )
+        run.plan = replace(run.plan, prefill=target)
+        run.stats.prefill_instance = target.ref.instance_id
+        self._add_reader(run, Stage.PREFILL, self._open_prefill(run))
 
     async def _rehome(self, run: Run, loss: Loss) -> None:
         """The relay streams on while its MainDecode (or the prefill pushing to it) is lost:
@@ -288,6 +340,11 @@ class Recovery:
     async def _next_main_decode(self, run: Run, exclude: str = "") -> Instance | None:
         """A live MainDecode not lost for this request, nor ``exclude`` (the seeded rng picks
         among them)."""
+        return await self._next_instance(run, Role.MAIN_DECODE, exclude)
+
+    async def _next_instance(self, run: Run, role: Role, exclude: str = "") -> Instance | None:
+        """A live instance of ``role`` not lost (or refusing) for this request, nor ``exclude``
+        (the seeded rng picks among them)."""
         try:
             instances = await self.instances()
         except PddError as exc:
@@ -297,7 +354,7 @@ class Recovery:
             (
                 i
                 for i in instances
-                if i.ref.role is Role.MAIN_DECODE
+                if i.ref.role is role
                 and i.ref.instance_id not in run.lost
                 and i.ref.instance_id != exclude
             ),

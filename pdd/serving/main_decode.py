@@ -62,6 +62,7 @@ from pdd.engine.engine import StepOutput
 from pdd.engine.protocol import EngineBackend
 from pdd.engine.sampling import Logprob
 from pdd.kv.receiver import KvReceiver, ReceivedKv
+from pdd.serving.admission import Admission, AdmissionConfig
 from pdd.serving.engine_instance import EngineInstance
 from pdd.serving.kv_bridge import import_range
 from pdd.serving.mailbox import StepFailed
@@ -141,12 +142,19 @@ class _State:
 
 class MainDecode:
     def __init__(
-        self, instance: EngineInstance, receiver: KvReceiver, *, kv_timeout_s: float = 600.0
+        self,
+        instance: EngineInstance,
+        receiver: KvReceiver,
+        *,
+        kv_timeout_s: float = 600.0,
+        admission: AdmissionConfig = AdmissionConfig(),
     ) -> None:
+        """``admission``: the bounds of what decodes here at once (``pdd.serving.admission``)."""
         self.instance = instance
         self.receiver = receiver
         self.kv_timeout_s = kv_timeout_s
         self._requests: dict[str, _State] = {}
+        self.admission = Admission.for_engine("main_decode", admission, lambda: self.engine)
 
     @property
     def runner(self):
@@ -159,10 +167,15 @@ class MainDecode:
         return self.instance.engine
 
     async def decode(self, job: DecodeJob) -> AsyncIterator[Accepted | Tokens | Finished]:
-        state = await self._open(job)
+        state = await self._open(job)  # NOTE: waits for a replaced call to release its place
         done = False
         kv_task: asyncio.Task | None = None
+        ticket = None
         try:
+            # NOTE: before any work; MainDecode holds prompt + every output (a resumed one too).
+            ticket = self.admission.admit(
+                job.request_id, len(job.prompt_token_ids) + job.sampling.max_tokens
+            )
             yield Accepted(await self._admit(state))
             kv_task = self._start_kv(state)
             while not done:
@@ -171,6 +184,8 @@ class MainDecode:
                     done = done or isinstance(event, Finished)
                     yield event
         finally:
+            if ticket is not None:
+                ticket.release()
             self._close(state, kv_task, done=done)
 
     # --- the steps of a request's life --------------------------------------------------------

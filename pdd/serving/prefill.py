@@ -46,6 +46,7 @@ from pdd.kv.source import StreamedSource
 from pdd.kv.stream_pool import StreamPool
 from pdd.kv.transfer import DEFAULT_CHUNK_BYTES, Compression, TransferHeader
 from pdd.kv.wan import KvPusher, PushReport
+from pdd.serving.admission import Admission, AdmissionConfig
 from pdd.serving.channels import Channels
 from pdd.serving.engine_instance import EngineInstance
 from pdd.serving.kv_bridge import export_tokens, range_header, wire_bytes
@@ -157,8 +158,10 @@ class Prefill:
         config: PrefillConfig = PrefillConfig(),
         *,
         peers: PrefillPeers | None = None,
+        admission: AdmissionConfig = AdmissionConfig(),
     ) -> None:
-        """``peers``: default, typed gRPC clients over ``channels``."""
+        """``peers``: default, typed gRPC clients over ``channels``. ``admission``: the bounds of
+        what is prefilled at once (``pdd.serving.admission``)."""
         if peers is None:
             if channels is None:
                 raise ValueError("channels: required unless peers are given")
@@ -169,6 +172,7 @@ class Prefill:
         self._pools: dict[str, StreamPool] = {}
         self._active: set[str] = set()
         self.transports = offered_transports(config.fast_link, config.relay_same_host)
+        self.admission = Admission.for_engine("prefill", admission, lambda: self.engine)
 
     @property
     def runner(self):
@@ -183,6 +187,8 @@ class Prefill:
     async def prefill(self, job: PrefillJob) -> AsyncIterator[FirstToken | TransferDone]:
         self._check(job)
         rid, n = job.request_id, len(job.prompt_token_ids)
+        # NOTE: before any work: a refusal leaves nothing behind (prefill holds the prompt only).
+        ticket = self.admission.admit(rid, n)
         self._active.add(rid)
         queue = self.runner.open(rid)
         self.runner.watch(rid)
@@ -214,6 +220,7 @@ class Prefill:
             finished = True
             yield done
         finally:
+            ticket.release()
             self._close(rid, tasks, first, held=held, finished=finished)
 
     # --- the steps of a request's life --------------------------------------------------------

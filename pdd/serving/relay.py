@@ -57,6 +57,7 @@ from pdd.core.stage_events import (
 from pdd.engine.engine import StepOutput
 from pdd.engine.protocol import EngineBackend
 from pdd.kv.fast_link.receiver import FastLinkReceiver
+from pdd.serving.admission import Admission, AdmissionConfig
 from pdd.serving.channels import Channels
 from pdd.serving.engine_instance import EngineInstance
 from pdd.serving.kv_bridge import import_range
@@ -89,9 +90,11 @@ class Relay:
         config: RelayConfig = RelayConfig(),
         *,
         main_decode: Callable[[InstanceRef], MainDecodePeer] | None = None,
+        admission: AdmissionConfig = AdmissionConfig(),
     ) -> None:
         """``main_decode``: the peer a request's MainDecode is reached through (default: a
-        ``MainDecodeClient`` on ``channels``; tests pass an in-process one)."""
+        ``MainDecodeClient`` on ``channels``; tests pass an in-process one). ``admission``: the
+        bounds of what decodes here at once (``pdd.serving.admission``)."""
         self.instance = instance
         self.fast = fast
         self.channels = channels
@@ -99,6 +102,7 @@ class Relay:
         self._main_decode = main_decode or (lambda ref: MainDecodeClient(channels.get(ref.address)))
         self._active: set[str] = set()
         self._switch_times = SwitchTimes(LEAD_PRIOR_S)
+        self.admission = Admission.for_engine("relay", admission, lambda: self.engine)
 
     def _lead_s(self, job: RelayJob) -> float:
         if self.config.stream_lead_s is not None:
@@ -120,6 +124,8 @@ class Relay:
         rid = job.request_id
         if rid in self._active:
             raise InvalidArgumentError("request_id", f"{rid!r} is already decoding here")
+        # NOTE: before any work; the relay may hold prompt + every output until the handoff.
+        ticket = self.admission.admit(rid, len(job.prompt_token_ids) + job.sampling.max_tokens)
         self._active.add(rid)
         life = RelayLife(job, self.runner.open(rid), self._main_decode(job.main_decode))
         try:
@@ -152,6 +158,7 @@ class Relay:
                     case _:
                         raise TypeError(f"relay mailbox: unexpected item {item!r}")
         finally:
+            ticket.release()
             self._clean_up(life)
 
     async def _admit(self, job: RelayJob) -> None:

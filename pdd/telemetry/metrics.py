@@ -64,6 +64,12 @@ PROMPT_TOKENS = Counter("pdd_prompt_tokens", "Prompt tokens of routed requests")
 GENERATION_TOKENS = Counter(
     "pdd_generation_tokens", "Output tokens by the stage that produced them", ["stage"]
 )
+ADMISSION_REFUSED = Counter(
+    "pdd_admission_refused",
+    "Requests refused at admission with RESOURCE_EXHAUSTED (the role's request or KV-token bound "
+    "was reached), by role (prefill | relay | main_decode | gateway)",
+    ["role"],
+)
 INDEX_FALLBACK = Counter(
     "pdd_index_fallback",
     "Requests routed without kvstore's predicted hits (index unreachable or emptied): from the "

@@ -37,6 +37,10 @@ GATEWAY = Settings(
         "seconds a P-MD request's first token waits for MainDecode's KV (a partitioned WAN) "
         "before a relay takes the request over; 0 = never",
     ),
+    Flag(
+        "max_in_flight",
+        "requests generated at once; beyond, RESOURCE_EXHAUSTED (HTTP 429) at once",
+    ),
     title="gateway",
 )
 HTTP = Settings(

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pdd.http.config import HttpConfig
 from pdd.routing.policy import RoutingConfig
 from pdd.server.config import ServerConfig
+from pdd.serving.admission import DEFAULT_MAX_IN_FLIGHT
 from services.stack_defaults import KVSTORE_ADDRESS, MODEL
 
 
@@ -31,6 +32,8 @@ class GatewayConfig:
     # How long a P-MD request's first token may wait for MainDecode's KV (a partitioned or
     # stalled WAN) before the request is re-routed through a relay, which finishes it (0: never).
     kv_deadline_s: float = 30.0
+    # Requests generated at once; beyond, the client gets RESOURCE_EXHAUSTED (HTTP 429) at once.
+    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
 
     def __post_init__(self) -> None:
         if ":" not in self.kvstore_address:
@@ -41,5 +44,7 @@ class GatewayConfig:
             raise ValueError(f"max_migrations: must be >= 0, got {self.max_migrations}")
         if self.kv_deadline_s < 0:
             raise ValueError(f"kv_deadline_s: must be >= 0, got {self.kv_deadline_s}")
+        if self.max_in_flight < 1:
+            raise ValueError(f"max_in_flight: must be >= 1, got {self.max_in_flight}")
         if self.index_timeout_s <= 0:
             raise ValueError(f"index_timeout_s: must be positive, got {self.index_timeout_s}")

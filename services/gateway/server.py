@@ -37,7 +37,7 @@ class GatewayServicer(pb_grpc.GatewayServiceServicer):
         # NOTE: the request's own id, not the interceptor's, is what every hop logs and forwards.
         structlog.contextvars.bind_contextvars(request_id=job.request_id)
         detok = Detokenizer(self.decode)
-        async for ev in self.gateway.generate(job):
+        async for ev in self.gateway.generate(job, deadline_s=context.time_remaining()):
             text = detok.add(ev.token_ids) if isinstance(ev, TokenEvent) else ""
             yield event_to_pb(ev, job.request_id, text)
 
@@ -57,6 +57,7 @@ def build(config: GatewayConfig) -> ServiceSpec:
         max_migrations=config.max_migrations,
         eos_token_ids=info.eos_token_ids,
         kv_deadline_s=config.kv_deadline_s,
+        max_in_flight=config.max_in_flight,
     )
     servicer = GatewayServicer(gateway, info, decode)
     http = OpenAIServer(gateway, info, decode, config.http) if config.http.port else None

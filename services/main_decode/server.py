@@ -63,7 +63,12 @@ class MainDecodeServicer(pb_grpc.MainDecodeServiceServicer):
 def build(config: MainDecodeConfig) -> ServiceSpec:
     instance = EngineInstance(config.instance, tls=config.server.tls)
     receiver = KvReceiver(config.receiver)
-    md = MainDecode(instance, receiver, kv_timeout_s=config.kv_timeout_s)
+    md = MainDecode(
+        instance,
+        receiver,
+        kv_timeout_s=config.kv_timeout_s,
+        admission=config.instance.admission,
+    )
     servicer = MainDecodeServicer(instance, md, receiver)
 
     def register(server: grpc.aio.Server) -> None:

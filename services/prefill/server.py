@@ -37,7 +37,9 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
 def build(config: PrefillServiceConfig) -> ServiceSpec:
     instance = EngineInstance(config.instance, tls=config.server.tls)
     channels = Channels(config.server.tls)
-    servicer = PrefillServicer(instance, Prefill(instance, channels, config.prefill))
+    servicer = PrefillServicer(
+        instance, Prefill(instance, channels, config.prefill, admission=config.instance.admission)
+    )
 
     async def stop() -> None:
         await instance.stop()

@@ -85,7 +85,7 @@ def build(config: RelayServiceConfig) -> ServiceSpec:
     instance = EngineInstance(config.instance, tls=config.server.tls, publish_cache_events=False)
     fast = FastLinkReceiver(_backends(config.transports), config.fast_link)
     channels = Channels(config.server.tls)
-    relay = Relay(instance, fast, channels, config.relay)
+    relay = Relay(instance, fast, channels, config.relay, admission=config.instance.admission)
     servicer = RelayServicer(instance, relay, fast)
     sweeper: list[asyncio.Task] = []
 

@@ -14,7 +14,7 @@ from dataclasses import replace
 import aiohttp
 import pytest
 
-from pdd.core.errors import UnavailableError
+from pdd.core.errors import PeerError, ResourceExhaustedError, UnavailableError
 from pdd.core.instance import Instance, InstanceRef, Role
 from pdd.core.model_info import ModelInfo
 from pdd.core.pipeline import Stage
@@ -393,3 +393,22 @@ async def test_models_and_metrics(serve):
             text = await r.text()
             assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
     assert 'pdd_http_requests_total{code="200",route="/v1/models"}' in text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    "refusal",
+    [ResourceExhaustedError("gateway is full"), PeerError("RESOURCE_EXHAUSTED", "relay is full")],
+    ids=["gateway", "stage"],
+)
+async def test_a_refusal_for_load_is_429_with_retry_after(serve, refusal, stream):
+    url = await serve(ScriptedGateway(fail_before=refusal))
+    status, headers, text = await post(
+        f"{url}/v1/completions", {"model": "m", "prompt": "hi", "stream": stream}
+    )
+    assert status == 429 and headers["Retry-After"] == "1"
+    assert json.loads(text)["error"]["type"] == "rate_limit_error"
+    # other errors carry no Retry-After
+    url = await serve(ScriptedGateway(fail_before=UnavailableError("no main_decode registered")))
+    status, headers, _ = await post(f"{url}/v1/completions", {"model": "m", "prompt": "hi"})
+    assert status == 503 and "Retry-After" not in headers

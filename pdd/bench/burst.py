@@ -1,0 +1,243 @@
+"""``pdd bench burst``: the stack's capacity, then a burst of N× that, and how it degrades.
+
+Life of a run (against a running gateway, e.g. ``pdd up``):
+  1. capacity: ``--concurrency`` clients (16) issue requests back to back for ``--capacity-s``;
+     completed/s is the capacity, and the TTFT of those requests the reference distribution;
+  2. burst: seeded Poisson arrivals at ``--factor`` × capacity (5×) for ``--duration-s`` (20 s),
+     each request with the client deadline ``--deadline-s`` (8 s);
+  3. the report: completed/s during the burst against capacity (goodput: completions of the
+     burst's requests over the burst's length), how many were refused (RESOURCE_EXHAUSTED) and
+     how fast, how many ran into their deadline (hung), other errors, and the TTFT P50/P90 of
+     the accepted requests against those at capacity.
+A benchmark, not a test: it asserts nothing; ``--out`` keeps the numbers as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from pdd.gen.gateway.v1 import gateway_service_pb2 as pb
+from pdd.gen.gateway.v1 import gateway_service_pb2_grpc as pb_grpc
+from pdd.server.tls import TlsConfig, open_channel
+
+REFUSED, DEADLINE, COMPLETED = "refused", "deadline", "completed"
+
+
+@dataclass(frozen=True)
+class BurstConfig:
+    gateway: str = "127.0.0.1:50050"
+    concurrency: int = 16
+    capacity_s: float = 10.0
+    factor: float = 5.0
+    duration_s: float = 20.0
+    deadline_s: float = 8.0
+    max_tokens: int = 96
+    # Prompt lengths drawn uniformly from [min, max] tokens; ids from [1, vocab).
+    prompt_tokens: tuple[int, int] = (16, 64)
+    vocab: int = 250
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("concurrency", "max_tokens", "vocab"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        for name in ("capacity_s", "factor", "duration_s", "deadline_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
+        lo, hi = self.prompt_tokens
+        if not 1 <= lo <= hi:
+            raise ValueError(f"prompt_tokens: need 1 <= min <= max, got {self.prompt_tokens}")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One request: how it ended, when it started (s from its phase's start), its TTFT and how
+    long until its end (completion, refusal or error)."""
+
+    status: str  # completed | refused | deadline | a gRPC code name
+    start_s: float
+    end_s: float
+    ttft_s: float | None
+
+
+async def _request(stub, prompt: list[int], cfg: BurstConfig, rid: str, t0: float) -> Outcome:
+    request = pb.GenerateRequest(max_tokens=cfg.max_tokens, ignore_eos=True, request_id=rid)
+    request.prompt_token_ids.token_ids.extend(prompt)
+    start = time.monotonic()
+    ttft = None
+    try:
+        async for resp in stub.Generate(request, timeout=cfg.deadline_s):
+            if ttft is None and resp.token_ids:
+                ttft = time.monotonic() - start
+        status = COMPLETED
+    except grpc.aio.AioRpcError as exc:
+        status = {
+            grpc.StatusCode.RESOURCE_EXHAUSTED: REFUSED,
+            grpc.StatusCode.DEADLINE_EXCEEDED: DEADLINE,
+        }.get(exc.code(), exc.code().name)
+    return Outcome(status, start - t0, time.monotonic() - t0, ttft)
+
+
+def _prompt(rng: random.Random, cfg: BurstConfig) -> list[int]:
+    lo, hi = cfg.prompt_tokens
+    return [rng.randrange(1, cfg.vocab) for _ in range(rng.randint(lo, hi))]
+
+
+async def capacity_phase(stub, cfg: BurstConfig, rng: random.Random) -> list[Outcome]:
+    """``concurrency`` closed-loop clients for ``capacity_s``."""
+    t0 = time.monotonic()
+    out: list[Outcome] = []
+
+    async def client(k: int) -> None:
+        i = 0
+        while time.monotonic() - t0 < cfg.capacity_s:
+            out.append(await _request(stub, _prompt(rng, cfg), cfg, f"cap-{k}-{i}", t0))
+            i += 1
+
+    await asyncio.gather(*(client(k) for k in range(cfg.concurrency)))
+    return out
+
+
+async def burst_phase(stub, cfg: BurstConfig, rate: float, rng: random.Random) -> list[Outcome]:
+    """Poisson arrivals at ``rate`` per second for ``duration_s``; every request awaited."""
+    t0 = time.monotonic()
+    tasks: list[asyncio.Task] = []
+    at = 0.0
+    while (at := at + rng.expovariate(rate)) < cfg.duration_s:
+        await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
+        prompt = _prompt(rng, cfg)
+        tasks.append(asyncio.create_task(_request(stub, prompt, cfg, f"burst-{len(tasks)}", t0)))
+    return list(await asyncio.gather(*tasks))
+
+
+def _pct(values: Sequence[float], q: float) -> float | None:
+    return round(float(np.percentile(values, q)) * 1000, 1) if values else None
+
+
+def report(cfg: BurstConfig, cap: list[Outcome], burst: list[Outcome]) -> dict:
+    """The run's numbers (times in ms)."""
+    cap_done = [o for o in cap if o.status == COMPLETED]
+    capacity = len(cap_done) / cfg.capacity_s
+    done = [o for o in burst if o.status == COMPLETED]
+    refused = [o for o in burst if o.status == REFUSED]
+    cap_ttft = [o.ttft_s for o in cap_done if o.ttft_s is not None]
+    ttft = [o.ttft_s for o in done if o.ttft_s is not None]
+    goodput = len(done) / cfg.duration_s
+    return {
+        "config": asdict(cfg),
+        "capacity_rps": round(capacity, 2),
+        "capacity_errors": dict(Counter(o.status for o in cap if o.status != COMPLETED)),
+        "offered_rps": round(len(burst) / cfg.duration_s, 2),
+        "offered": len(burst),
+        "completed": len(done),
+        "completed_rps": round(goodput, 2),
+        "goodput_vs_capacity": round(goodput / capacity, 3) if capacity else None,
+        "refused": len(refused),
+        "refusal_ms_p50": _pct([o.end_s - o.start_s for o in refused], 50),
+        "refusal_ms_max": _pct([o.end_s - o.start_s for o in refused], 100),
+        "hung_past_deadline": sum(o.status == DEADLINE for o in burst),
+        "other_errors": dict(
+            Counter(o.status for o in burst if o.status not in (COMPLETED, REFUSED, DEADLINE))
+        ),
+        "ttft_ms_at_capacity": {"p50": _pct(cap_ttft, 50), "p90": _pct(cap_ttft, 90)},
+        "ttft_ms_accepted_in_burst": {"p50": _pct(ttft, 50), "p90": _pct(ttft, 90)},
+    }
+
+
+async def run_burst(cfg: BurstConfig, tls: TlsConfig = TlsConfig()) -> dict:
+    rng = random.Random(cfg.seed)
+    async with open_channel(cfg.gateway, tls) as channel:
+        stub = pb_grpc.GatewayServiceStub(channel)
+        print(f"capacity: {cfg.concurrency} concurrent for {cfg.capacity_s:g} s", file=sys.stderr)
+        cap = await capacity_phase(stub, cfg, rng)
+        capacity = sum(o.status == COMPLETED for o in cap) / cfg.capacity_s
+        if capacity <= 0:
+            raise RuntimeError(
+                f"no request completed at capacity: {Counter(o.status for o in cap)}"
+            )
+        rate = cfg.factor * capacity
+        print(
+            f"burst: {rate:.1f} req/s ({cfg.factor:g}x {capacity:.1f}) for {cfg.duration_s:g} s",
+            file=sys.stderr,
+        )
+        burst = await burst_phase(stub, cfg, rate, rng)
+    return report(cfg, cap, burst)
+
+
+def _render(r: dict) -> str:
+    rows = [
+        ("capacity (16 concurrent)", f"{r['capacity_rps']} completed/s"),
+        ("offered in the burst", f"{r['offered_rps']} req/s, {r['offered']} requests"),
+        (
+            "completed in the burst",
+            f"{r['completed_rps']}/s = {r['goodput_vs_capacity']} x capacity",
+        ),
+        (
+            "refused (RESOURCE_EXHAUSTED)",
+            f"{r['refused']}, P50 {r['refusal_ms_p50']} ms, max {r['refusal_ms_max']} ms",
+        ),
+        ("hung past the deadline", str(r["hung_past_deadline"])),
+        ("other errors", json.dumps(r["other_errors"])),
+        ("TTFT at capacity P50/P90", "{p50} / {p90} ms".format(**r["ttft_ms_at_capacity"])),
+        (
+            "TTFT accepted in burst P50/P90",
+            "{p50} / {p90} ms".format(**r["ttft_ms_accepted_in_burst"]),
+        ),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``pdd bench burst --gateway HOST:PORT [--factor 5] [--duration-s 20] [--out R.json]``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["burst"]:
+        argv = argv[1:]
+    d = BurstConfig()
+    p = argparse.ArgumentParser(prog="pdd bench burst", description=__doc__.split("\n")[0])
+    p.add_argument("--gateway", default=d.gateway, help="gateway host:port")
+    p.add_argument("--concurrency", type=int, default=d.concurrency, help="clients at capacity")
+    p.add_argument("--capacity-s", type=float, default=d.capacity_s, help="capacity phase length")
+    p.add_argument("--factor", type=float, default=d.factor, help="burst rate / capacity")
+    p.add_argument("--duration-s", type=float, default=d.duration_s, help="burst length")
+    p.add_argument("--deadline-s", type=float, default=d.deadline_s, help="each request's deadline")
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="output tokens each")
+    p.add_argument("--vocab", type=int, default=d.vocab, help="prompt token ids from [1, vocab)")
+    p.add_argument("--seed", type=int, default=d.seed, help="prompts and arrivals")
+    p.add_argument("--out", type=Path, default=None, help="write the numbers as JSON")
+    a = p.parse_args(argv)
+    try:
+        cfg = BurstConfig(
+            a.gateway,
+            a.concurrency,
+            a.capacity_s,
+            a.factor,
+            a.duration_s,
+            a.deadline_s,
+            a.max_tokens,
+            vocab=a.vocab,
+            seed=a.seed,
+        )
+    except ValueError as exc:
+        p.error(str(exc))
+    result = asyncio.run(run_burst(cfg))
+    print(_render(result))
+    if a.out is not None:
+        a.out.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

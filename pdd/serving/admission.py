@@ -1,0 +1,162 @@
+"""An engine role's bounded admission: at most N requests and T reserved KV tokens at once.
+
+Each engine role (prefill, relay, MainDecode) asks ``Admission.admit`` at its admit step, before
+any work: the request reserves the KV tokens it may ever hold (prefill: its prompt; the decoding
+roles: prompt + max_tokens). Beyond either bound it is refused at once with
+``ResourceExhaustedError`` (RESOURCE_EXHAUSTED on the wire), so the gateway can route it to
+another instance or refuse its client, instead of the request queueing without limit inside the
+engine. The request's ``Ticket`` is released when its life ends, however it ends.
+
+# NOTE: admission never evicts: an admitted request keeps its place until it ends, whatever
+# arrives after it. Refusals are counted per request (``pdd_admission_refused_total{role}``)
+# but logged once per burst: the first refusal after an admission logs, the rest are silent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import structlog
+
+from pdd.core.errors import ResourceExhaustedError
+from pdd.telemetry import metrics
+
+log = structlog.get_logger(__name__)
+
+# Requests one gateway generates at once unless told (--max-in-flight).
+DEFAULT_MAX_IN_FLIGHT = 1024
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    # Requests admitted at once; 0: the engine's max_num_seqs (a full running batch: one more
+    # would only wait inside the engine, its deadline running).
+    max_admitted: int = 0
+    # KV tokens reserved at once (prompt + max_tokens each); 0: the engine's whole KV pool.
+    max_admitted_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_admitted < 0:
+            raise ValueError(f"max_admitted: must be >= 0, got {self.max_admitted}")
+        if self.max_admitted_tokens < 0:
+            raise ValueError(f"max_admitted_tokens: must be >= 0, got {self.max_admitted_tokens}")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The bounds in force: requests and KV tokens."""
+
+    requests: int
+    tokens: int
+
+    def __post_init__(self) -> None:
+        if self.requests < 1:
+            raise ValueError(f"requests: must be >= 1, got {self.requests}")
+        if self.tokens < 1:
+            raise ValueError(f"tokens: must be >= 1, got {self.tokens}")
+
+
+class _BatchConfig(Protocol):
+    @property
+    def max_num_seqs(self) -> int: ...
+
+
+class KvPool(Protocol):
+    """What admission reads of an engine (ours or vLLM's): its KV pool and batch size."""
+
+    @property
+    def num_blocks(self) -> int: ...
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def config(self) -> _BatchConfig: ...
+
+
+class Ticket:
+    """One admitted request's reservation; ``release`` is idempotent."""
+
+    def __init__(self, admission: Admission, tokens: int) -> None:
+        self._admission = admission
+        self.tokens = tokens
+        self._held = True
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self._admission._release(self.tokens)
+
+
+class Admission:
+    """The admission of one engine role. ``limits``: the bounds, read on first use (the engine's
+    pool is known only once it is built); the role's event loop is its only caller."""
+
+    def __init__(self, role: str, limits: Callable[[], Limits]) -> None:
+        self.role = role
+        self._limits_of = limits
+        self._limits: Limits | None = None
+        self.admitted = 0
+        self.reserved_tokens = 0
+        self._refusing = False
+
+    @classmethod
+    def for_engine(
+        cls, role: str, config: AdmissionConfig, engine: Callable[[], KvPool]
+    ) -> Admission:
+        """An admission whose unset bounds derive from ``engine()``: its batch size and KV pool
+        (read on first use: the role is built before its engine)."""
+
+        def limits() -> Limits:
+            pool = engine()
+            return Limits(
+                config.max_admitted or pool.config.max_num_seqs,
+                config.max_admitted_tokens or pool.num_blocks * pool.block_size,
+            )
+
+        return cls(role, limits)
+
+    @property
+    def limits(self) -> Limits:
+        if self._limits is None:
+            self._limits = self._limits_of()
+        return self._limits
+
+    def admit(self, request_id: str, tokens: int) -> Ticket:
+        """Reserve ``tokens`` for ``request_id``, or raise ``ResourceExhaustedError`` at once."""
+        limits = self.limits
+        if tokens < 0:
+            raise ValueError(f"tokens: must be >= 0, got {tokens}")
+        # NOTE: a request alone larger than the token bound is still admitted on an idle stage:
+        # the engine's own capacity check (KvCapacityError) judges whether it can ever fit.
+        full = self.admitted >= limits.requests or (
+            self.admitted > 0 and self.reserved_tokens + tokens > limits.tokens
+        )
+        if full:
+            metrics.ADMISSION_REFUSED.labels(self.role).inc()
+            if not self._refusing:
+                self._refusing = True
+                log.warning(
+                    "admission_refusing",
+                    role=self.role,
+                    request_id=request_id,
+                    admitted=self.admitted,
+                    reserved_tokens=self.reserved_tokens,
+                    max_admitted=limits.requests,
+                    max_admitted_tokens=limits.tokens,
+                )
+            raise ResourceExhaustedError(
+                f"{self.role} is full: {self.admitted} requests admitted (max {limits.requests}), "
+                f"{self.reserved_tokens} + {tokens} KV tokens reserved (max {limits.tokens}); "
+                "retry later"
+            )
+        self._refusing = False
+        self.admitted += 1
+        self.reserved_tokens += tokens
+        return Ticket(self, tokens)
+
+    def _release(self, tokens: int) -> None:
+        self.admitted -= 1
+        self.reserved_tokens -= tokens

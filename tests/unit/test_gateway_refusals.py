@@ -1,0 +1,207 @@
+"""The gateway's answer to a stage refusing a request at its admission (RESOURCE_EXHAUSTED: full,
+nothing of the request ran there) and its own bound on requests in flight, against the
+in-process fakes of ``test_gateway_life``: a refusal goes to another live instance of the role
+(the same pipeline, no migration counted), or, with none left, the client is refused."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import random
+import time
+
+import pytest
+from prometheus_client import REGISTRY
+
+from pdd.core.errors import PeerError, ResourceExhaustedError
+from pdd.core.instance import Instance, InstanceRef, Role
+from pdd.core.pipeline import Pipeline, Stage
+from pdd.core.stage_events import Accepted, Finished, Tokens
+from pdd.prefix_index.store import Hit
+from pdd.server.tls import TlsConfig
+from pdd.serving.channels import Channels
+from pdd.serving.gateway import Gateway
+from pdd.serving.gateway_peers import REQUEST_DEADLINE, GrpcPeers
+from tests.unit.test_gateway_life import (
+    HOLD,
+    MAIN_DECODE,
+    MAIN_DECODE_1,
+    PREFILL,
+    TRANSFER,
+    FakePeers,
+    FakeStream,
+    first_token,
+    flat,
+    job,
+    migrations,
+    run,
+)
+
+PREFILL_1 = Instance(InstanceRef("p1", "127.0.0.1:7006", Role.PREFILL), 4)
+
+
+def full(name: str) -> PeerError:
+    return PeerError("RESOURCE_EXHAUSTED", f"{name} is full: retry later", name)
+
+
+class TwoPrefills(FakePeers):
+    """``FakePeers`` with a second prefill: the n-th prefill call (whichever instance the router
+    or the gateway picks) gets the n-th script of ``prefills``."""
+
+    def __init__(self, *args, prefills: list[list], **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.kv.hits.append(Hit(PREFILL_1, 0, 0.0))
+        self.prefill_scripts = list(prefills)
+        self.prefill_calls: list[tuple[str, object]] = []  # (address, job)
+
+    def prefill(self, address: str):
+        assert address in (PREFILL.ref.address, PREFILL_1.ref.address)
+        peers = self
+
+        class Client:
+            def prefill(self, job):
+                peers.prefill_calls.append((address, job))
+                return FakeStream(address, peers.prefill_scripts.pop(0))
+
+        return Client()
+
+
+async def test_a_main_decode_refusing_sends_the_request_to_another_on_the_same_pipeline():
+    peers = FakePeers(
+        md=[full("m0")],
+        prefill=[first_token(), TRANSFER],
+        later={MAIN_DECODE_1: [[Accepted(2), Tokens(1, (21, 22)), Finished("length", 3, 2)]]},
+    )
+    before = migrations("main_decode_lost")
+    tokens, final = await asyncio.wait_for(run(peers, job(Pipeline.P_MD)), 10)
+    assert flat(tokens) == ([20, 21, 22], [Stage.PREFILL] + [Stage.MAIN_DECODE] * 2)
+    ((address, reopened),) = peers.resumed
+    assert address == MAIN_DECODE_1.ref.address
+    assert (reopened.pipeline, reopened.resume_token_ids) == (Pipeline.P_MD, ())
+    # prefill, called once the new MainDecode accepted, pushes to it from its hit
+    p = peers.jobs["prefill"]
+    assert p.main_decode == MAIN_DECODE_1.ref and p.main_decode_cached_tokens == 2
+    s = final.stats
+    assert (s.pipeline, s.main_decode_instance, s.migrations) == (Pipeline.P_MD, "m1", 0)
+    assert migrations("main_decode_lost") == before  # a refusal is no loss
+
+
+@pytest.mark.parametrize("others", [False, True], ids=["alone", "all-full"])
+async def test_with_every_main_decode_full_the_client_is_refused(others):
+    later = {MAIN_DECODE_1: [[full("m1")]]} if others else {}
+    peers = FakePeers(md=[full("m0")], prefill=[first_token(), TRANSFER], later=later)
+    with pytest.raises(PeerError) as err:
+        await asyncio.wait_for(run(peers, job(Pipeline.P_MD)), 10)
+    assert err.value.code == "RESOURCE_EXHAUSTED"
+    assert "prefill" not in peers.jobs  # nothing was computed for it
+    assert [a for a, _ in peers.resumed] == ([MAIN_DECODE_1.ref.address] if others else [])
+
+
+async def test_a_relay_refusing_falls_back_to_p_md_on_the_same_main_decode():
+    peers = FakePeers(
+        md=[Accepted(4), HOLD],
+        prefill=[first_token(), TRANSFER],
+        relay=[full("r0")],
+        later={MAIN_DECODE: [[Accepted(3), Tokens(1, (21,)), Finished("length", 2, 1)]]},
+    )
+    tokens, final = await asyncio.wait_for(run(peers, job(Pipeline.P_RLD_MD)), 10)
+    assert flat(tokens)[0] == [20, 21]
+    assert final.stats.pipeline is Pipeline.P_MD and final.stats.main_decode_instance == "m0"
+
+
+async def test_a_prefill_refusing_sends_the_request_to_another_prefill():
+    peers = TwoPrefills(
+        md=[Accepted(0), Tokens(1, (21, 22)), Finished("length", 3, 2)],
+        prefills=[[full("prefill")], [first_token(), TRANSFER]],
+    )
+    before = migrations("prefill_lost")
+    tokens, final = await asyncio.wait_for(run(peers, job(Pipeline.P_MD)), 10)
+    assert flat(tokens) == ([20, 21, 22], [Stage.PREFILL] + [Stage.MAIN_DECODE] * 2)
+    (first, first_job), (second, second_job) = peers.prefill_calls
+    assert first != second and first_job == second_job  # the same job, another instance
+    # MainDecode, which accepted, kept its call (its tokens above): it waited for the KV
+    assert not peers.resumed and final.stats.main_decode_instance == "m0"
+    s = final.stats
+    assert s.prefill_instance == {PREFILL.ref.address: "p0", PREFILL_1.ref.address: "p1"}[second]
+    assert s.migrations == 0 and migrations("prefill_lost") == before
+
+
+async def test_with_every_prefill_full_the_client_is_refused_and_every_call_stopped():
+    peers = TwoPrefills(md=[Accepted(0), HOLD], prefills=[[full("p")], [full("p")]])
+    with pytest.raises(PeerError) as err:
+        await asyncio.wait_for(run(peers, job(Pipeline.P_MD)), 10)
+    assert err.value.code == "RESOURCE_EXHAUSTED"
+    assert len({a for a, _ in peers.prefill_calls}) == 2
+    assert peers.md.cancelled and not peers.resumed  # MainDecode frees what it reserved
+
+
+async def test_the_gateway_refuses_requests_beyond_its_own_bound_at_once():
+    peers = FakePeers(md=[Accepted(0), HOLD], prefill=[first_token(), TRANSFER])
+    gateway = Gateway("127.0.0.1:7000", rng=random.Random(7), peers=peers, max_in_flight=1)
+    before = REGISTRY.get_sample_value("pdd_admission_refused_total", {"role": "gateway"}) or 0
+    held = gateway.generate(job(Pipeline.P_MD))
+    assert (await anext(held)).token_ids == (20,)
+    with pytest.raises(ResourceExhaustedError, match="gateway is full"):
+        await anext(gateway.generate(job(Pipeline.P_MD)))
+    after = REGISTRY.get_sample_value("pdd_admission_refused_total", {"role": "gateway"})
+    assert after == before + 1
+    assert gateway.admission.admitted == 1  # the refusal took nothing from the one in flight
+    await held.aclose()
+    assert gateway.admission.admitted == 0 and peers.md.cancelled
+    await gateway.close()
+
+
+def test_the_gateways_bound_is_positive():
+    with pytest.raises(ValueError, match="^max_in_flight:"):
+        Gateway("127.0.0.1:7000", peers=FakePeers(md=[]), max_in_flight=0)
+
+
+# --- the client's deadline bounds every stage call ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("deadline_s", "want"), [(None, 600.0), (5.0, 5.0), (900.0, 600.0), (-1.0, 0.001)]
+)
+async def test_a_stage_call_gets_the_requests_time_left_within_the_stage_timeout(deadline_s, want):
+    channels = Channels(TlsConfig())  # NOTE: nothing connects until a call is made
+    peers = GrpcPeers(channels, "127.0.0.1:7000", stage_timeout_s=600.0)
+
+    def timeouts() -> list[float]:
+        if deadline_s is not None:
+            REQUEST_DEADLINE.set(time.monotonic() + deadline_s)
+        return [
+            peers.prefill("a").timeout_s,
+            peers.relay("a").timeout_s,
+            peers.main_decode("a").timeout_s,
+        ]
+
+    # NOTE: in a copy of the context, as each request runs in its own task
+    got = contextvars.copy_context().run(timeouts)
+    assert got == pytest.approx([want] * 3, abs=0.05)
+    assert REQUEST_DEADLINE.get() is None
+    await channels.close()
+
+
+async def test_generate_sets_the_requests_deadline_for_its_stage_calls():
+    seen: list[float | None] = []
+
+    class Peers(FakePeers):
+        def main_decode(self, address: str):
+            seen.append(REQUEST_DEADLINE.get())
+            return super().main_decode(address)
+
+    peers = Peers(
+        md=[Accepted(0), Tokens(1, (21,)), Finished("length", 2, 1)],
+        prefill=[first_token(), TRANSFER],
+    )
+
+    async def one():
+        gateway = Gateway("127.0.0.1:7000", rng=random.Random(7), peers=peers)
+        t0 = time.monotonic()
+        events = [ev async for ev in gateway.generate(job(Pipeline.P_MD), deadline_s=3.0)]
+        await gateway.close()
+        return t0, events
+
+    t0, events = await asyncio.create_task(one())
+    assert events[-1].finish_reason == "length"
+    assert seen and all(d is not None and 3.0 <= d - t0 < 3.1 for d in seen)
