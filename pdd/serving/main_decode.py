@@ -29,7 +29,8 @@ Cancellation (the gateway's call ends) aborts the request and frees its KV.
 
 The request's queue carries the engine loop's items (``pdd.serving.mailbox``, ``StepOutput``)
 and MainDecode's own: ``Extended`` (an extension to apply, in order behind the outputs the
-engine produced before it), ``EmitFrom`` (where MainDecode starts speaking) and ``Failed``.
+engine produced before it), ``EmitFrom`` (where MainDecode starts speaking) and ``Failed`` (``main_decode_life``, with the
+request's record).
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
 
 import structlog
 
@@ -66,6 +66,7 @@ from pdd.serving.admission import Admission, AdmissionConfig
 from pdd.serving.engine_instance import EngineInstance
 from pdd.serving.kv_bridge import import_range
 from pdd.serving.mailbox import StepFailed
+from pdd.serving.main_decode_life import DecodeLife, EmitFrom, Extended, Failed
 from pdd.telemetry import metrics
 
 log = structlog.get_logger(__name__)
@@ -73,71 +74,6 @@ log = structlog.get_logger(__name__)
 # How long a new call waits for a cancelled call of the same request id to be closed here
 # (a migration may come back to this MainDecode right after cancelling its first call).
 REPLACED_CALL_WAIT_S = 2.0
-
-
-# --- MainDecode's own mailbox items -----------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Extended:
-    """``token_ids`` were made the outputs from ``start`` on the engine thread (``rolled_back``:
-    what was decoded past them was dropped); apply it, then resolve ``applied``."""
-
-    start: int
-    token_ids: tuple[int, ...]
-    rolled_back: bool
-    applied: asyncio.Future
-
-    def __post_init__(self) -> None:
-        if self.start < 0:
-            raise ValueError(f"start: must be >= 0, got {self.start}")
-
-
-@dataclass(frozen=True)
-class EmitFrom:
-    """MainDecode speaks from output ``position`` on (what it produced there already, at once)."""
-
-    position: int
-
-    def __post_init__(self) -> None:
-        if self.position < 0:
-            raise ValueError(f"position: must be >= 0, got {self.position}")
-
-
-@dataclass(frozen=True)
-class Failed:
-    """Receiving or importing the request's KV failed: the request fails with ``error``."""
-
-    error: Exception
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.error, Exception):
-            raise ValueError(f"error: must be an Exception, got {type(self.error).__name__}")
-
-
-@dataclass
-class _State:
-    job: DecodeJob
-    queue: asyncio.Queue
-    kv_ready: asyncio.Event = field(default_factory=asyncio.Event)
-    progress: asyncio.Condition = field(default_factory=asyncio.Condition)
-    # Highest output position the engine has produced (or reached by an extension).
-    produced: int = -1
-    finished: bool = False
-    finish_reason: str | None = None
-    outputs: dict[int, int] = field(default_factory=dict)
-    # Of the outputs this engine sampled (not those another stage's tokens extended), when asked for.
-    logprobs: dict[int, Logprob] = field(default_factory=dict)
-    # The output position MainDecode speaks from; None until it is known.
-    emit_from: int | None = None
-    md_tokens: int = 0
-    wan_bytes: int = 0
-    extend_s: float = 0.0
-    closed: asyncio.Event = field(default_factory=asyncio.Event)
-
-    def agrees(self, start: int, token_ids: Sequence[int]) -> bool:
-        """Whether the outputs from ``start`` are ``token_ids`` already."""
-        return all(self.outputs.get(start + i) == t for i, t in enumerate(token_ids))
 
 
 class MainDecode:
@@ -153,7 +89,7 @@ class MainDecode:
         self.instance = instance
         self.receiver = receiver
         self.kv_timeout_s = kv_timeout_s
-        self._requests: dict[str, _State] = {}
+        self._requests: dict[str, DecodeLife] = {}
         self.admission = Admission.for_engine("main_decode", admission, lambda: self.engine)
 
     @property
@@ -190,7 +126,7 @@ class MainDecode:
 
     # --- the steps of a request's life --------------------------------------------------------
 
-    async def _open(self, job: DecodeJob) -> _State:
+    async def _open(self, job: DecodeJob) -> DecodeLife:
         rid = job.request_id
         if (old := self._requests.get(rid)) is not None:
             # NOTE: a migrated request may come back here just after the gateway cancelled its
@@ -199,11 +135,11 @@ class MainDecode:
                 await asyncio.wait_for(old.closed.wait(), REPLACED_CALL_WAIT_S)
         if rid in self._requests:
             raise InvalidArgumentError("request_id", f"{rid!r} is already decoding here")
-        state = _State(job, self.runner.open(rid))
+        state = DecodeLife(job, self.runner.open(rid))
         self._requests[rid] = state
         return state
 
-    async def _admit(self, state: _State) -> int:
+    async def _admit(self, state: DecodeLife) -> int:
         """Add the request (paused unless MD prefills it here); how many prompt tokens it hit.
         A resumed MD request is added paused, given its outputs so far, then resumed: its first
         step computes prompt + those outputs and samples the next position."""
@@ -239,7 +175,7 @@ class MainDecode:
         )
         return cached
 
-    def _start_kv(self, state: _State) -> asyncio.Task | None:
+    def _start_kv(self, state: DecodeLife) -> asyncio.Task | None:
         """Start receiving the KV delta; MD has none and speaks from its first new output (0, or
         the end of the outputs it resumed from)."""
         if state.job.pipeline is Pipeline.MD:
@@ -250,7 +186,7 @@ class MainDecode:
             return None  # NOTE: re-homed P-RLD-MD: the KV is rebuilt here (``_on_output``)
         return asyncio.create_task(self._receive_kv(state))
 
-    async def _on_item(self, state: _State, item: object) -> list[Tokens | Finished]:
+    async def _on_item(self, state: DecodeLife, item: object) -> list[Tokens | Finished]:
         """Apply one mailbox item; the events it lets MainDecode send."""
         match item:
             case StepOutput():
@@ -264,7 +200,7 @@ class MainDecode:
                 raise error
         raise TypeError(f"unexpected item on {state.job.request_id}'s queue: {item!r}")
 
-    async def _on_output(self, state: _State, out: StepOutput) -> list[Tokens | Finished]:
+    async def _on_output(self, state: DecodeLife, out: StepOutput) -> list[Tokens | Finished]:
         await self._note(state, out)
         if not state.kv_ready.is_set():
             state.kv_ready.set()  # NOTE: a re-homed request's local prefill is done
@@ -282,7 +218,7 @@ class MainDecode:
                 events.append(self._finished(state, out.finish_reason))
         return events
 
-    def _on_emit_from(self, state: _State, position: int) -> list[Tokens | Finished]:
+    def _on_emit_from(self, state: DecodeLife, position: int) -> list[Tokens | Finished]:
         state.emit_from = position
         events: list[Tokens | Finished] = []
         ready = sorted(p for p in state.outputs if p >= position)
@@ -294,7 +230,7 @@ class MainDecode:
             events.append(self._finished(state, state.finish_reason))
         return events
 
-    def _close(self, state: _State, kv_task: asyncio.Task | None, *, done: bool) -> None:
+    def _close(self, state: DecodeLife, kv_task: asyncio.Task | None, *, done: bool) -> None:
         rid = state.job.request_id
         if kv_task is not None:
             kv_task.cancel()
@@ -310,7 +246,7 @@ class MainDecode:
             log.info("md_request_aborted")
 
     @staticmethod
-    def _logprobs(state: _State, positions: list[int]) -> tuple[Logprob, ...]:
+    def _logprobs(state: DecodeLife, positions: list[int]) -> tuple[Logprob, ...]:
         if state.job.sampling.logprobs is None:
             return ()
         missing = [p for p in positions if p not in state.logprobs]
@@ -321,7 +257,7 @@ class MainDecode:
         return tuple(state.logprobs[p] for p in positions)
 
     @staticmethod
-    def _finished(state: _State, reason: str | None) -> Finished:
+    def _finished(state: DecodeLife, reason: str | None) -> Finished:
         return Finished(
             reason,
             max(state.outputs, default=-1) + 1,
@@ -330,7 +266,7 @@ class MainDecode:
             state.extend_s * 1000,
         )
 
-    async def _note(self, state: _State, out: StepOutput) -> None:
+    async def _note(self, state: DecodeLife, out: StepOutput) -> None:
         if out.token_id is not None:
             state.outputs[out.position] = out.token_id
             if out.logprob is not None:
@@ -342,7 +278,7 @@ class MainDecode:
 
     # --- the KV delta ---------------------------------------------------------------------------
 
-    async def _receive_kv(self, state: _State) -> None:
+    async def _receive_kv(self, state: DecodeLife) -> None:
         try:
             kv = await self.receiver.wait_complete(state.job.request_id, self.kv_timeout_s)
             await self._import(state, kv)
@@ -351,7 +287,7 @@ class MainDecode:
         except Exception as exc:  # noqa: BLE001 — surfaced on the request's stream
             state.queue.put_nowait(Failed(exc))
 
-    async def _import(self, state: _State, kv: ReceivedKv) -> None:
+    async def _import(self, state: DecodeLife, kv: ReceivedKv) -> None:
         rid = state.job.request_id
         t0 = time.perf_counter()
         await self.runner.call(import_range, self.engine, rid, kv.header, kv.payload)
@@ -368,7 +304,7 @@ class MainDecode:
             import_ms=round((time.perf_counter() - t0) * 1000, 2),
         )
 
-    async def _start_from_first(self, state: _State, first: Sequence[int]) -> None:
+    async def _start_from_first(self, state: DecodeLife, first: Sequence[int]) -> None:
         """P-MD: append prefill's first token(s) and speak from the next output."""
         t0 = time.perf_counter()
         # NOTE: expedited: the client waits on this first decode step (TTFDT).
@@ -441,7 +377,7 @@ class MainDecode:
             state.queue.put_nowait(EmitFrom(target))
         return target, max(target, state.produced + 1)
 
-    async def _handoff_state(self, request_id: str) -> _State:
+    async def _handoff_state(self, request_id: str) -> DecodeLife:
         """The P-RLD-MD request being handed over, once its KV is here."""
         state = self._requests.get(request_id)
         if state is None:
@@ -460,7 +396,7 @@ class MainDecode:
         return state
 
     async def _extend(
-        self, state: _State, start: int, token_ids: list[int], *, final: bool
+        self, state: DecodeLife, start: int, token_ids: list[int], *, final: bool
     ) -> None:
         """Append a handoff batch and wait until the engine computed it (or finished)."""
         target = start + len(token_ids)
@@ -478,7 +414,7 @@ class MainDecode:
         state.extend_s += time.perf_counter() - t0
 
     async def _append(
-        self, state: _State, start: int, token_ids: list[int], *, expedite: bool
+        self, state: DecodeLife, start: int, token_ids: list[int], *, expedite: bool
     ) -> bool:
         """Make ``token_ids`` the outputs from ``start`` (extend: computed in one pass); what
         MainDecode decoded ahead is kept where it agrees and dropped from the first disagreement.
@@ -513,7 +449,7 @@ class MainDecode:
             ) from None
         return True
 
-    async def _apply_extension(self, state: _State, ext: Extended) -> None:
+    async def _apply_extension(self, state: DecodeLife, ext: Extended) -> None:
         end = ext.start + len(ext.token_ids)
         for i, tok in enumerate(ext.token_ids):
             state.outputs[ext.start + i] = tok

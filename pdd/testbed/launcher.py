@@ -51,7 +51,7 @@ class Process:
         self._settled.wait(timeout)
         return bool(self.address)
 
-    def stop(self, timeout: float = 15.0) -> int:
+    def stop(self, timeout: float = 30.0) -> int:
         """SIGTERM, wait, SIGKILL if it does not exit; returns the exit code."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
