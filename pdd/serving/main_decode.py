@@ -29,8 +29,8 @@ Cancellation (the gateway's call ends) aborts the request and frees its KV.
 
 The request's queue carries the engine loop's items (``pdd.serving.mailbox``, ``StepOutput``)
 and MainDecode's own: ``Extended`` (an extension to apply, in order behind the outputs the
-engine produced before it), ``EmitFrom`` (where MainDecode starts speaking) and ``Failed`` (``main_decode_life``, with the
-request's record).
+engine produced before it), ``EmitFrom`` (where MainDecode starts speaking) and ``Failed``
+(``main_decode_life``, with the request's record).
 """
 
 from __future__ import annotations
