@@ -8,6 +8,7 @@ Redis, the WAN emulator between the clusters.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 
@@ -69,3 +70,12 @@ async def no_kv_held(stack, rid: str, timeout_s: float = 10.0) -> None:
     while (held := await EngineProbe(stack).holding([rid])) and any(held.values()):
         assert time.monotonic() < deadline, f"KV of {rid} still held: {held}"
         await asyncio.sleep(0.2)
+
+
+def logged(proc, rid: str, event: str) -> list[dict]:
+    """The JSON log lines of ``proc`` for request ``rid`` with event ``event``."""
+    out = []
+    for line in proc.log_path.read_text().splitlines():
+        if rid in line and f'"{event}"' in line:
+            out.append(json.loads(line))
+    return out

@@ -26,7 +26,7 @@ from pdd.server.tls import TlsConfig, open_channel
 from pdd.serving.model_spec import load_model
 from pdd.testbed.stack import LinkSettings
 from pdd.wire.kvstore_client import KvstoreClient
-from tests.e2e.conftest import BLOCK, make_stack, no_kv_held
+from tests.e2e.conftest import BLOCK, logged, make_stack, no_kv_held
 from tests.e2e.test_pipeline import prompts
 
 WAN_DELAY_MS = 200.0
@@ -116,10 +116,10 @@ async def _generate(
 
 
 def _migrated(stack, rid: str) -> None:
-    lines = [line for line in stack.gateway.log_path.read_text().splitlines() if rid in line]
-    if not any('"migrated"' in line for line in lines):
+    moves = logged(stack.gateway, rid, "migrated")
+    if not moves:
         pytest.fail("MainDecode finished before it was killed; the migration did not run")
-    assert any("main_decode_lost" in line for line in lines)
+    assert any(m["cause"] == "main_decode_lost" for m in moves)
 
 
 async def test_a_main_decode_killed_mid_stream_is_migrated_without_a_gap(stack, oracle):
@@ -156,12 +156,6 @@ async def test_a_seeded_request_migrated_mid_stream_samples_what_it_would_have_w
     assert want != greedy  # the request did sample
 
 
-def _log_has(proc, rid: str, event: str) -> bool:
-    return any(
-        rid in line and f'"{event}"' in line for line in proc.log_path.read_text().splitlines()
-    )
-
-
 def _reference(p: list[int], n: int = RELAY_TOKENS) -> list[int]:
     return Engine(load_model(MODEL), EngineConfig(block_size=BLOCK)).generate(
         [p], SamplingParams(max_tokens=n, ignore_eos=True)
@@ -183,9 +177,9 @@ async def test_a_main_decode_killed_before_its_kv_is_replaced_beside_the_streami
     oracle.assert_greedy_equal(p, tokens, _reference(p))
     s = final.stats
     assert s.main_decode_instance not in ("", victim.name) and s.migrations == 1
-    if not _log_has(stack.gateway, rid, "rehomed"):
+    if not logged(stack.gateway, rid, "rehomed"):
         pytest.fail("the relay handed over before the kill; the re-home did not run")
-    assert _log_has(stack.by_name("relay-0"), rid, "relay_main_decode_lost")
+    assert logged(stack.by_name("relay-0"), rid, "relay_main_decode_lost")
     assert s.rld_tokens > 0 and s.md_tokens > 0  # the relay spoke, then the new MainDecode
     await no_kv_held(stack, rid)
 
@@ -213,5 +207,5 @@ async def test_with_no_main_decode_left_the_relay_finishes_the_request(stack, or
     assert victim.name == "main_decode-0"
     oracle.assert_greedy_equal(p, tokens, _reference(p))
     assert final.stats.rld_tokens == RELAY_TOKENS - 1 and final.stats.md_tokens == 0
-    assert _log_has(stack.by_name("relay-0"), rid, "relay_finished_alone")
+    assert logged(stack.by_name("relay-0"), rid, "relay_finished_alone")
     await no_kv_held(stack, rid)

@@ -15,7 +15,6 @@ they hold and kvstore predicts a session's cached prefix again.
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 import time
 
@@ -28,7 +27,7 @@ from pdd.engine.sampling import SamplingParams
 from pdd.gen.common.v1 import common_pb2
 from pdd.serving.model_spec import load_model
 from pdd.testbed.stack import LinkSettings
-from tests.e2e.conftest import BLOCK, TINY, make_stack, no_kv_held
+from tests.e2e.conftest import BLOCK, TINY, logged, make_stack, no_kv_held
 from tests.e2e.test_pipeline import prompts, wait_indexed
 
 KV_DEADLINE_S = 1.0
@@ -100,14 +99,6 @@ async def _generate(stack, p, rid, n, pipeline, *, at_first=None):
     return tokens, final, last_at, (await side if side is not None else None)
 
 
-def _logged(proc, rid: str, event: str) -> list[dict]:
-    out = []
-    for line in proc.log_path.read_text().splitlines():
-        if rid in line and f'"{event}"' in line:
-            out.append(json.loads(line))
-    return out
-
-
 async def test_a_p_md_request_cut_off_by_a_partition_is_rerouted_through_the_relay(stack, oracle):
     p, n, rid = prompts(201, 1)[0], 160, "partition-p-md"
     tokens, final, _, _ = await _generate(
@@ -117,8 +108,8 @@ async def test_a_p_md_request_cut_off_by_a_partition_is_rerouted_through_the_rel
     s = final.stats
     assert (s.relay_instance, s.migrations, s.md_tokens) == ("relay-0", 1, 0)
     assert s.rld_tokens == n - 1  # prefill's first token, then the relay's
-    (rerouted,) = _logged(stack.gateway, rid, "rerouted_through_relay")
-    assert rerouted["at"] >= 1 and _logged(stack.by_name("relay-0"), rid, "relay_resumed")
+    (rerouted,) = logged(stack.gateway, rid, "rerouted_through_relay")
+    assert rerouted["at"] >= 1 and logged(stack.by_name("relay-0"), rid, "relay_resumed")
     await no_kv_held(stack, rid)
 
 
