@@ -37,7 +37,7 @@ from pdd.engine.block_manager import BlockManager
 from pdd.engine.checkpoint import Checkpoint, build_model, load_checkpoint
 from pdd.engine.config import EngineConfig
 from pdd.engine.errors import EngineStalledError, KvCapacityError
-from pdd.engine.grammar import Grammars
+from pdd.engine.grammar import Grammars, advance_grammar, follow_grammar
 from pdd.engine.kv_cache import KvCache
 from pdd.engine.kv_wire import KvPayload
 from pdd.engine.model_config import ModelConfig, parse_dtype
@@ -190,7 +190,7 @@ class Engine:
             seq.token_ids.append(token)
             reason = self._finish_reason(seq, token)
             if seq.matcher is not None:
-                reason = self._advance_grammar(seq, token, reason)
+                reason = advance_grammar(seq.matcher, seq.request_id, token, reason)
             outputs.append(
                 StepOutput(
                     seq.request_id,
@@ -214,18 +214,6 @@ class Engine:
         if lps is None or any(lp is None for lp in lps):
             return None
         return tuple(lps)
-
-    @staticmethod
-    def _advance_grammar(seq: Sequence, token: int, reason: str | None) -> str | None:
-        """Feed the sampled ``token`` to the request's matcher; returns the finish reason."""
-        if not seq.matcher.consume_token(token):
-            raise RuntimeError(
-                f"{seq.request_id}: sampled token {token} outside its grammar "
-                f"({seq.matcher.get_error()})"
-            )
-        if reason is None and seq.matcher.is_stopped():
-            return "stop"  # the grammar is complete: nothing more may follow
-        return reason
 
     def _settle_computed(
         self, batch: list[tuple[Sequence, int]], outputs: list[StepOutput]
@@ -309,7 +297,7 @@ class Engine:
             return False  # the engine is already there (or ahead)
         grammar_done = False
         if seq.matcher is not None:
-            grammar_done = self._follow_grammar(seq, old[agree:], new[agree:])
+            grammar_done = follow_grammar(seq.matcher, seq.request_id, old[agree:], new[agree:])
         cut = base + agree
         released = self.blocks.rollback(seq, cut)
         del seq.token_ids[cut:]
@@ -319,27 +307,6 @@ class Engine:
         if stops or grammar_done or start + len(new) == sp.max_tokens:
             seq.finish_when_computed = "stop" if stops or grammar_done else "length"
         return agree < len(old)
-
-    @staticmethod
-    def _follow_grammar(seq: Sequence, dropped: list[int], added: list[int]) -> bool:
-        """Roll the matcher back over ``dropped`` outputs and through ``added``; returns whether the grammar
-        is then complete. ValueError (matcher unchanged) if ``added`` leaves the grammar."""
-        matcher = seq.matcher
-        if dropped and not matcher.rollback(len(dropped)):
-            raise RuntimeError(
-                f"{seq.request_id}: the grammar could not roll back {len(dropped)} tokens"
-            )
-        accepted = matcher.validate_tokens(added)
-        if accepted < len(added):
-            if dropped:
-                matcher.consume_tokens(dropped)
-            raise ValueError(
-                f"token_ids[{accepted}] (token {added[accepted]}) is not allowed by the request's "
-                "grammar"
-            )
-        if added and not matcher.consume_tokens(added):
-            raise RuntimeError(f"{seq.request_id}: the grammar refused tokens it had validated")
-        return matcher.is_stopped()
 
     def pause(self, request_id: str) -> None:
         self._get(request_id).paused = True

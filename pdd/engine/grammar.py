@@ -91,3 +91,38 @@ class Grammars:
             logits[
                 i, n:
             ] = -torch.inf  # ids beyond the tokenizer's vocabulary (padding) never come out
+
+
+# --- one request's matcher as its outputs change (the engine calls these) ---------------------
+
+
+def advance_grammar(matcher: Any, request_id: str, token: int, reason: str | None) -> str | None:
+    """Feed a sampled ``token`` to the request's matcher; returns the finish reason."""
+    if not matcher.consume_token(token):
+        raise RuntimeError(
+            f"{request_id}: sampled token {token} outside its grammar ({matcher.get_error()})"
+        )
+    if reason is None and matcher.is_stopped():
+        return "stop"  # the grammar is complete: nothing more may follow
+    return reason
+
+
+def follow_grammar(matcher: Any, request_id: str, dropped: list[int], added: list[int]) -> bool:
+    """Extend: roll the matcher back over ``dropped`` outputs and through ``added``.
+
+    Returns whether the grammar is then complete. ValueError (matcher unchanged) if ``added``
+    leaves the grammar.
+    """
+    if dropped and not matcher.rollback(len(dropped)):
+        raise RuntimeError(f"{request_id}: the grammar could not roll back {len(dropped)} tokens")
+    accepted = matcher.validate_tokens(added)
+    if accepted < len(added):
+        if dropped:
+            matcher.consume_tokens(dropped)
+        raise ValueError(
+            f"token_ids[{accepted}] (token {added[accepted]}) is not allowed by the request's "
+            "grammar"
+        )
+    if added and not matcher.consume_tokens(added):
+        raise RuntimeError(f"{request_id}: the grammar refused tokens it had validated")
+    return matcher.is_stopped()

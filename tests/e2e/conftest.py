@@ -14,7 +14,7 @@ import uuid
 
 import pytest
 
-from pdd.bench.chaos import EngineProbe
+from pdd.bench.engine_probe import EngineProbe
 from pdd.testbed.stack import LinkSettings, Stack, StackConfig
 
 TINY = "tiny:7,ctx=512"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdd.bench.chaos import StreamRecord, check_stream, fault_row, markdown_table
+from pdd.bench.chaos_measure import StreamRecord, check_stream, fault_row, markdown_table
 
 
 def test_a_gapless_stream_is_clean():
