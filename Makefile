@@ -7,7 +7,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
 # NOTE: lint is part of test.
-.PHONY: lint venv tools system-deps protos protos-check lint-protos test demo chaos bench bench-engine clean eval
+.PHONY: lint venv tools system-deps protos protos-check lint-protos test demo chaos soak bench bench-engine clean eval
 
 # Debian packages the tests need (a real Redis server; g++ and ninja build the engine's paged decode
 # kernel, without which the engine falls back to a slower path); each skipped when present.
@@ -118,6 +118,11 @@ demo: venv system-deps
 # supervised stack, mid-request; the table in pdd-chaos/ (docs/operations.md).
 chaos: venv system-deps
 	$(VENV)/bin/pdd chaos --out pdd-chaos
+
+# A steady load at 70 % of capacity for 20 minutes with sessions, 10 % cancellations and a relay
+# restart at half time; RSS, descriptors, asyncio tasks and KV sampled every 10 s (pdd-soak/).
+soak: venv system-deps
+	$(VENV)/bin/pdd bench soak --out pdd-soak
 
 bench: venv system-deps
 	$(VENV)/bin/pdd demo --preset full

@@ -274,6 +274,7 @@ BENCH = {
     "engine": "pdd.bench.engine_bench",
     "burst": "pdd.bench.burst",
     "index": "pdd.bench.index_bench",
+    "soak": "pdd.bench.soak",
 }
 TRACE = {"gen": "pdd.bench.trace", "mooncake": "pdd.bench.mooncake"}
 
@@ -436,7 +437,7 @@ def _dispatch(argv: list[str]) -> int:
     sub.add_parser(
         "bench",
         help="[run] --trace F --mode M --out R | compare | sim | calibrate | link | engine | burst "
-        "| index",
+        "| index | soak",
     )
     sub.add_parser("plan", help="size the pools for the best benefit-cost (the simulator)")
     sub.add_parser("trace", help="gen | mooncake")

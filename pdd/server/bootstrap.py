@@ -29,7 +29,7 @@ from pdd.server import tls
 from pdd.server.config import ServerConfig
 from pdd.server.interceptors import ContextInterceptor
 from pdd.server.telemetry_interceptor import TelemetryInterceptor
-from pdd.telemetry import gc_pauses
+from pdd.telemetry import gc_pauses, metrics
 from pdd.telemetry.metrics import start_metrics_server
 
 log = structlog.get_logger(__name__)
@@ -139,12 +139,14 @@ async def serve(config: ServerConfig, spec: ServiceSpec) -> None:
     # not the ~350K start-up objects (gc_pauses).
     log.info("gc_startup_frozen", objects=gc_pauses.freeze_startup_objects())
     gc_pauses.watch()
+    loop = asyncio.get_running_loop()
+    # NOTE: read at scrape time from the metrics thread; all_tasks copes with a changing set.
+    metrics.ASYNCIO_TASKS.set_function(lambda: len(asyncio.all_tasks(loop)))
     if config.metrics_port:
         _, port = start_metrics_server(config.host, config.metrics_port, config.tls)
         log.info("metrics_started", address=f"{config.host}:{port}", tls=bool(config.tls.cert))
     print(f"PDD_LISTENING {spec.name} {config.host}:{server.port}", flush=True)
     stopping = asyncio.Event()
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
     await stopping.wait()

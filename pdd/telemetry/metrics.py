@@ -102,6 +102,12 @@ WAN_QUEUE = Histogram(
     "Time a KV push waited for a slot of the WAN stream pool",
     buckets=_TRANSFER,
 )
+ASYNCIO_TASKS = Gauge(
+    "pdd_asyncio_tasks", "Unfinished asyncio tasks of the service's event loop (leak check)"
+)
+FAST_LINK_REGIONS = Gauge(
+    "pdd_fast_link_regions", "Fast-link regions the relay holds reserved (not yet freed)"
+)
 FAST_LINK_BYTES = Counter(
     "pdd_fast_link_kv_bytes", "KV bytes over the fast link (prefill → relay)", ["transport"]
 )

@@ -19,6 +19,7 @@ from pdd.server.bootstrap import ServiceSpec
 from pdd.serving.channels import Channels
 from pdd.serving.engine_instance import EngineInstance
 from pdd.serving.relay import Relay
+from pdd.telemetry import metrics
 from pdd.wire import relay as conv
 from pdd.wire.common import cache_report_to_pb
 from services.relay.config import RelayServiceConfig
@@ -84,6 +85,7 @@ def _backends(transports: str) -> list:
 def build(config: RelayServiceConfig) -> ServiceSpec:
     instance = EngineInstance(config.instance, tls=config.server.tls, publish_cache_events=False)
     fast = FastLinkReceiver(_backends(config.transports), config.fast_link)
+    metrics.FAST_LINK_REGIONS.set_function(lambda: fast.held_regions)
     channels = Channels(config.server.tls)
     relay = Relay(instance, fast, channels, config.relay, admission=config.instance.admission)
     servicer = RelayServicer(instance, relay, fast)

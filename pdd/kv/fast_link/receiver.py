@@ -114,6 +114,11 @@ class FastLinkReceiver:
         return tuple(self._backends)
 
     @property
+    def held_regions(self) -> int:
+        """Regions reserved and not yet freed (a soak checks this returns to 0 when idle)."""
+        return len(self._entries)
+
+    @property
     def reserved_bytes(self) -> int:
         return sum(e.request.total_bytes for e in self._entries.values())
 

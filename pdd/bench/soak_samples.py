@@ -1,0 +1,172 @@
+"""What a soak watches in every process, and the verdict over what it saw (pure).
+
+``read_process`` reads one process's own accounting from ``/proc`` (resident memory, open file
+descriptors); ``parse_metrics`` picks the leak gauges out of a service's Prometheus text
+(``pdd_asyncio_tasks``, ``pdd_kv_blocks_used``, ``pdd_fast_link_regions``, ``pdd_engine_requests``).
+``verdict`` turns the samples and the request outcomes into the soak's checks: no error but the
+cancellations, resident memory flat after warm-up (a restarted process is judged from its own
+warm-up on), no growth in descriptors or tasks, and nothing held once the load is gone.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+# Gauges read from /metrics; a sample holds each summed over its label sets.
+WATCHED = ("pdd_asyncio_tasks", "pdd_kv_blocks_used", "pdd_fast_link_regions")
+REQUESTS_GAUGE = "pdd_engine_requests"
+
+
+@dataclass(frozen=True)
+class Sample:
+    t_s: float  # seconds since the soak's load started (negative: the idle baseline)
+    process: str
+    pid: int
+    rss_bytes: int
+    open_fds: int
+    # Watched gauges (absent for processes without /metrics, e.g. the WAN emulators).
+    gauges: Mapping[str, float] = field(default_factory=dict)
+
+
+def read_process(pid: int) -> tuple[int, int]:
+    """(resident bytes, open descriptors) of ``pid`` from /proc; (0, 0) once it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            rss = next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:")), 0)
+        fds = len(os.listdir(f"/proc/{pid}/fd"))
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return 0, 0
+    return rss, fds
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """The watched gauges of a Prometheus exposition, each summed over its labels; plus
+    ``requests_held``: the engine's running + waiting + paused requests."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        try:
+            value = float(line.rsplit(" ", 1)[1])
+        except (IndexError, ValueError):
+            continue
+        if name in WATCHED:
+            out[name] = out.get(name, 0.0) + value
+        elif name == REQUESTS_GAUGE:
+            out["requests_held"] = out.get("requests_held", 0.0) + value
+    return out
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    ok: bool
+    detail: str
+
+
+def _median(values: Iterable[float]) -> float:
+    vals = list(values)
+    return statistics.median(vals) if vals else 0.0
+
+
+def _judged(
+    samples: Sequence[Sample], warmup_s: float, since: Mapping[str, float]
+) -> dict[str, list[Sample]]:
+    """Each process's samples after its warm-up: the soak's, or — for a restarted process (a new
+    pid) — its own from ``since[name]`` (when it listened again) on, whichever is later; only its
+    last pid's samples, never the idle ones (t < 0)."""
+    by: dict[str, list[Sample]] = {}
+    for s in sorted(samples, key=lambda s: s.t_s):
+        if s.t_s >= 0 and s.rss_bytes:
+            by.setdefault(s.process, []).append(s)
+    out = {}
+    for name, ss in by.items():
+        born = {}
+        for s in ss:
+            born.setdefault(s.pid, s.t_s)
+        last_pid = ss[-1].pid
+        start = warmup_s
+        if len(born) > 1:
+            start = max(warmup_s, since.get(name, born[last_pid]) + warmup_s)
+        out[name] = [s for s in ss if s.pid == last_pid and s.t_s >= start]
+    return out
+
+
+def verdict(
+    samples: Sequence[Sample],
+    outcomes: Mapping[str, int],
+    *,
+    warmup_s: float,
+    rss_growth: float = 0.05,
+    fd_slack: int = 2,
+    task_slack: int = 2,
+    window: int = 3,
+    held_at_end: Mapping[str, int] | None = None,
+    since: Mapping[str, float] | None = None,
+) -> list[Check]:
+    """The soak's checks. ``outcomes``: status → count (``completed``, ``cancelled`` and errors);
+    ``held_at_end``: engine instance → the soak's requests it still holds once idle; ``since``:
+    a restarted process → when it listened again (its warm-up starts there)."""
+    checks = []
+    errors = {k: v for k, v in outcomes.items() if k not in ("completed", "cancelled") and v}
+    checks.append(
+        Check(
+            "errors",
+            not errors,
+            "none" if not errors else ", ".join(f"{k} {v}" for k, v in errors.items()),
+        )
+    )
+    judged = _judged(samples, warmup_s, since or {})
+    grown, short = [], []
+    for name, ss in sorted(judged.items()):
+        if len(ss) < 2 * window:
+            short.append(name)
+            continue
+        first = _median(s.rss_bytes for s in ss[:window])
+        last = _median(s.rss_bytes for s in ss[-window:])
+        growth = last / first - 1 if first else 0.0
+        if growth > rss_growth:
+            grown.append(f"{name} +{growth:.1%}")
+    checks.append(
+        Check(
+            "rss_flat",
+            not grown and len(short) < len(judged),
+            (", ".join(grown) or f"every process within +{rss_growth:.0%}")
+            + (f" (too few samples to judge: {', '.join(short)})" if short else ""),
+        )
+    )
+    fd_grown = []
+    for name, ss in sorted(judged.items()):
+        if len(ss) >= 2 * window:
+            first = _median(s.open_fds for s in ss[:window])
+            last = _median(s.open_fds for s in ss[-window:])
+            if last > first + fd_slack:
+                fd_grown.append(f"{name} {first:g} -> {last:g}")
+    checks.append(Check("fds_flat", not fd_grown, ", ".join(fd_grown) or "no growth"))
+    # Tasks and holdings: the idle baseline (t < 0) against the idle end (the last sample of each
+    # process, taken after the drain), same pid only (a restarted process starts afresh).
+    idle = {s.process: s for s in sorted(samples, key=lambda s: s.t_s) if s.t_s < 0}
+    end = {s.process: s for s in sorted(samples, key=lambda s: s.t_s)}
+    task_grown, held = [], []
+    for name, last in sorted(end.items()):
+        base = idle.get(name)
+        tasks = last.gauges.get("pdd_asyncio_tasks")
+        if base is not None and tasks is not None and base.pid == last.pid:
+            before = base.gauges.get("pdd_asyncio_tasks", 0.0)
+            if tasks > before + task_slack:
+                task_grown.append(f"{name} {before:g} -> {tasks:g}")
+        for gauge in ("requests_held", "pdd_fast_link_regions"):
+            if last.gauges.get(gauge, 0.0) > 0:
+                held.append(f"{name} {gauge}={last.gauges[gauge]:g}")
+    checks.append(Check("tasks_flat", not task_grown, ", ".join(task_grown) or "no growth"))
+    for instance, n in sorted((held_at_end or {}).items()):
+        if n:
+            held.append(f"{instance} holds {n} of the soak's requests")
+    checks.append(
+        Check("nothing_held", not held, ", ".join(held) or "no request, region or KV held")
+    )
+    return checks

@@ -1,0 +1,59 @@
+"""The soak's verdict (pure): each check fails on what it exists to catch."""
+
+from __future__ import annotations
+
+from pdd.bench.soak_samples import Sample, parse_metrics, verdict
+
+
+def _s(t, name, rss, fds=10, pid=1, **gauges):
+    return Sample(t, name, pid, rss, fds, gauges)
+
+
+def test_verdict_catches_growth_leaks_and_errors():
+    """The verdict's checks fail on what they exist to catch (and pass on a flat run)."""
+    flat = [_s(-1, "relay-0", 100, pdd_asyncio_tasks=5)]
+    flat += [_s(t, "relay-0", 100, pdd_asyncio_tasks=9) for t in range(0, 60, 5)]
+    flat += [_s(61, "relay-0", 100, pdd_asyncio_tasks=5)]
+    assert all(c.ok for c in verdict(flat, {"completed": 9, "cancelled": 1}, warmup_s=10))
+
+    grown = [_s(t, "relay-0", 100 + t, pdd_asyncio_tasks=5) for t in range(-1, 60, 5)]
+    by = {c.name: c for c in verdict(grown, {"completed": 9, "UNAVAILABLE": 2}, warmup_s=10)}
+    assert not by["rss_flat"].ok and "relay-0" in by["rss_flat"].detail
+    assert not by["errors"].ok and "UNAVAILABLE 2" in by["errors"].detail
+
+    leaky = [_s(t, "gw", 100, fds=10 + t, pdd_asyncio_tasks=5 + t) for t in range(-1, 60, 5)]
+    leaky.append(_s(62, "gw", 100, fds=80, requests_held=1, pdd_asyncio_tasks=80))
+    by = {c.name: c for c in verdict(leaky, {"completed": 1}, warmup_s=10)}
+    assert not by["fds_flat"].ok and not by["tasks_flat"].ok and not by["nothing_held"].ok
+
+    held = verdict(flat, {"completed": 1}, warmup_s=10, held_at_end={"main_decode-0": 2})
+    assert "main_decode-0 holds 2" in next(c for c in held if c.name == "nothing_held").detail
+
+
+def test_a_restarted_process_is_judged_from_its_own_warm_up():
+    """The relay restarted at 30 s (new pid, small RSS while it loads) is judged from when it
+    listened again plus the warm-up, on its new pid only."""
+    ss = [_s(t, "relay-0", 100, pid=1) for t in range(0, 30, 2)]
+    ss += [_s(t, "relay-0", 10 + 3 * (t - 30), pid=2) for t in range(30, 40, 2)]  # loading
+    ss += [_s(t, "relay-0", 100, pid=2) for t in range(40, 80, 2)]
+    by = {c.name: c for c in verdict(ss, {}, warmup_s=10, since={"relay-0": 38})}
+    assert by["rss_flat"].ok, by["rss_flat"].detail
+    by = {c.name: c for c in verdict(ss, {}, warmup_s=0, since={"relay-0": 30})}
+    assert not by["rss_flat"].ok
+
+
+def test_parse_metrics_sums_the_watched_gauges_over_labels():
+    text = """# HELP pdd_kv_blocks_used x
+pdd_kv_blocks_used{role="relay",instance_id="relay-0"} 12.0
+pdd_kv_blocks_used{role="relay",instance_id="relay-1"} 3.0
+pdd_asyncio_tasks 7.0
+pdd_engine_requests{role="relay",instance_id="relay-0",state="running"} 1.0
+pdd_engine_requests{role="relay",instance_id="relay-0",state="paused"} 2.0
+pdd_kv_blocks_total{role="relay",instance_id="relay-0"} 99.0
+garbage line
+"""
+    assert parse_metrics(text) == {
+        "pdd_kv_blocks_used": 15.0,
+        "pdd_asyncio_tasks": 7.0,
+        "requests_held": 3.0,
+    }
