@@ -3,13 +3,15 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (each
 streamed as server-sent events ending in ``data: [DONE]``, or whole),
 ``GET /v1/models``, ``GET /health`` (liveness), ``GET /ready`` (kvstore lists
-a prefill and a main_decode), ``GET /metrics`` (Prometheus).
+a prefill and a main_decode), ``GET /metrics`` (Prometheus), ``GET /openapi.json``
+(the API's OpenAPI 3.1 document, ``openapi``).
 
 Life of a request: the middleware picks the request_id (``X-Request-Id`` or
 a new one) and binds it for logs and for every gRPC hop → API key check for
-``/v1/*`` when keys are configured → the body (at most ``max_body_bytes``,
-else 413) is parsed and converted (``openai_convert``) → the same
-``Gateway.generate`` as gRPC runs it → text deltas (``text_stream``) → JSON.
+``/v1/*`` when keys are configured (a ``key:tenant`` key puts the request in its
+tenant's cache salt) → the body (at most ``max_body_bytes``, else 413) is parsed
+and converted (``openai_convert``) → the same ``Gateway.generate`` as gRPC runs
+it, within the request's ``timeout`` → text deltas (``text_stream``) → JSON.
 A streamed response starts only with its first token, so a request that fails
 before that still gets its proper status code; a failure after it is sent as
 an ``{"error": ...}`` event before ``[DONE]``. Every error, wherever raised,
@@ -37,6 +39,7 @@ from pdd.core.request import new_request_id
 from pdd.core.sampling_params import Logprob
 from pdd.http import openai_convert as conv
 from pdd.http import openai_responses as responses
+from pdd.http import openapi
 from pdd.http.config import HttpConfig
 from pdd.http.errors import ApiError, error_body, error_headers, http_error_for, is_expected
 from pdd.http.text_stream import Delta, End, choice_events
@@ -47,6 +50,8 @@ from pdd.wire.gateway import valid_id
 log = structlog.get_logger(__name__)
 
 REQUEST_ID = web.RequestKey("request_id", str)
+# The tenant of the request's API key (None: tenants are not configured)
+TENANT = web.RequestKey("tenant", object)
 _REQUIRED_ROLES = ("prefill", "main_decode")
 _SSE_HEADERS = {
     "Content-Type": "text/event-stream",
@@ -74,6 +79,7 @@ class OpenAIServer:
         self.gateway, self.info, self.decode, self.config = gateway, info, decode, config
         self.model = config.served_model_name or info.name
         self.created = int(time.time())
+        self._openapi = openapi.document(self.model)
         self.app = web.Application(
             middlewares=[self._middleware], client_max_size=config.max_body_bytes
         )
@@ -82,6 +88,7 @@ class OpenAIServer:
                 web.get("/health", self.health),
                 web.get("/ready", self.ready),
                 web.get("/metrics", self.metrics),
+                web.get("/openapi.json", self.openapi),
                 web.get("/v1/models", self.models),
                 web.get("/v1/models/{model}", self.model_card),
                 web.post("/v1/completions", self.completions),
@@ -176,6 +183,7 @@ class OpenAIServer:
         return resp
 
     def _authorize(self, request: web.Request) -> None:
+        request[TENANT] = None
         if not self.config.api_keys or not request.path.startswith("/v1/"):
             return
         scheme, _, key = request.headers.get("Authorization", "").partition(" ")
@@ -186,8 +194,12 @@ class OpenAIServer:
                 "No API key provided: send 'Authorization: Bearer <key>'.",
                 code="invalid_api_key",
             )
-        if not any(hmac.compare_digest(key.encode(), k.encode()) for k in self.config.api_keys):
+        # NOTE: every key compared, so the time taken does not say which one matched
+        matched = [k for k in self.config.keys if hmac.compare_digest(key.encode(), k.encode())]
+        if not matched:
             raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
+        if tenants := self.config.tenants:
+            request[TENANT] = tenants[matched[0]]
 
     async def _body(self, request: web.Request) -> dict[str, Any]:
         raw = await request.read()  # NOTE: raises 413 past client_max_size
@@ -196,6 +208,10 @@ class OpenAIServer:
         except ValueError as exc:
             raise ApiError(
                 400, f"The request body is not valid JSON: {exc}", code="invalid_json"
+            ) from None
+        except RecursionError:  # NOTE: found by fuzzing: [[[[...]]]] was a 500
+            raise ApiError(
+                400, "The request body is nested too deeply.", code="invalid_json"
             ) from None
         if not isinstance(body, dict):
             raise InvalidArgumentError("body", "must be a JSON object")
@@ -240,6 +256,10 @@ class OpenAIServer:
         resp.headers["Content-Type"] = CONTENT_TYPE_LATEST
         return resp
 
+    async def openapi(self, request: web.Request) -> web.Response:
+        """The API's OpenAPI document (no key needed: it says what the API takes, not more)."""
+        return _json(self._openapi)
+
     def _card(self) -> dict[str, Any]:
         return {
             "id": self.model,
@@ -269,14 +289,20 @@ class OpenAIServer:
 
     # ---- generation -----------------------------------------------------------------
     async def _generate(self, request: web.Request, convert) -> web.StreamResponse:
-        api = convert(await self._body(request), self.info, request[REQUEST_ID])
+        body = await self._body(request)
+        timeout_s = conv.request_timeout(body, request.headers.get(conv.TIMEOUT_HEADER, ""))
+        api = convert(body, self.info, request[REQUEST_ID])
+        if (tenant := request.get(TENANT)) is not None:
+            api = api.for_tenant(tenant)
         api = api.routed(
             *conv.route_overrides(
                 request.headers.get(conv.PIPELINE_HEADER, ""),
                 request.headers.get(conv.HANDOFF_HEADER, ""),
             )
         )
-        events = choice_events(self.gateway, api.choice_jobs(), self.decode, api.stop)
+        events = choice_events(
+            self.gateway, api.choice_jobs(), self.decode, api.stop, timeout_s=timeout_s
+        )
         async with contextlib.aclosing(events):
             if api.stream:
                 return await self._stream(request, api, events)
@@ -301,11 +327,15 @@ class OpenAIServer:
         return prompt
 
     @staticmethod
-    def _usage(api: conv.ApiRequest, ends: dict[int, End]) -> tuple[int, int]:
-        """(prompt tokens, once per prompt; completion tokens over every choice)."""
-        prompt = sum(ends[p * api.n].prompt_tokens for p in range(len(api.jobs)))
+    def _usage(api: conv.ApiRequest, ends: dict[int, End]) -> tuple[int, int, int | None]:
+        """(prompt tokens, once per prompt; completion tokens over every choice; the prompt tokens
+        served from cache, as the prompt tokens, None unless every prompt's count is known)."""
+        firsts = [ends[p * api.n] for p in range(len(api.jobs))]
+        prompt = sum(e.prompt_tokens for e in firsts)
         completion = sum(e.completion_tokens for e in ends.values()) if api.generate else 0
-        return prompt, completion
+        known = all(e.cached_tokens is not None for e in firsts)
+        cached = sum(e.cached_tokens or 0 for e in firsts) if known else None
+        return prompt, completion, cached
 
     def _choice(
         self,

@@ -20,6 +20,7 @@ echo, ...) are refused rather than silently ignored.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -42,6 +43,11 @@ MAX_N = 16  # choices per request: each is a whole generation
 MAX_PROMPTS = 256  # prompts in one completions batch: each runs as requests of its own
 # Operators' and tests' overrides of the router, as gRPC's force_pipeline / handoff_mode
 PIPELINE_HEADER, HANDOFF_HEADER = "X-PDD-Pipeline", "X-PDD-Handoff-Mode"
+# The request's deadline in seconds when the body has no ``timeout`` (a proxy's or a client's
+# that cannot add body fields). NOTE: openai-python's own ``timeout=`` stays in the client; the
+# ``x-stainless-read-timeout`` header it sends is a read (between-bytes) timeout, not a deadline.
+TIMEOUT_HEADER = "X-Request-Timeout"
+MAX_TIMEOUT_S = 24 * 3600.0
 
 
 @dataclass(frozen=True)
@@ -104,6 +110,11 @@ class ApiRequest:
         )
         return replace(self, jobs=jobs)
 
+    def for_tenant(self, tenant: str) -> ApiRequest:
+        """Every job's cache salt made its tenant's (``tenant_salt``)."""
+        jobs = tuple(replace(j, cache_salt=tenant_salt(tenant, j.cache_salt)) for j in self.jobs)
+        return replace(self, jobs=jobs)
+
     def choice_jobs(self) -> list[GenerateJob]:
         """One request life per choice, choice ``p * n + j`` for prompt ``p``: ``n`` requests with
         the same prompt (so the later ones find it in the prefix caches), ids
@@ -128,6 +139,15 @@ class ApiRequest:
         return jobs
 
 
+def tenant_salt(tenant: str, salt: str) -> str:
+    """The cache salt of a request of ``tenant`` that sent ``salt``: a digest of both, so a
+    client's salt partitions its own tenant's cache but can never name another tenant's (no
+    salt a client may send is another tenant's digest: every salt over HTTP is one)."""
+    # NOTE: length-prefixed, so ("a", "bc") and ("ab", "c") differ
+    digest = hashlib.sha256(f"{len(tenant)}:{tenant}:{salt}".encode()).hexdigest()
+    return f"tenant-{digest[:48]}"
+
+
 def route_overrides(pipeline: str, mode: str) -> tuple[Pipeline | None, HandoffMode | None]:
     """The router overrides named by the ``X-PDD-Pipeline`` / ``X-PDD-Handoff-Mode`` headers
     ("" = none), e.g. ``p-rld-md`` and ``catch-up``."""
@@ -144,7 +164,34 @@ def route_overrides(pipeline: str, mode: str) -> tuple[Pipeline | None, HandoffM
     return out[0], out[1]
 
 
+def request_timeout(body: dict, header: str) -> float | None:
+    """The request's deadline in seconds from now (None: none): the body's ``timeout`` (as
+    vLLM-style clients send it, e.g. openai-python's ``extra_body={"timeout": 30}``), else the
+    ``X-Request-Timeout`` header. Past it the request is cancelled at every stage (HTTP 504)."""
+    name, value = "timeout", body.get("timeout")
+    if value is None and header.strip():
+        name = TIMEOUT_HEADER
+        try:
+            value = float(header)
+        except ValueError:
+            raise InvalidArgumentError(
+                name, f"must be a number of seconds, got {header!r}"
+            ) from None
+    if value is None:
+        return None
+    # NOTE: written so that NaN fails too
+    if not (_is_number(value) and 0 < value <= MAX_TIMEOUT_S):
+        raise InvalidArgumentError(
+            name, f"must be a number of seconds in (0, {MAX_TIMEOUT_S:g}], got {value!r}"
+        )
+    return float(value)
+
+
 # ---- type checks ------------------------------------------------------------------
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 

@@ -12,12 +12,19 @@ from pdd.core.sampling_params import Logprob
 from pdd.http.openai_convert import CHAT, ApiRequest
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
+def usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None
+) -> dict[str, Any]:
+    """OpenAI's usage; ``cached_tokens`` (None: unknown, left out) are the prompt tokens served
+    from a prefix cache, as ``prompt_tokens_details.cached_tokens``."""
+    out: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
 
 
 def _envelope(r: ApiRequest, chunk: bool) -> dict[str, Any]:
@@ -135,7 +142,11 @@ class Choice:
 
 
 def response_body(
-    r: ApiRequest, choices: Sequence[Choice], prompt_tokens: int, completion_tokens: int
+    r: ApiRequest,
+    choices: Sequence[Choice],
+    prompt_tokens: int,
+    completion_tokens: int,
+    cached_tokens: int | None = None,
 ) -> dict[str, Any]:
     """The whole (non-streamed) response; ``choices`` in index order, usage over all of them."""
     return {
@@ -153,7 +164,7 @@ def response_body(
             )
             for i, c in enumerate(choices)
         ],
-        "usage": usage(prompt_tokens, completion_tokens),
+        "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
     }
 
 
@@ -178,9 +189,15 @@ def chunk_body(
     return out
 
 
-def usage_chunk(r: ApiRequest, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+def usage_chunk(
+    r: ApiRequest, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None
+) -> dict[str, Any]:
     """The last chunk when ``stream_options.include_usage``: no choices, the usage."""
-    return {**_envelope(r, True), "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
+    return {
+        **_envelope(r, True),
+        "choices": [],
+        "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
+    }
 
 
 def finish_reason(reason: str | None) -> str:

@@ -8,11 +8,14 @@ hook sees how the call really ended (an exception, a cancellation, or none).
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
+
+from pdd.core.errors import InvalidArgumentError
 
 # The hook: entered before the servicer runs, exited with whatever ended the call.
 Around = Callable[[grpc.aio.ServicerContext], AbstractAsyncContextManager[None]]
@@ -50,3 +53,81 @@ def _stream(behavior: Callable[..., Any], around: Around) -> Callable[..., Any]:
                 yield item
 
     return wrapped
+
+
+class _Undecodable:
+    """What a request that is not a valid message deserializes to (grpc's deserializer must not
+    raise: its error would reach the client as UNKNOWN, outside any interceptor)."""
+
+    def __init__(self, deserializer: Callable[[bytes], Any], error: Exception) -> None:
+        kind = getattr(deserializer, "__self__", None)
+        self.name = getattr(getattr(kind, "DESCRIPTOR", None), "full_name", "the request message")
+        self.error = error
+
+    def raise_(self) -> None:
+        raise InvalidArgumentError("request", f"is not a valid {self.name}: {self.error}")
+
+
+def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except (DecodeError, ValueError, RuntimeError) as exc:  # NOTE: RuntimeError: recursion
+            return _Undecodable(deserializer, exc)
+
+    return deserialize
+
+
+async def _checked_stream(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async for request in requests:
+        if isinstance(request, _Undecodable):
+            request.raise_()
+        yield request
+
+
+def decode_checked(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """``handler`` whose requests that do not parse raise ``InvalidArgumentError`` ("request:
+    is not a valid <message>") inside the servicer's call, where the interceptor that wraps it
+    maps it to INVALID_ARGUMENT, instead of grpc answering UNKNOWN."""
+    kw = dict(
+        request_deserializer=_tolerant(handler.request_deserializer),
+        response_serializer=handler.response_serializer,
+    )
+
+    def unary_request(request: Any) -> Any:
+        if isinstance(request, _Undecodable):
+            request.raise_()
+        return request
+
+    if handler.unary_unary:
+        behavior = handler.unary_unary
+
+        async def uu(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            return await behavior(unary_request(request), context)
+
+        return grpc.unary_unary_rpc_method_handler(uu, **kw)
+    if handler.unary_stream:
+        stream_behavior = handler.unary_stream
+
+        async def us(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            async for item in stream_behavior(unary_request(request), context):
+                yield item
+
+        return grpc.unary_stream_rpc_method_handler(us, **kw)
+    if handler.stream_unary:
+        su_behavior = handler.stream_unary
+
+        async def su(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+            return await su_behavior(_checked_stream(requests), context)
+
+        return grpc.stream_unary_rpc_method_handler(su, **kw)
+    ss_behavior = handler.stream_stream
+
+    async def ss(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+        async for item in ss_behavior(_checked_stream(requests), context):
+            yield item
+
+    return grpc.stream_stream_rpc_method_handler(ss, **kw)

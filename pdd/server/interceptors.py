@@ -6,7 +6,8 @@ The interceptor wraps each method handler so that, for the life of one call:
   call — and of the calls it makes onwards, which forward the id — can be
   followed across services;
 - a domain error raised by the servicer becomes the status code and message
-  chosen by ``pdd.server.errors`` (errors in one place).
+  chosen by ``pdd.server.errors`` (errors in one place), as does a request
+  whose bytes do not parse (``handlers.decode_checked``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import grpc
 import structlog
 
 from pdd.server.errors import is_domain_error, status_for
-from pdd.server.handlers import wrap_handler
+from pdd.server.handlers import decode_checked, wrap_handler
 
 REQUEST_ID_KEY = "x-request-id"
 log = structlog.get_logger(__name__)
@@ -71,7 +72,9 @@ class ContextInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return handler
         method = handler_call_details.method
-        return wrap_handler(handler, lambda context: _call_context(context, method))
+        # NOTE: decode_checked inside the call context, so a request that does not parse is
+        # mapped like any domain error (INVALID_ARGUMENT naming "request"), not grpc's UNKNOWN.
+        return wrap_handler(decode_checked(handler), lambda context: _call_context(context, method))
 
 
 def outgoing_metadata() -> tuple[tuple[str, str], ...]:

@@ -59,7 +59,7 @@ class ScriptedGateway:
         self.fail_ids = fail_ids  # which requests ``fail_before`` hits (None: every one)
         self.jobs, self.ends = [], []
 
-    async def generate(self, job, ending=None):
+    async def generate(self, job, ending=None, deadline_s=None):
         self.jobs.append(job)
         end = "cancelled"
         text = self.texts.get(job.request_id, self.text)

@@ -39,7 +39,7 @@ class EchoGateway:
     def __init__(self) -> None:
         self.jobs = []
 
-    async def generate(self, job, ending=None):
+    async def generate(self, job, ending=None, deadline_s=None):
         self.jobs.append(job)
         sp, prompt = job.sampling, job.prompt_token_ids
         output = list(reversed(prompt))[: sp.max_tokens]
