@@ -5,7 +5,7 @@ pdd generate  stream a completion from a running gateway
 pdd demo      the main job: stack + agentic trace in three modes + report
 pdd chaos     inject real faults into a stack and tabulate what the clients saw
 pdd bench     benchmarks: [run] one serving mode, compare, sim, calibrate, link, engine, burst,
-              index
+              index, clusters (two remote clusters: hit-only vs link-aware router), served
 pdd plan      size a deployment's pools for the best benefit-cost ratio (the simulator)
 pdd trace     traces: gen (agentic), mooncake (map a Mooncake trace)
 
@@ -32,7 +32,7 @@ from pathlib import Path
 
 from pdd.core.errors import PddError
 from pdd.server.flags import add_client_tls_flags
-from pdd.testbed.stack import LinkSettings, Stack, StackConfig
+from pdd.testbed.stack import CLUSTER_FORM, ClusterSpec, LinkSettings, Stack, StackConfig
 
 # How long `pdd up` waits for the gateway's /ready (every role registered) before its last lines.
 READY_TIMEOUT_S = 60.0
@@ -49,6 +49,23 @@ def _add_stack_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--wan-mbps", type=float, default=0.0, help="WAN bandwidth, 0 = unlimited")
     p.add_argument("--wan-delay-ms", type=float, default=0.0, help="WAN one-way delay")
     p.add_argument("--wan-jitter-ms", type=float, default=0.0, help="WAN jitter")
+    p.add_argument(
+        "--cluster",
+        dest="clusters",
+        action="append",
+        type=_cluster,
+        default=[],
+        metavar=CLUSTER_FORM.upper().replace("_", "-"),
+        help="a remote cluster of MainDecodes behind its own WAN link, e.g. slow:50:40:1 "
+        "(repeatable; replaces --main-decode and --wan-*)",
+    )
+    p.add_argument(
+        "--cluster-file",
+        type=Path,
+        default=None,
+        help='the same as JSON: [{"name": "fast", "mbps": 1000, "delay_ms": 5, '
+        '"main_decodes": 2, "jitter_ms": 0}, ...]',
+    )
     p.add_argument(
         "--log-dir", type=Path, default=Path("pdd-logs"), help="one log file per service"
     )
@@ -67,7 +84,43 @@ def _add_stack_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _cluster(text: str) -> ClusterSpec:
+    try:
+        return ClusterSpec.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _clusters_of_file(path: Path) -> tuple[ClusterSpec, ...]:
+    """``--cluster-file``: a JSON list of clusters; a mistake is a ValueError naming the file."""
+    try:
+        rows = json.loads(path.read_text())
+        if not isinstance(rows, list):
+            raise ValueError("expected a JSON list of clusters")
+        return tuple(
+            ClusterSpec(
+                row["name"],
+                LinkSettings(
+                    float(row.get("mbps", 0)),
+                    float(row.get("delay_ms", 0)),
+                    float(row.get("jitter_ms", 0)),
+                ),
+                row.get("main_decodes", 1),
+            )
+            for row in rows
+        )
+    except KeyError as exc:
+        raise ValueError(f"--cluster-file {path}: a cluster without {exc}") from None
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise ValueError(f"--cluster-file {path}: {exc}") from None
+
+
 def _stack_config(args: argparse.Namespace, **over) -> StackConfig:
+    clusters = tuple(getattr(args, "clusters", ()))
+    if getattr(args, "cluster_file", None) is not None:
+        clusters += _clusters_of_file(args.cluster_file)
+    if clusters:
+        over = {"clusters": clusters, **over}
     return StackConfig(
         model=args.model,
         redis_url=args.redis_url,
@@ -106,6 +159,9 @@ def cmd_up(args: argparse.Namespace) -> int:
                 f"metrics {stack.metrics[p.name]:<22}" if p.name in stack.metrics else " " * 30
             )
             print(f"{p.name:<12} {p.address:<22} {metrics} log {p.log_path}")
+        print()
+        for line in cluster_lines(stack):
+            print(line)
         print(flush=True)
         for line in next_steps(stack, args, done):
             print(line)
@@ -121,6 +177,19 @@ def cmd_up(args: argparse.Namespace) -> int:
     finally:
         codes = stack.stop()
         print("stopped:", ", ".join(f"{k}={v}" for k, v in codes.items()))
+
+
+def cluster_lines(stack: Stack) -> list[str]:
+    """One line per remote cluster: its link(s), their settings and its MainDecodes."""
+    out = []
+    for cluster in stack.config.remote_clusters:
+        mds = [n for n, c in stack.cluster_of.items() if c == cluster.name]
+        links = list(dict.fromkeys(stack.link_of[n] for n in mds))
+        out.append(
+            f"cluster {cluster.name:<12} link {', '.join(links)} ({cluster.describe()}"
+            f"{', one each' if len(links) > 1 else ''}): {', '.join(mds)}"
+        )
+    return out
 
 
 def _program() -> str:
@@ -274,7 +343,9 @@ BENCH = {
     "engine": "pdd.bench.engine_bench",
     "burst": "pdd.bench.burst",
     "index": "pdd.bench.index_bench",
+    "served": "pdd.bench.served",
     "soak": "pdd.bench.soak",
+    "clusters": "pdd.bench.clusters",
 }
 TRACE = {"gen": "pdd.bench.trace", "mooncake": "pdd.bench.mooncake"}
 
@@ -437,7 +508,7 @@ def _dispatch(argv: list[str]) -> int:
     sub.add_parser(
         "bench",
         help="[run] --trace F --mode M --out R | compare | sim | calibrate | link | engine | burst "
-        "| index | soak",
+        "| index | served | clusters | soak",
     )
     sub.add_parser("plan", help="size the pools for the best benefit-cost (the simulator)")
     sub.add_parser("trace", help="gen | mooncake")

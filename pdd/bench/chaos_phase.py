@@ -138,7 +138,7 @@ class FaultPhase:
             assert self.stack.redis is not None
             self.stack.redis.send_signal(signal.SIGKILL)
         elif self.fault == "wan_partition":
-            link = self.stack.by_name("wan-" + victim.rpartition("-")[2])
+            link = self.stack.by_name(self.stack.link_of[victim])
             self.victim = link.name
             self.say(f"  {self.fault}: SIGSTOP {link.name} with {len(self._live(0))} in flight")
             link.proc.send_signal(signal.SIGSTOP)

@@ -30,6 +30,7 @@ from pathlib import Path
 from pdd.testbed.stack import LinkSettings, StackConfig
 
 MODES = ("idc-pd", "cdc-pd", "pdd")
+ENGINES = ("pdd", "vllm")  # pdd.engine.protocol.EngineKind's values
 
 # Random-weight Llama: 256 hidden, 4 layers, 2 KV heads × 64 → 4 KiB of fp32 KV per token;
 # a decode step of a few ms on one CPU thread (measured by ``calibrate.idle_step_ms``).
@@ -77,6 +78,9 @@ class Testbed:
     stream_lead_ms: float | None = None
     # Main and remote cluster on separate CPUs (``pinning``), as on separate hardware.
     pin_clusters: bool = True
+    # The engine of prefill, relay and MainDecode: ours, or vLLM in each service (pdd[vllm]; the
+    # services run on this Python, so vLLM must import here: ``runner.testbed_from`` checks).
+    engine: str = "pdd"
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -108,6 +112,8 @@ class Testbed:
             raise ValueError("wan_delay_ms: delay and jitter must be >= 0")
         if not 0.0 <= self.hit_threshold <= 1.0:
             raise ValueError(f"hit_threshold: must be in [0, 1], got {self.hit_threshold}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine: must be one of {ENGINES}, got {self.engine!r}")
 
 
 def check_mode(mode: str) -> str:
@@ -136,6 +142,27 @@ def link_record(mode: str, testbed: Testbed) -> dict:
         "jitter_ms": wan.jitter_ms,
         "relays": relays(mode),
         "model": testbed.model,
+        # NOTE: only when not ours, so the records of runs on our engine keep their shape.
+        **({"engine": testbed.engine} if testbed.engine != "pdd" else {}),
+    }
+
+
+def clusters_record(config: StackConfig, testbed: Testbed) -> dict:
+    """A RESULT's ``link`` for a stack of several remote clusters: each one's link and size."""
+    return {
+        "clusters": [
+            {
+                "name": c.name,
+                "mbps": c.link.mbps,
+                "delay_ms": c.link.delay_ms,
+                "jitter_ms": c.link.jitter_ms,
+                "main_decodes": c.main_decodes,
+            }
+            for c in config.remote_clusters
+        ],
+        "relays": config.relay,
+        "model": testbed.model,
+        **({"engine": testbed.engine} if testbed.engine != "pdd" else {}),
     }
 
 
@@ -156,6 +183,8 @@ def stack_config(
         str(testbed.kv_cache_mb),
         "--threads",
         str(testbed.threads),
+        "--engine",
+        testbed.engine,
     )
     gateway = (
         "--hit-threshold",

@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import os
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -44,7 +45,7 @@ from pdd.gen.gateway.v1 import gateway_service_pb2_grpc as pb_grpc
 from pdd.server.flags import add_client_tls_flags, auto_or_ms, client_tls_config
 from pdd.server.tls import TlsConfig, open_channel
 from pdd.serving.model_info import load_model_info
-from pdd.testbed.stack import Stack, check_model
+from pdd.testbed.stack import Stack, StackConfig, check_model
 
 # Per-request SLO at testbed scale, on the report's TTFT (our TTFDT) only, as its SLA:
 # 10 s there is ~2.8 whole-context prefills (64K tokens at ~18K tokens/s); a whole
@@ -212,8 +213,16 @@ def run_mode(
     redis_url: str = "",
     slo: str = DEFAULT_SLO,
     load: Mapping | None = None,
+    config: StackConfig | None = None,
+    before_stop: Callable[[Stack], None] | None = None,
 ) -> ModeOutcome:
-    """Replay ``trace`` in ``mode``; ``load`` holds further ``LoadConfig`` fields (rps, max_requests, ...)."""
+    """Replay ``trace`` in ``mode``; ``load`` holds further ``LoadConfig`` fields (rps, max_requests, ...).
+
+    ``config``: the stack to start instead of the mode's own (``modes.stack_config``), e.g. one of
+    several remote clusters (``pdd.bench.clusters``); ``mode`` still says the pipelines it warms
+    up and forces. ``before_stop``: called with the stack once the trace ran, before it stops
+    (to scrape its /metrics).
+    """
     modes.check_mode(mode)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -222,7 +231,8 @@ def run_mode(
     if not gateway:
         log_dir = log_dir or out.with_name(out.stem + "-logs")
         stack = Stack(
-            modes.stack_config(
+            config
+            or modes.stack_config(
                 mode,
                 testbed,
                 log_dir=log_dir,
@@ -252,10 +262,17 @@ def run_mode(
         finally:
             if placed and own_mask:
                 pinning.pin(os.getpid(), own_mask)
+        if before_stop is not None and stack is not None:
+            before_stop(stack)
     finally:
         if stack is not None:
             codes = stack.stop()
-    link = modes.link_record(mode, testbed) if stack is not None else {"gateway": gateway}
+    if stack is None:
+        link = {"gateway": gateway}
+    elif config is not None:
+        link = modes.clusters_record(config, testbed)
+    else:
+        link = modes.link_record(mode, testbed)
     result = metrics.build_result(
         mode, run.records, run.duration_s, slo=slo_map, link=link, cpu=cpu
     )
@@ -335,6 +352,12 @@ def add_testbed_flags(p: argparse.ArgumentParser) -> None:
         help="relay's playout lead so the switch shows no stall: auto (learned) | ms | 0 = none",
     )
     g.add_argument(
+        "--engine",
+        choices=modes.ENGINES,
+        default=d.engine,
+        help="the engine of prefill, relay and MainDecode (vllm: pip install 'pdd[vllm]')",
+    )
+    g.add_argument(
         "--no-pin",
         dest="pin_clusters",
         action="store_false",
@@ -347,6 +370,12 @@ def testbed_from(a: argparse.Namespace) -> modes.Testbed:
     names = set(asdict(modes.Testbed()))
     testbed = modes.Testbed(**{k: v for k, v in vars(a).items() if k in names})
     check_model(testbed.model)  # NOTE: here, before any trace is made or any stack started
+    if testbed.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        # NOTE: the stack's services run on this Python: each would fail its start alone.
+        raise ValueError(
+            f"engine: vllm is not importable by {sys.executable} (pip install 'pdd[vllm]', or "
+            "run the vLLM venv's pdd: make vllm-venv, then .venv-vllm/bin/pdd bench ...)"
+        )
     return testbed
 
 

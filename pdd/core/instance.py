@@ -9,6 +9,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from pdd.core.link_state import LinkState
+
 
 class Role(enum.Enum):
     PREFILL = "prefill"
@@ -38,6 +40,12 @@ class InstanceLoad:
     waiting_requests: int = 0
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
+    # Prefill only: the measured state of each WAN link it pushes over, one per remote cluster.
+    links: tuple[LinkState, ...] = ()
+
+    def link(self, cluster: str) -> LinkState | None:
+        """The state of the link to ``cluster``, if this instance reported one."""
+        return next((lk for lk in self.links if lk.cluster == cluster), None)
 
 
 @dataclass(frozen=True)

@@ -15,3 +15,8 @@ class ModelInfo:
     chat_template: str = ""
     # text → token ids; None when the model has no tokenizer (random test models).
     encode: Callable[[str], list[int]] | None = None
+    # KV values one token holds: layers × kv heads × head dim × 2 (K and V); 0: unknown. With
+    # the bytes of one value on the WAN, the link-aware router sizes a prompt's KV delta.
+    kv_values_per_token: int = 0
+    # Bytes of one value in the checkpoint's dtype (the engines' default KV dtype).
+    kv_value_bytes: int = 4

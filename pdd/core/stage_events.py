@@ -28,6 +28,13 @@ class PrefillJob:
     main_decode_cached_tokens: int
     relay: InstanceRef | None = None
 
+    @property
+    def main_decode_cluster(self) -> str:
+        """The remote cluster of the chosen MainDecode: prefill's WAN stream pool and link
+        meter are per inter-cluster link, not per MainDecode. NOTE: carried on the wire in
+        ``main_decode.cluster`` (``InstanceRef``), so it has no field of its own."""
+        return self.main_decode.cluster
+
 
 @dataclass(frozen=True)
 class RelayJob:

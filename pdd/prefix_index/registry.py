@@ -18,6 +18,7 @@ written on its own. ``list`` reads the records with one MGET (per slot on a clus
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import time
@@ -26,6 +27,7 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
 from pdd.core.instance import Instance, InstanceLoad, InstanceRef, Role
+from pdd.core.link_state import LinkState
 
 
 def _now_ms() -> int:
@@ -42,7 +44,7 @@ def _encode(inst: Instance) -> str:
             "cluster": ref.cluster,
             "block_size": inst.block_size,
             "model": inst.model,
-            "load": vars(inst.load),
+            "load": dataclasses.asdict(inst.load),  # NOTE: links as a list of dicts
             "last_heartbeat_ms": inst.last_heartbeat_ms,
         }
     )
@@ -51,9 +53,10 @@ def _encode(inst: Instance) -> str:
 def _decode(raw: bytes | str) -> Instance:
     d = json.loads(raw)
     ref = InstanceRef(d["instance_id"], d["address"], Role(d["role"]), d["cluster"])
-    return Instance(
-        ref, d["block_size"], d["model"], InstanceLoad(**d["load"]), d["last_heartbeat_ms"]
-    )
+    load = dict(d["load"])
+    # NOTE: a record written before links were reported has none.
+    load["links"] = tuple(LinkState(**lk) for lk in load.get("links", ()))
+    return Instance(ref, d["block_size"], d["model"], InstanceLoad(**load), d["last_heartbeat_ms"])
 
 
 # NOTE: a record changes only at a heartbeat, and every prediction reads all of them: decoded

@@ -94,10 +94,13 @@ class Admission:
     """The admission of one engine role. ``limits``: the bounds, read on first use (the engine's
     pool is known only once it is built); the role's event loop is its only caller."""
 
-    def __init__(self, role: str, limits: Callable[[], Limits]) -> None:
+    def __init__(self, role: str, limits: Callable[[], Limits], *, fixed: bool = True) -> None:
+        """``fixed``: read ``limits`` once (an engine's pool); else at every admission (the
+        gateway's adaptive bound)."""
         self.role = role
         self._limits_of = limits
         self._limits: Limits | None = None
+        self._fixed = fixed
         self.admitted = 0
         self.reserved_tokens = 0
         self._refusing = False
@@ -120,7 +123,7 @@ class Admission:
 
     @property
     def limits(self) -> Limits:
-        if self._limits is None:
+        if self._limits is None or not self._fixed:
             self._limits = self._limits_of()
         return self._limits
 

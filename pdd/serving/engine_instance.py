@@ -13,6 +13,7 @@ import asyncio
 import os
 import re
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +22,7 @@ import torch
 
 from pdd.core.cache_event import CacheEvent
 from pdd.core.instance import Instance, InstanceLoad, InstanceRef
+from pdd.core.link_state import LinkState
 from pdd.core.stage_events import CacheReport
 from pdd.engine.config import EngineConfig
 from pdd.engine.engine import Engine
@@ -94,6 +96,9 @@ class EngineInstance:
         self.runner: EngineLoop | None = None
         self.membership: Membership | None = None
         self._kvstore_channel = None  # opened by register(), closed by stop()
+        # The WAN links' states reported with the load (prefill sets its meters':
+        # ``pdd.kv.link_meter``); none for the other roles.
+        self.link_states: Callable[[], tuple[LinkState, ...]] = tuple
 
     async def start(self) -> None:
         cfg = self.config
@@ -172,7 +177,11 @@ class EngineInstance:
         used, total = eng.kv_usage()
         running, _, _ = eng.request_counts()
         return InstanceLoad(
-            running_requests=running, waiting_requests=0, kv_blocks_used=used, kv_blocks_total=total
+            running_requests=running,
+            waiting_requests=0,
+            kv_blocks_used=used,
+            kv_blocks_total=total,
+            links=self.link_states(),
         )
 
     async def describe(self, token_ids: list[int], salt: str, request_id: str) -> CacheReport:

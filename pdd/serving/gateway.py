@@ -39,20 +39,22 @@ import contextlib
 import random
 import sys
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
 import structlog
 
-from pdd.core.errors import PeerError, UnavailableError
-from pdd.core.instance import Instance
+from pdd.core.errors import PeerError, ResourceExhaustedError, UnavailableError
+from pdd.core.instance import Instance, Role
 from pdd.core.pipeline import Pipeline, Stage
 from pdd.core.request import Ending, FinalEvent, GenerateJob, TokenEvent
 from pdd.core.stage_events import Accepted, DecodeJob, FirstToken, PrefillJob, RelayJob
-from pdd.routing.policy import NoInstanceError, Route, RoutingConfig, route
+from pdd.routing.policy import NoInstanceError, Route, RouteReason, RoutingConfig, route
 from pdd.server.tls import TlsConfig
 from pdd.serving.admission import DEFAULT_MAX_IN_FLIGHT, Admission, Limits
 from pdd.serving.channels import Channels
+from pdd.serving.concurrency_limit import GradientConfig, GradientLimit
 from pdd.serving.gateway_peers import REQUEST_DEADLINE, GrpcPeers, Peers
 from pdd.serving.gateway_recovery import Recovery, is_refusal
 from pdd.serving.gateway_run import (
@@ -75,7 +77,7 @@ from pdd.serving.gateway_run import (
     wait_accepted,
 )
 from pdd.serving.instance_view import InstanceView
-from pdd.telemetry.metrics import RequestTracker
+from pdd.telemetry.metrics import RELAY_FULL, RequestTracker
 from pdd.wire.call import EventStream
 
 log = structlog.get_logger(__name__)
@@ -96,13 +98,19 @@ class Gateway(Recovery):
         eos_token_ids: tuple[int, ...] | None = None,
         kv_deadline_s: float = 0.0,
         max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+        adaptive_in_flight: bool = False,
+        kv_bytes_per_token: int = 0,
     ) -> None:
         """``peers``: where the kvstore, prefill, relay and MainDecode clients come from; by
         default gRPC clients on channels with ``tls`` (then required). ``index_timeout_s``: the
         deadline of each kvstore call, past which the request is routed without the index.
         ``eos_token_ids``: the model's (None: unknown), so that a request whose MainDecode dies
         after the client has its last token can be finished here (``_ended``).
-        ``max_in_flight``: requests generated at once; beyond, RESOURCE_EXHAUSTED at once."""
+        ``max_in_flight``: requests generated at once; beyond, RESOURCE_EXHAUSTED at once.
+        ``adaptive_in_flight``: the bound follows the latency the stack adds when it queues
+        (``concurrency_limit``), ``max_in_flight`` its ceiling.
+        ``kv_bytes_per_token``: KV bytes one prompt token takes on the WAN (the model's shape ×
+        the wire dtype), for the link-aware router's transfer estimate; 0: unknown (θ rule)."""
         self.routing = routing
         self.rng = rng or random.Random()
         self.stage_timeout_s = stage_timeout_s
@@ -117,10 +125,33 @@ class Gateway(Recovery):
         # is re-routed through the relay (a partitioned or stalled WAN); 0: never.
         self.kv_deadline_s = kv_deadline_s
         self.eos_token_ids = eos_token_ids
+        if kv_bytes_per_token < 0:
+            raise ValueError(f"kv_bytes_per_token: must be >= 0, got {kv_bytes_per_token}")
+        self.kv_bytes_per_token = kv_bytes_per_token
+        # Requests this gateway has sent through each relay and not yet seen leave it: the
+        # guarded relay's load between two of its heartbeats (request id → relay id).
+        self._relay_holds: dict[str, str] = {}
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight: must be >= 1, got {max_in_flight}")
-        # NOTE: the gateway reserves no KV: only the request count is bounded.
-        self.admission = Admission("gateway", lambda: Limits(max_in_flight, sys.maxsize))
+        # NOTE: the gateway reserves no KV: only the request count is bounded — by the adaptive
+        # limit under the max_in_flight ceiling, or by max_in_flight alone.
+        self.limiter = (
+            GradientLimit(
+                GradientConfig(
+                    initial=min(32, max_in_flight),
+                    min_limit=min(4, max_in_flight),
+                    max_limit=max_in_flight,
+                )
+            )
+            if adaptive_in_flight
+            else None
+        )
+        limiter = self.limiter
+        self.admission = Admission(
+            "gateway",
+            lambda: Limits(limiter.limit if limiter else max_in_flight, sys.maxsize),
+            fixed=limiter is None,
+        )
         if peers is None:
             if tls is None:
                 raise ValueError("tls: required unless the gateway is given its peers")
@@ -145,15 +176,36 @@ class Gateway(Recovery):
         try:
             return route(
                 len(job.prompt_token_ids),
-                [h.instance for h in hits],
+                self._with_relay_holds([h.instance for h in hits]),
                 cached,
                 self.rng,
                 self.routing,
                 force_pipeline=job.force_pipeline,
                 force_handoff=job.handoff_mode,
+                kv_bytes_per_token=self.kv_bytes_per_token,
             )
         except NoInstanceError as exc:
             raise UnavailableError(str(exc)) from None
+
+    def _with_relay_holds(self, instances: list[Instance]) -> list[Instance]:
+        """Each relay's load as at least the requests this gateway holds on it.
+
+        NOTE: a relay reports its load once per heartbeat (seconds); a burst routed between
+        two would all see it idle and overrun ``relay_max_requests``. What the gateway itself
+        sent there and has not seen leave is a lower bound it knows at once.
+        """
+        held = Counter(self._relay_holds.values())
+        out = []
+        for inst in instances:
+            mine = held.get(inst.ref.instance_id, 0)
+            if inst.ref.role is Role.RELAY and mine > inst.load.running_requests:
+                inst = replace(inst, load=replace(inst.load, running_requests=mine))
+            out.append(inst)
+        return out
+
+    def _release_relay(self, request_id: str) -> None:
+        """The request left its relay (handed off, finished, refused) or ended."""
+        self._relay_holds.pop(request_id, None)
 
     async def generate(
         self, job: GenerateJob, ending: Ending | None = None, *, deadline_s: float | None = None
@@ -162,7 +214,13 @@ class Gateway(Recovery):
         ``ending`` before closing the stream; otherwise a stream closed early counts as cancelled.
         ``deadline_s``: the client's time left (its gRPC deadline), which bounds every stage call
         (with ``stage_timeout_s``)."""
-        ticket = self.admission.admit(job.request_id, 0)  # NOTE: before any work
+        try:
+            ticket = self.admission.admit(job.request_id, 0)  # NOTE: before any work
+        except ResourceExhaustedError:
+            if self.limiter is not None:
+                self.limiter.refused()
+            raise
+        admitted_at = time.perf_counter()
         if deadline_s is not None:
             REQUEST_DEADLINE.set(time.monotonic() + deadline_s)
         tracker = RequestTracker()
@@ -172,12 +230,20 @@ class Gateway(Recovery):
             async with contextlib.aclosing(self._generate(job, tracker)) as events:
                 async for event in events:
                     if isinstance(event, TokenEvent):
+                        if event.start_position == 0 and self.limiter is not None:
+                            self.limiter.sample(
+                                time.perf_counter() - admitted_at, self.admission.admitted
+                            )
                         tracker.tokens(len(event.token_ids), event.stage.value)
                     else:
                         tracker.finished(event.finish_reason)
                         final = True
                     yield event
-        except Exception:
+        except Exception as exc:
+            if self.limiter is not None and (
+                isinstance(exc, ResourceExhaustedError) or is_refusal(exc)
+            ):
+                self.limiter.refused()  # NOTE: every stage of a role refused: overloaded too
             tracker.failed()
             raise
         finally:
@@ -195,21 +261,30 @@ class Gateway(Recovery):
             # NOTE: every engine must draw from the same seed, or a handoff changes the sample.
             sampling = replace(sampling, seed=self.rng.getrandbits(63))
         plan = await self.choose_route(job)
+        if plan.relay is not None:
+            self._relay_holds[job.request_id] = plan.relay.ref.instance_id
         run = Run(job, sampling, plan, stats_for(job, plan), t0)
         tracker.routed(plan.pipeline.value, len(job.prompt_token_ids))
+        if plan.reason is RouteReason.RELAY_FULL:
+            RELAY_FULL.inc()
+        est = plan.estimated_transfer_s
         log.info(
             "routed",
             pipeline=plan.pipeline.value,
+            reason=plan.reason.value,
             predicted_hit=round(plan.predicted_hit_rate, 4),
+            estimated_transfer_ms=None if est is None else round(est * 1000, 2),
             prefill=run.stats.prefill_instance,
             relay=run.stats.relay_instance,
             main_decode=run.stats.main_decode_instance,
+            main_decode_cluster=plan.main_decode.ref.cluster,
         )
         try:
             await self._start(run)
             async for event in self._merged(run):
                 yield event
         finally:
+            self._release_relay(job.request_id)
             stop_calls(run)
 
     async def _start(self, run: Run) -> None:
@@ -257,6 +332,7 @@ class Gateway(Recovery):
         """The relay failed before accepting: the request goes P-MD on the same MainDecode, its
         call reopened as P-MD (so MainDecode starts from prefill's first token, not a handoff)."""
         log.warning("relay_refused_p_md", relay=run.stats.relay_instance, error=str(error)[:200])
+        self._release_relay(run.job.request_id)
         stop_calls(run)
         run.plan = replace(run.plan, pipeline=Pipeline.P_MD, relay=None, handoff_mode=None)
         stats = run.stats
@@ -356,6 +432,7 @@ class Gateway(Recovery):
                 case StageEnded(stage=stage, stream=stream) if run.current(stage, stream):
                     del run.streaming[stage]
                     if stage is Stage.RELAY:
+                        self._release_relay(run.job.request_id)
                         await self._relay_ended(run)
                 case StageFailed(stage=stage, error=error, stream=stream) if run.current(
                     stage, stream

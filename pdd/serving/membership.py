@@ -2,7 +2,8 @@
 
 Life: ``start()`` registers the instance with kvstore (resetting its old
 index entries — a restarted instance holds no KV) → a background task
-heartbeats every ttl/3 with the current load, re-registering and
+heartbeats every ttl/3 with the current load (prefill's includes its WAN links' measured
+state, ``InstanceLoad.links``: the router reads it), re-registering and
 republishing its whole cache if the lease had lapsed, or once a batch of cache events could
 not be delivered (a gap in what kvstore saw) → cache events from the
 engine are queued by ``publish`` and sent in order, batched, by a second

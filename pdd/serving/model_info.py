@@ -54,5 +54,16 @@ def load_model_info(spec: str) -> tuple[ModelInfo, Decode]:
         eos_token_ids=tuple(config.eos_token_ids),
         chat_template=template,
         encode=encode,
+        kv_values_per_token=kv_values_per_token(config),
+        kv_value_bytes=_ITEMSIZE.get(config.torch_dtype, 4),
     )
     return info, decode
+
+
+# NOTE: by name: the gateway never loads torch (pdd.engine.model_config names its dtypes too).
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def kv_values_per_token(config: ModelConfig) -> int:
+    """KV values one token holds: layers × kv heads × head dim × 2 (K and V)."""
+    return config.num_layers * config.num_kv_heads * config.head_dim * 2

@@ -12,7 +12,11 @@ Life of a request (one ``prefill`` generator per request, opened by the gateway)
      DRC lacks — over the WAN as a resumable ``PushKv`` stream, waiting for a
      slot of the link's bounded stream pool; both pushes start before the
      prompt is computed and are fed as each chunk of it is (``Computed``
-     items on the request's queue);
+     items on the request's queue). A WAN link is one per remote cluster
+     (``job.main_decode_cluster``): its pools (one per lane) and its meter
+     (``pdd.kv.link_meter``: throughput, bytes queued and in flight, RTT by
+     a periodic health check to the cluster's MainDecode, health) are keyed
+     by cluster, and its ``LinkState`` goes out with every load report;
   4. the request's KV is released as soon as it is exported (its prompt
      blocks stay in the radix cache for the next turn), and ``TransferDone``
      reports bytes and times.
@@ -31,6 +35,7 @@ from typing import Protocol
 import structlog
 
 from pdd.core.errors import FailedPreconditionError, InvalidArgumentError
+from pdd.core.link_state import LinkState
 from pdd.core.pipeline import Pipeline
 from pdd.core.stage_events import FirstToken, PrefillJob, TransferDone
 from pdd.engine.engine import StepOutput
@@ -42,6 +47,7 @@ from pdd.kv.fast_link.shm import ShmSenderBackend
 from pdd.kv.fast_link.state import TransferState, Transport
 from pdd.kv.fast_link.tcp import TcpSenderBackend
 from pdd.kv.layout import KvDtype
+from pdd.kv.link_meter import LinkMeterConfig, LinkMeters
 from pdd.kv.source import StreamedSource
 from pdd.kv.stream_pool import StreamPool
 from pdd.kv.transfer import DEFAULT_CHUNK_BYTES, Compression, TransferHeader
@@ -50,9 +56,11 @@ from pdd.serving.admission import Admission, AdmissionConfig
 from pdd.serving.channels import Channels
 from pdd.serving.engine_instance import EngineInstance
 from pdd.serving.kv_bridge import export_tokens, range_header, wire_bytes
+from pdd.serving.link_prober import LinkProbe, LinkProber
 from pdd.serving.mailbox import Computed, StepFailed
 from pdd.telemetry import metrics
 from pdd.wire.kv_clients import FastLinkClient, KvPushClient
+from pdd.wire.link_probe import LinkProbeClient
 
 log = structlog.get_logger(__name__)
 
@@ -69,10 +77,26 @@ class PrefillConfig:
     fast_link: str = "auto"
     # Whether the relay shares this host (enables the shared-memory transport).
     relay_same_host: bool = True
+    # Seconds between two RTT probes of each WAN link.
+    link_probe_interval_s: float = 1.0
+    # A probe unanswered this long marks its link unhealthy (until one is answered).
+    link_probe_deadline_s: float = 2.0
+    # Consecutive failed pushes after which a link is unhealthy.
+    link_max_failures: int = 3
 
     def __post_init__(self) -> None:
         if self.wan_streams < 1:
             raise ValueError(f"wan_streams: must be >= 1, got {self.wan_streams}")
+        if self.link_probe_interval_s <= 0:
+            raise ValueError(
+                f"link_probe_interval_s: must be positive, got {self.link_probe_interval_s}"
+            )
+        if self.link_probe_deadline_s <= 0:
+            raise ValueError(
+                f"link_probe_deadline_s: must be positive, got {self.link_probe_deadline_s}"
+            )
+        if self.link_max_failures < 1:
+            raise ValueError(f"link_max_failures: must be >= 1, got {self.link_max_failures}")
         if self.wan_chunk_bytes < 1024:
             raise ValueError(f"wan_chunk_bytes: must be >= 1024, got {self.wan_chunk_bytes}")
 
@@ -105,10 +129,12 @@ class RelayPeer(Protocol):
 
 @dataclass(frozen=True)
 class PrefillPeers:
-    """How prefill reaches its peers: MainDecode by (address, lane), the relay by address."""
+    """How prefill reaches its peers: MainDecode by (address, lane), the relay by address; the
+    WAN links' RTT probe by MainDecode address (None: links are not probed)."""
 
     main_decode: Callable[[str, str], MainDecodePeer]
     relay: Callable[[str], RelayPeer]
+    probe: Callable[[str], LinkProbe] | None = None
 
     @classmethod
     def over(cls, channels: Channels) -> PrefillPeers:
@@ -116,6 +142,9 @@ class PrefillPeers:
         return cls(
             lambda address, lane: KvPushClient(channels.get(address, lane)),
             lambda address: FastLinkClient(channels.get(address)),
+            # NOTE: a lane of its own: the probe crosses the link's shared bandwidth, but never
+            # waits behind megabytes of KV already in a push's connection.
+            lambda address: LinkProbeClient(channels.get(address, "probe")),
         )
 
 
@@ -128,7 +157,10 @@ class _Link:
     def __init__(self, header: TransferHeader) -> None:
         self.header = header
         self._pieces: asyncio.Queue = asyncio.Queue()
-        self.source = StreamedSource(header.total_bytes, self._drain())
+        # NOTE: the generator holds the queue only, never this link: a generator → link →
+        # source → generator cycle kept every request's whole KV buffer alive until a full
+        # garbage collection (what `pdd bench soak` saw as prefill's resident memory creeping).
+        self.source = StreamedSource(header.total_bytes, _drain(self._pieces, header.total_bytes))
 
     def feed(self, kv_token_major, start: int) -> None:
         """Tokens ``[start, start + len(kv))`` were computed; queue the part inside this range."""
@@ -136,9 +168,14 @@ class _Link:
         if lo < kv_token_major.shape[0]:
             self._pieces.put_nowait(wire_bytes(kv_token_major[lo:], self.header.layout))
 
-    async def _drain(self):
-        while True:
-            yield await self._pieces.get()
+
+async def _drain(pieces: asyncio.Queue, total_bytes: int):
+    """The queued pieces, in order, until ``total_bytes`` went out (then it ends)."""
+    sent = 0
+    while sent < total_bytes:
+        piece = await pieces.get()
+        sent += memoryview(piece).nbytes
+        yield piece
 
 
 @dataclass(frozen=True)
@@ -169,14 +206,41 @@ class Prefill:
         self.instance = instance
         self.peers = peers
         self.config = config
-        self._pools: dict[str, StreamPool] = {}
+        self._pools: dict[tuple[str, str], StreamPool] = {}
         self._active: set[str] = set()
+        self.links = LinkMeters(LinkMeterConfig(max_failures=config.link_max_failures))
+        self.prober = (
+            None
+            if peers.probe is None
+            else LinkProber(
+                self.links,
+                peers.probe,
+                interval_s=config.link_probe_interval_s,
+                deadline_s=config.link_probe_deadline_s,
+            )
+        )
+        # NOTE: the links' states go out with every load report (membership's heartbeat).
+        instance.link_states = self.link_states
         self.transports = offered_transports(config.fast_link, config.relay_same_host)
         self.admission = Admission.for_engine("prefill", admission, lambda: self.engine)
 
     @property
     def runner(self):
         return self.instance.runner
+
+    def link_states(self) -> tuple[LinkState, ...]:
+        """Each WAN link's measured state (one per remote cluster pushed to), gauges updated."""
+        states = self.links.states()
+        for st in states:
+            metrics.LINK_THROUGHPUT.labels(st.cluster).set(st.throughput_bps)
+            metrics.LINK_QUEUED.labels(st.cluster).set(st.queued_bytes)
+            metrics.LINK_RTT.labels(st.cluster).set(st.rtt_s)
+        return states
+
+    async def close(self) -> None:
+        """Stop probing the links."""
+        if self.prober is not None:
+            await self.prober.close()
 
     @property
     def engine(self) -> EngineBackend:
@@ -353,21 +417,26 @@ class Prefill:
 
     # --- the two links ------------------------------------------------------------------------
 
-    def _pool(self, address: str, lane: str) -> StreamPool:
-        pool = self._pools.get(f"{address}#{lane}")
+    def _pool(self, cluster: str, lane: str) -> StreamPool:
+        # NOTE: per (cluster, lane), not per MainDecode: the report's connection pool bounds the
+        # pushes over one inter-cluster link, whichever of its MainDecodes they go to.
+        pool = self._pools.get((cluster, lane))
         if pool is None:
-            pool = self._pools[f"{address}#{lane}"] = StreamPool(self.config.wan_streams)
+            pool = self._pools[cluster, lane] = StreamPool(self.config.wan_streams)
             metrics.LIVE.watch_pool(pool)
         return pool
 
     async def _push_wan(self, job: PrefillJob, link: _Link, first: asyncio.Future) -> PushReport:
         header = link.header
-        address = job.main_decode.address
+        address, cluster = job.main_decode.address, job.main_decode_cluster
         # NOTE: P-MD deltas are small and on the user's critical path (MainDecode decodes every
         # token); P-RLD-MD deltas are bulk that the relay hides. Separate lanes, separate pools.
         lane = "urgent" if job.pipeline is Pipeline.P_MD else "bulk"
-        pusher = self.peers.main_decode(address, lane).kv_pusher(self._pool(address, lane))
-        report = await pusher.push(header, link.source, output_token_ids=first)
+        pusher = self.peers.main_decode(address, lane).kv_pusher(self._pool(cluster, lane))
+        if self.prober is not None:
+            self.prober.target(cluster, address)
+        with self.links.meter(cluster).push(header.total_bytes) as metered:
+            report = await pusher.push(header, metered.source(link.source), output_token_ids=first)
         metrics.WAN_BYTES.labels("sent").inc(report.wire_bytes)
         metrics.WAN_TRANSFER.labels("sent").observe(report.elapsed_s)
         metrics.WAN_QUEUE.observe(report.queue_wait_s)

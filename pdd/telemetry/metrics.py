@@ -8,9 +8,11 @@ cache queries/hits in tokens), prefixed ``pdd_``.
 
 Who records what:
   gateway      requests by pipeline and outcome, TTFT/ITL/E2E, tokens by the
-               stage that produced them (→ RLD token share), in-flight, HTTP codes
+               stage that produced them (→ RLD token share), in-flight, HTTP codes,
+               requests kept off a full relay
   prefill      prefix-cache queries/hits, WAN bytes sent + transfer and queue
-               times, fast-link bytes, WAN stream-pool occupancy
+               times, fast-link bytes, WAN stream-pool occupancy, each WAN link's
+               measured state (throughput, queued bytes, RTT) by remote cluster
   relay        handoffs by mode, handoff time (gateway: handoffs it drove for a lost relay)
   main_decode  prefix-cache (DRC) queries/hits, WAN bytes received + transfer time
   P/RLD/MD     KV pool usage and engine queue lengths, read at scrape time
@@ -75,6 +77,11 @@ INDEX_FALLBACK = Counter(
     "Requests routed without kvstore's predicted hits (index unreachable or emptied): from the "
     "gateway's last known instances, every predicted hit 0",
 )
+RELAY_FULL = Counter(
+    "pdd_router_relay_full",
+    "Requests the router would have sent through a relay (P-RLD-MD) but sent P-MD because every "
+    "relay was full (the guarded relay: --relay-max-requests, --relay-max-kv-usage)",
+)
 HTTP_REQUESTS = Counter(
     "pdd_http_requests",
     "OpenAI-compatible HTTP requests by route and status code",
@@ -107,6 +114,22 @@ ASYNCIO_TASKS = Gauge(
 )
 FAST_LINK_REGIONS = Gauge(
     "pdd_fast_link_regions", "Fast-link regions the relay holds reserved (not yet freed)"
+)
+LINK_THROUGHPUT = Gauge(
+    "pdd_link_throughput_bytes_per_second",
+    "KV bytes per second of push time recently achieved on the WAN link to a remote cluster "
+    "(0 = not measured yet)",
+    ["cluster"],
+)
+LINK_QUEUED = Gauge(
+    "pdd_link_queued_bytes",
+    "KV bytes waiting for a slot of the WAN link's stream pool, by remote cluster",
+    ["cluster"],
+)
+LINK_RTT = Gauge(
+    "pdd_link_rtt_seconds",
+    "Round trip over the WAN link to a remote cluster (a tiny call through the same path)",
+    ["cluster"],
 )
 FAST_LINK_BYTES = Counter(
     "pdd_fast_link_kv_bytes", "KV bytes over the fast link (prefill → relay)", ["transport"]

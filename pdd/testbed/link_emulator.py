@@ -11,6 +11,12 @@ stall windows; ``link_shaper``) → held for the one-way delay (+ jitter) →
 written to the other socket, in order. Both directions are shaped
 independently with the same config (a symmetric, full-duplex link).
 
+Many routes, one link: ``LinkEmulator(config, routes=[Route(listen, upstream), ...])`` listens on
+each route's address and forwards it to that route's upstream, every connection of every route
+through the same two ``LinkDirection`` s — one bandwidth bucket and one delay, as one WAN link to a
+remote cluster carries all of its MainDecodes. ``stats()`` counts the whole link,
+``route_stats()`` each route.
+
 Faults: ``stall_every_s``/``stall_ms`` open periodic windows in which nothing
 is admitted (what TCP makes of a loss burst: a stall); ``reset_connections()``
 drops every connection at once (RST to both ends) to test resumption.
@@ -22,7 +28,7 @@ import asyncio
 import random
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import structlog
@@ -95,6 +101,35 @@ class LinkStats:
     down_mbps: float
 
 
+@dataclass(frozen=True)
+class Route:
+    """One listen address forwarded to one upstream, over the emulator's shared link."""
+
+    # host:port to listen on; port 0 picks a free one (``LinkEmulator.addresses`` tells which).
+    listen: str
+    # host:port every accepted connection is forwarded to.
+    upstream: str
+
+    def __post_init__(self) -> None:
+        for name in ("listen", "upstream"):
+            _host_port(name, getattr(self, name))
+
+    @classmethod
+    def parse(cls, text: str) -> Route:
+        """``LISTEN=UPSTREAM`` (both host:port), as ``--route`` takes it."""
+        listen, sep, upstream = text.partition("=")
+        if not sep:
+            raise ValueError(f"route: expected LISTEN=UPSTREAM (host:port each), got {text!r}")
+        return cls(listen.strip(), upstream.strip())
+
+
+def _host_port(name: str, text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"{name}: expected host:port, got {text!r}")
+    return host, int(port)
+
+
 class _Counter:
     def __init__(self) -> None:
         self.bytes = 0
@@ -117,10 +152,12 @@ class _Connection:
     def __init__(
         self,
         emulator: LinkEmulator,
+        route: _RouteState,
         client: tuple[asyncio.StreamReader, asyncio.StreamWriter],
         upstream: tuple[asyncio.StreamReader, asyncio.StreamWriter],
     ) -> None:
         self.em = emulator
+        self.route = route
         self.client, self.upstream = client, upstream
         cfg = emulator.config
         self.up = Flow(emulator.up, max(cfg.max_pending_bytes, 4 * cfg.quantum))
@@ -128,7 +165,7 @@ class _Connection:
         self.tasks: list[asyncio.Task[None]] = []
 
     async def run(self) -> None:
-        em = self.em
+        em, route = self.em, self.route
         em.up.add(self.up)
         em.down.add(self.down)
         self.tasks = [
@@ -136,8 +173,8 @@ class _Connection:
             for c in (
                 self._pump(self.client[0], self.up),
                 self._pump(self.upstream[0], self.down),
-                self._deliver(self.up, self.upstream[1], lambda: em.counter_up),
-                self._deliver(self.down, self.client[1], lambda: em.counter_down),
+                self._deliver(self.up, self.upstream[1], lambda: (em.counter_up, route.up)),
+                self._deliver(self.down, self.client[1], lambda: (em.counter_down, route.down)),
             )
         ]
         try:
@@ -169,7 +206,7 @@ class _Connection:
 
     @staticmethod
     async def _deliver(
-        flow: Flow, writer: asyncio.StreamWriter, counter: Callable[[], _Counter]
+        flow: Flow, writer: asyncio.StreamWriter, counters: Callable[[], tuple[_Counter, ...]]
     ) -> None:
         loop = asyncio.get_running_loop()
         while True:
@@ -186,24 +223,63 @@ class _Connection:
                     writer.write_eof()
                 return
             writer.write(data)
-            counter().add(len(data))
+            for counter in counters():
+                counter.add(len(data))
             await writer.drain()
 
 
+class _RouteState:
+    """A route's listening socket and its own counters (the link's are the emulator's)."""
+
+    def __init__(self, route: Route) -> None:
+        self.route = route
+        self.listen = _host_port("listen", route.listen)
+        self.upstream = _host_port("upstream", route.upstream)
+        self.server: asyncio.Server | None = None
+        self.port = 0
+        self.connections_total = 0
+        self.connections: set[_Connection] = set()
+        self.up, self.down = _Counter(), _Counter()
+
+    @property
+    def address(self) -> str:
+        return f"{self.listen[0]}:{self.port or self.listen[1]}"
+
+    def stats(self) -> LinkStats:
+        return LinkStats(
+            self.up.bytes,
+            self.down.bytes,
+            self.connections_total,
+            len(self.connections),
+            self.up.mbps,
+            self.down.mbps,
+        )
+
+
 class LinkEmulator:
+    """One emulated link: ``upstream`` (listening on ``host:port``) and/or ``routes``.
+
+    NOTE: every route shares the link's two directions (bandwidth, delay, jitter, stalls): two
+    routes sending at once each get about half of ``mbps``, as two connections of one route do.
+    """
+
     def __init__(
-        self, config: LinkConfig, upstream: str, *, host: str = "127.0.0.1", port: int = 0
+        self,
+        config: LinkConfig,
+        upstream: str = "",
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        routes: Sequence[Route] = (),
     ) -> None:
-        up_host, sep, up_port = upstream.rpartition(":")
-        if not sep or not up_port.isdigit():
-            raise ValueError(f"upstream: expected host:port, got {upstream!r}")
+        all_routes = [Route(f"{host}:{port}", upstream)] if upstream else []
+        all_routes += routes
+        if not all_routes:
+            raise ValueError("upstream: expected host:port (or at least one route)")
         self.config = config
-        self._upstream = (up_host, int(up_port))
-        self._listen = (host, port)
-        self._server: asyncio.Server | None = None
+        self._routes = [_RouteState(r) for r in all_routes]
         self._connections: set[_Connection] = set()
         self._tasks: set[asyncio.Task[None]] = set()
-        self.connections_total = 0
         self.counter_up, self.counter_down = _Counter(), _Counter()
         cfg, rng = config, random.Random(config.seed)
         self.up, self.down = (
@@ -219,22 +295,46 @@ class LinkEmulator:
             )
             for _ in range(2)
         )
-        self.port = 0
+
+    @property
+    def connections_total(self) -> int:
+        return sum(r.connections_total for r in self._routes)
+
+    @property
+    def port(self) -> int:
+        """The first route's bound port (0 before ``start()``)."""
+        return self._routes[0].port
 
     @property
     def address(self) -> str:
-        return f"{self._listen[0]}:{self.port}"
+        """host:port of the first route (the only one of the single-upstream form)."""
+        return self._routes[0].address
+
+    @property
+    def addresses(self) -> list[str]:
+        """host:port to connect to instead of each route's upstream, in the routes' order."""
+        return [r.address for r in self._routes]
+
+    @property
+    def routes(self) -> list[Route]:
+        return [r.route for r in self._routes]
 
     async def start(self) -> str:
-        """Start listening; returns ``host:port`` to connect to instead of the upstream."""
+        """Start listening on every route; returns the first one's ``host:port``."""
         for direction in (self.up, self.down):
             self._spawn(direction.run())
-        self._server = await asyncio.start_server(self._accept, *self._listen)
-        self.port = self._server.sockets[0].getsockname()[1]
+        try:
+            for r in self._routes:
+                r.server = await asyncio.start_server(
+                    lambda reader, writer, r=r: self._accept(r, reader, writer), *r.listen
+                )
+                r.port = r.server.sockets[0].getsockname()[1]
+        except BaseException:
+            await self.stop()
+            raise
         log.info(
             "link_emulator_started",
-            listen=self.address,
-            upstream=f"{self._upstream[0]}:{self._upstream[1]}",
+            routes=[f"{r.address}={r.route.upstream}" for r in self._routes],
             mbps=self.config.mbps,
             delay_ms=self.config.delay_ms,
             jitter_ms=self.config.jitter_ms,
@@ -242,15 +342,17 @@ class LinkEmulator:
         return self.address
 
     async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
+        for r in self._routes:
+            if r.server is not None:
+                r.server.close()
         self.reset_connections()
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._server is not None:
-            await self._server.wait_closed()
-            self._server = None
+        for r in self._routes:
+            if r.server is not None:
+                await r.server.wait_closed()
+                r.server = None
 
     async def __aenter__(self) -> LinkEmulator:
         await self.start()
@@ -269,8 +371,11 @@ class LinkEmulator:
     def reset_counters(self) -> None:
         """Start a new measurement window for ``stats()``'s bytes and throughput."""
         self.counter_up, self.counter_down = _Counter(), _Counter()
+        for r in self._routes:
+            r.up, r.down = _Counter(), _Counter()
 
     def stats(self) -> LinkStats:
+        """The whole link: every route together."""
         return LinkStats(
             self.counter_up.bytes,
             self.counter_down.bytes,
@@ -280,28 +385,38 @@ class LinkEmulator:
             self.counter_down.mbps,
         )
 
+    def route_stats(self) -> dict[str, LinkStats]:
+        """Each route's own share of ``stats()``, by its upstream (host:port)."""
+        return {r.route.upstream: r.stats() for r in self._routes}
+
     def _spawn(self, coro) -> None:  # noqa: ANN001
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.connections_total += 1
+    async def _accept(
+        self, route: _RouteState, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        route.connections_total += 1
         try:
-            upstream = await asyncio.open_connection(*self._upstream)
+            upstream = await asyncio.open_connection(*route.upstream)
         except OSError as e:
-            log.warning("link_emulator_upstream_unreachable", error=str(e))
+            log.warning(
+                "link_emulator_upstream_unreachable", upstream=route.route.upstream, error=str(e)
+            )
             writer.transport.abort()
             return
         for w in (writer, upstream[1]):
             sock = w.get_extra_info("socket")
             if sock is not None:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        conn = _Connection(self, (reader, writer), upstream)
+        conn = _Connection(self, route, (reader, writer), upstream)
         self._connections.add(conn)
+        route.connections.add(conn)
         try:
             await conn.run()
         except asyncio.CancelledError:
             pass
         finally:
             self._connections.discard(conn)
+            route.connections.discard(conn)

@@ -4,15 +4,26 @@ Life of ``pdd up``: Redis (an embedded real server unless a URL is given) →
 kvstore → main_decode instances, each behind a WAN link emulator (so every
 byte to the "remote" cluster crosses the emulated link) → prefill and relay
 instances → gateway (with the OpenAI-compatible HTTP API when ``http_port``
-is set). Each prints where it listens; every service but the WAN emulators
-serves Prometheus ``/metrics`` on its own port (``metrics``); ``stop()``
-sends SIGTERM to all, in reverse order. With ``restart="on-failure"`` a
+is set). Each prints where it listens; every service but the default shape's
+WAN emulators serves Prometheus ``/metrics`` on its own port (``metrics``); ``stop()``
+sends SIGTERM to all, in reverse order.
+
+Many remote clusters (``StackConfig.clusters``): each ``ClusterSpec`` is one remote cluster of
+``main_decodes`` MainDecodes (``main_decode-<cluster>-<i>``, registered with ``--cluster NAME``)
+behind ONE emulated link, ``wan-<cluster>``: a single ``services.wan_link`` process with a route
+per MainDecode, so they share the cluster's bandwidth and delay as they share prefill's stream
+pool to it; it serves ``/metrics`` (bytes per route). Without clusters the stack has today's
+shape: one cluster "remote" of ``main_decode`` instances (``main_decode-<i>``), each behind its
+own ``wan-<i>`` with ``wan``'s settings.
+
+With ``restart="on-failure"`` a
 supervisor thread (``pdd.testbed.supervisor``) restarts a service that dies,
 on the address it had, with backoff.
 """
 
 from __future__ import annotations
 
+import re
 import socket
 import subprocess
 import threading
@@ -62,8 +73,9 @@ class LinkSettings:
 
     def __post_init__(self) -> None:
         for name in ("mbps", "delay_ms", "jitter_ms"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if not value >= 0:  # NOTE: NaN too
+                raise ValueError(f"{name}: must be >= 0, got {value}")
 
     @property
     def shaped(self) -> bool:
@@ -80,6 +92,52 @@ class LinkSettings:
         ]
 
 
+# A Kubernetes-style DNS label: names a cluster in instance ids, process names and deploy files.
+_DNS_LABEL = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
+CLUSTER_FORM = "name:mbps:delay_ms:main_decodes"
+# The one remote cluster of a stack given no clusters (what every MainDecode registered with).
+DEFAULT_CLUSTER = "remote"
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """One remote cluster: its MainDecodes behind one WAN link of their own."""
+
+    name: str
+    link: LinkSettings = field(default_factory=LinkSettings)
+    main_decodes: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _DNS_LABEL.fullmatch(self.name):
+            raise ValueError(
+                f"name: a cluster is named by a DNS label (a-z, 0-9, '-', at most 63), "
+                f"got {self.name!r}"
+            )
+        if not isinstance(self.main_decodes, int) or self.main_decodes < 1:
+            raise ValueError(f"main_decodes: at least 1 per cluster, got {self.main_decodes!r}")
+
+    @classmethod
+    def parse(cls, text: str) -> ClusterSpec:
+        """``name:mbps:delay_ms:main_decodes`` (``pdd up --cluster``); ValueError names the part."""
+        parts = text.split(":")
+        if len(parts) != 4:
+            raise ValueError(f"expected {CLUSTER_FORM}, got {text!r}")
+        name, mbps, delay_ms, count = parts
+        try:
+            link = LinkSettings(float(mbps), float(delay_ms))
+        except ValueError as exc:
+            raise ValueError(f"{text!r}: mbps and delay_ms must be numbers >= 0 ({exc})") from None
+        if not count.isdigit():
+            raise ValueError(f"{text!r}: main_decodes must be a whole number, got {count!r}")
+        return cls(name, link, int(count))
+
+    def describe(self) -> str:
+        """``1000 Mbit/s, 5 ms one-way``: the link as ``pdd up`` prints it."""
+        rate = f"{self.link.mbps:g} Mbit/s" if self.link.mbps else "unlimited"
+        jitter = f" +{self.link.jitter_ms:g} ms jitter" if self.link.jitter_ms else ""
+        return f"{rate}, {self.link.delay_ms:g} ms one-way{jitter}"
+
+
 @dataclass(frozen=True)
 class StackConfig:
     model: str = "smollm2"
@@ -94,6 +152,10 @@ class StackConfig:
     relay: int = 1
     main_decode: int = 1
     wan: LinkSettings = field(default_factory=LinkSettings)
+    # Remote clusters, each its MainDecodes behind one link of its own. () = today's shape: one
+    # cluster "remote" of ``main_decode`` instances, each behind a ``wan`` link (with clusters,
+    # those two stay at their defaults).
+    clusters: tuple[ClusterSpec, ...] = ()
     # Extra flags for every engine-bearing service (e.g. ["--block-size", "8"]).
     engine_flags: tuple[str, ...] = ()
     # Extra flags for MainDecode only, after engine_flags (e.g. a smaller step budget for its ITL).
@@ -106,6 +168,8 @@ class StackConfig:
     # "on-failure": a service (or the embedded Redis) that exits non-zero is restarted with
     # backoff on its old address; "no": it stays dead (the e2e tests that kill one on purpose).
     restart: str = "no"
+    # How long each service may take to print PDD_LISTENING (a loaded host loads models slowly).
+    start_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         if self.restart not in RESTART_POLICIES:
@@ -122,7 +186,24 @@ class StackConfig:
             raise ValueError(
                 f"redis_url: expected redis://, rediss:// or unix://, got {self.redis_url!r}"
             )
+        if not self.start_timeout_s > 0:
+            raise ValueError(f"start_timeout_s: must be > 0, got {self.start_timeout_s}")
+        if self.clusters:
+            names = [c.name for c in self.clusters]
+            dup = sorted({n for n in names if names.count(n) > 1})
+            if dup:
+                raise ValueError(f"clusters: names must be unique, {', '.join(dup)} repeated")
+            if self.main_decode != 1 or self.wan != LinkSettings():
+                raise ValueError(
+                    "clusters: each cluster sets its own link and MainDecodes; "
+                    "leave main_decode and wan at their defaults"
+                )
         check_model(self.model)
+
+    @property
+    def remote_clusters(self) -> tuple[ClusterSpec, ...]:
+        """Every remote cluster, the default shape's one "remote" included."""
+        return self.clusters or (ClusterSpec(DEFAULT_CLUSTER, self.wan, self.main_decode),)
 
 
 def _print_now(line: str) -> None:
@@ -141,6 +222,11 @@ class Stack:
         self.metrics: dict[str, str] = {}
         self._supervisor: threading.Thread | None = None
         self._stopping = threading.Event()
+        # MainDecode name → its cluster, and → the name of the WAN emulator in front of it.
+        self.cluster_of: dict[str, str] = {}
+        self.link_of: dict[str, str] = {}
+        # MainDecode name → the address it advertises (its route through its cluster's link).
+        self.advertised: dict[str, str] = {}
 
     def by_name(self, name: str) -> Process:
         return next(p for p in self.processes if p.name == name)
@@ -163,6 +249,7 @@ class Stack:
         return ["--metrics-port", str(port)]
 
     def _start(self, name: str, module: str, args: list[str]) -> Process:
+        # NOTE: a cluster's link asks for its /metrics itself (a plain TCP proxy: no TLS there).
         if module != "services.wan_link":
             args = [*args, *self._metrics_flags(name)]
         p = start_module(
@@ -171,6 +258,7 @@ class Stack:
             [*args, "--log-format", "json"],
             env=dict(self.config.env),
             log_dir=self.config.log_dir,
+            timeout=self.config.start_timeout_s,
         )
         self.processes.append(p)
         return p
@@ -196,38 +284,11 @@ class Stack:
                 cfg.model,
                 *cfg.engine_flags,
             ]
-            for i in range(cfg.main_decode):
-                name = f"main_decode-{i}"
-                md_port = free_port()
-                # NOTE: everyone reaches MainDecode through the WAN emulator, so MainDecode
-                # advertises the emulator's address, not its own.
-                link = self._start(
-                    f"wan-{i}",
-                    "services.wan_link",
-                    [
-                        "--listen",
-                        "127.0.0.1:0",
-                        "--upstream",
-                        f"127.0.0.1:{md_port}",
-                        *cfg.wan.flags(),
-                    ],
-                )
-                self._start(
-                    name,
-                    "services.main_decode",
-                    [
-                        *common,
-                        *cfg.main_decode_flags,
-                        "--port",
-                        str(md_port),
-                        "--instance-id",
-                        name,
-                        "--cluster",
-                        "remote",
-                        "--advertise-address",
-                        link.address,
-                    ],
-                )
+            if cfg.clusters:
+                for cluster in cfg.clusters:
+                    self._start_cluster(cluster, common)
+            else:
+                self._start_default_remote(common)
             for i in range(cfg.prefill):
                 self._start(
                     f"prefill-{i}", "services.prefill", [*common, "--instance-id", f"prefill-{i}"]
@@ -257,6 +318,65 @@ class Stack:
         if cfg.restart == "on-failure":
             self.supervise_in_background()
         return self
+
+    def _start_main_decode(
+        self, name: str, cluster: str, port: int, advertise: str, common: list[str]
+    ) -> None:
+        self.cluster_of[name] = cluster
+        self.advertised[name] = advertise
+        self._start(
+            name,
+            "services.main_decode",
+            [
+                *common,
+                *self.config.main_decode_flags,
+                "--port",
+                str(port),
+                "--instance-id",
+                name,
+                "--cluster",
+                cluster,
+                "--advertise-address",
+                advertise,
+            ],
+        )
+
+    def _start_default_remote(self, common: list[str]) -> None:
+        """Today's shape: cluster "remote", each MainDecode behind its own ``wan-<i>``."""
+        cfg = self.config
+        for i in range(cfg.main_decode):
+            name = f"main_decode-{i}"
+            md_port = free_port()
+            # NOTE: everyone reaches MainDecode through the WAN emulator, so MainDecode
+            # advertises the emulator's address, not its own.
+            link = self._start(
+                f"wan-{i}",
+                "services.wan_link",
+                ["--listen", "127.0.0.1:0", "--upstream", f"127.0.0.1:{md_port}", *cfg.wan.flags()],
+            )
+            self.link_of[name] = link.name
+            self._start_main_decode(name, DEFAULT_CLUSTER, md_port, link.address, common)
+
+    def _start_cluster(self, cluster: ClusterSpec, common: list[str]) -> None:
+        """One remote cluster: ONE link (``wan-<cluster>``, a route per MainDecode), then them."""
+        names = [f"main_decode-{cluster.name}-{i}" for i in range(cluster.main_decodes)]
+        md_ports = [free_port() for _ in names]
+        # NOTE: listen ports are chosen here (not 0): one process has many routes but prints
+        # one PDD_LISTENING line, and a restart must find every route where it was.
+        listens = [f"127.0.0.1:{free_port()}" for _ in names]
+        routes = [
+            f
+            for listen, port in zip(listens, md_ports, strict=True)
+            for f in ("--route", f"{listen}=127.0.0.1:{port}")
+        ]
+        link = self._start(
+            f"wan-{cluster.name}",
+            "services.wan_link",
+            [*routes, *cluster.link.flags(), *self._metrics_flags(f"wan-{cluster.name}")],
+        )
+        for name, port, listen in zip(names, md_ports, listens, strict=True):
+            self.link_of[name] = link.name
+            self._start_main_decode(name, cluster.name, port, listen, common)
 
     def supervise_in_background(self, say: Callable[[str], None] | None = None) -> None:
         """Restart what dies until ``stop()`` (a daemon thread; ``pdd up`` prints its lines)."""
@@ -317,6 +437,9 @@ class Stack:
         codes = {p.name: p.stop() for p in reversed(self.processes)}
         self.processes.clear()
         self.metrics.clear()
+        self.cluster_of.clear()
+        self.link_of.clear()
+        self.advertised.clear()
         if self.redis is not None:
             self.redis.terminate()
             self.redis.wait(timeout=10)

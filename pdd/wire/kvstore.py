@@ -5,6 +5,7 @@ from __future__ import annotations
 from pdd.core.cache_event import CacheEvent
 from pdd.core.errors import InvalidArgumentError
 from pdd.core.instance import Instance, InstanceLoad
+from pdd.core.link_state import LinkState
 from pdd.gen.kvstore.v1 import kvstore_service_pb2 as pb
 from pdd.prefix_index.store import Hit
 from pdd.wire.common import instance_ref_from_pb, instance_ref_to_pb, role_from_pb
@@ -17,13 +18,43 @@ _KIND_TO_PB = {
 _KIND_FROM_PB = {v: k for k, v in _KIND_TO_PB.items()}
 
 
+def link_to_pb(link: LinkState) -> pb.LinkState:
+    return pb.LinkState(**vars(link))
+
+
+def link_from_pb(msg: pb.LinkState, field: str = "link") -> LinkState:
+    try:
+        return LinkState(
+            msg.cluster,
+            msg.throughput_bps,
+            msg.queued_bytes,
+            msg.in_flight_bytes,
+            msg.rtt_s,
+            msg.measured_at_ms,
+            msg.healthy,
+        )
+    except ValueError as exc:
+        name, _, why = str(exc).partition(": ")  # NOTE: LinkState names its field first
+        raise InvalidArgumentError(f"{field}.{name}", why) from None
+
+
 def load_to_pb(load: InstanceLoad) -> pb.InstanceLoad:
-    return pb.InstanceLoad(**vars(load))
+    return pb.InstanceLoad(
+        running_requests=load.running_requests,
+        waiting_requests=load.waiting_requests,
+        kv_blocks_used=load.kv_blocks_used,
+        kv_blocks_total=load.kv_blocks_total,
+        links=[link_to_pb(lk) for lk in load.links],
+    )
 
 
 def load_from_pb(msg: pb.InstanceLoad) -> InstanceLoad:
     return InstanceLoad(
-        msg.running_requests, msg.waiting_requests, msg.kv_blocks_used, msg.kv_blocks_total
+        msg.running_requests,
+        msg.waiting_requests,
+        msg.kv_blocks_used,
+        msg.kv_blocks_total,
+        tuple(link_from_pb(lk, f"load.links[{i}]") for i, lk in enumerate(msg.links)),
     )
 
 

@@ -41,6 +41,17 @@ GATEWAY = Settings(
         "max_in_flight",
         "requests generated at once; beyond, RESOURCE_EXHAUSTED (HTTP 429) at once",
     ),
+    Flag(
+        "adaptive_in_flight",
+        "bound the requests in flight by the latency the stack adds when it queues (refusing "
+        "a burst's excess before it runs into its deadline), --max-in-flight the ceiling; "
+        "off = --max-in-flight alone",
+    ),
+    Flag(
+        "wan_kv_value_bytes",
+        "bytes of one KV value on the WAN as prefill sends it (its --wan-dtype: 2 bfloat16 or "
+        "float16, 1 float8_e4m3); 0 = the model's dtype",
+    ),
     title="gateway",
 )
 HTTP = Settings(
@@ -48,8 +59,8 @@ HTTP = Settings(
     Flag("port", "OpenAI-compatible HTTP port, 0 = off"),
     Flag(
         "api_keys",
-        "accept this bearer key on /v1/* (repeatable; env: comma-separated); none = no "
-        "authentication",
+        "accept this bearer key on /v1/* (repeatable; env: comma-separated); key:tenant also "
+        "names its tenant, whose cache salt its requests carry; none = no authentication",
         name="api-keys",
         aliases=("api-key",),
     ),
@@ -67,6 +78,15 @@ ROUTING = Settings(
         "no KV over the WAN (pipeline MD); 0 = off",
     ),
     Flag("relay_busy_requests", "relay load at which handoffs become one-shot"),
+    Flag(
+        "pipeline_policy",
+        "link_aware: through the relay only when the KV delta's estimated transfer on the "
+        "chosen MainDecode's link exceeds --ttft-budget-s (θ while the link is unmeasured); "
+        "threshold: the fixed θ on the predicted hit (--hit-threshold)",
+    ),
+    Flag("ttft_budget_s", "estimated WAN transfer a P-MD request may wait for (link_aware)"),
+    Flag("relay_max_requests", "requests at which a relay is full (then P-MD instead)"),
+    Flag("relay_max_kv_usage", "KV pool usage above which a relay is full; 1 = never by KV"),
     title="routing",
 )
 

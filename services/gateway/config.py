@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdd.core.model_info import ModelInfo
 from pdd.http.config import HttpConfig
 from pdd.routing.policy import RoutingConfig
 from pdd.server.config import ServerConfig
@@ -34,6 +35,12 @@ class GatewayConfig:
     kv_deadline_s: float = 30.0
     # Requests generated at once; beyond, the client gets RESOURCE_EXHAUSTED (HTTP 429) at once.
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
+    # The bound on requests in flight follows the latency the stack adds when it queues (an
+    # adaptive concurrency limit, max_in_flight its ceiling); False: max_in_flight alone.
+    adaptive_in_flight: bool = True
+    # Bytes of one KV value on the WAN (prefill's --wan-dtype); 0: the model's dtype. Sizes the
+    # KV delta in the link-aware router's transfer estimate (compression is not counted).
+    wan_kv_value_bytes: int = 0
 
     def __post_init__(self) -> None:
         if ":" not in self.kvstore_address:
@@ -46,5 +53,11 @@ class GatewayConfig:
             raise ValueError(f"kv_deadline_s: must be >= 0, got {self.kv_deadline_s}")
         if self.max_in_flight < 1:
             raise ValueError(f"max_in_flight: must be >= 1, got {self.max_in_flight}")
+        if self.wan_kv_value_bytes < 0:
+            raise ValueError(f"wan_kv_value_bytes: must be >= 0, got {self.wan_kv_value_bytes}")
         if self.index_timeout_s <= 0:
             raise ValueError(f"index_timeout_s: must be positive, got {self.index_timeout_s}")
+
+    def kv_bytes_per_token(self, info: ModelInfo) -> int:
+        """KV bytes one prompt token takes on the WAN (0: unknown)."""
+        return info.kv_values_per_token * (self.wan_kv_value_bytes or info.kv_value_bytes)

@@ -58,6 +58,8 @@ def build(config: GatewayConfig) -> ServiceSpec:
         eos_token_ids=info.eos_token_ids,
         kv_deadline_s=config.kv_deadline_s,
         max_in_flight=config.max_in_flight,
+        adaptive_in_flight=config.adaptive_in_flight,
+        kv_bytes_per_token=config.kv_bytes_per_token(info),
     )
     servicer = GatewayServicer(gateway, info, decode)
     http = OpenAIServer(gateway, info, decode, config.http) if config.http.port else None

@@ -32,6 +32,12 @@ PREFILL = Settings(
         "the relay shares this host (shared-memory transport); off: it is on another host",
         off="relay-remote-host",
     ),
+    Flag("link_probe_interval_s", "seconds between two RTT probes of each WAN link"),
+    Flag(
+        "link_probe_deadline_s",
+        "an RTT probe unanswered this long marks its WAN link unhealthy (the router avoids it)",
+    ),
+    Flag("link_max_failures", "consecutive failed KV pushes after which a WAN link is unhealthy"),
     title="prefill",
 )
 

@@ -37,11 +37,11 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
 def build(config: PrefillServiceConfig) -> ServiceSpec:
     instance = EngineInstance(config.instance, tls=config.server.tls)
     channels = Channels(config.server.tls)
-    servicer = PrefillServicer(
-        instance, Prefill(instance, channels, config.prefill, admission=config.instance.admission)
-    )
+    prefill = Prefill(instance, channels, config.prefill, admission=config.instance.admission)
+    servicer = PrefillServicer(instance, prefill)
 
     async def stop() -> None:
+        await prefill.close()
         await instance.stop()
         await channels.close()
 

@@ -151,6 +151,31 @@ async def test_the_gateway_refuses_requests_beyond_its_own_bound_at_once():
     await gateway.close()
 
 
+async def test_the_adaptive_bound_admits_up_to_its_limit_and_learns_from_what_happens():
+    """With ``adaptive_in_flight`` the bound is the limiter's current limit (read at every
+    admission); a first token is a latency sample, a refusal tells the limiter it is overloaded."""
+    peers = FakePeers(md=[Accepted(0), HOLD], prefill=[first_token(), TRANSFER])
+    gateway = Gateway(
+        "127.0.0.1:7000",
+        rng=random.Random(7),
+        peers=peers,
+        max_in_flight=64,
+        adaptive_in_flight=True,
+    )
+    limiter = gateway.limiter
+    assert limiter is not None and limiter.limit == 32 and limiter.config.max_limit == 64
+    limiter._limit = 1.0  # NOTE: as if it had learned that one request at a time is all
+    held = gateway.generate(job(Pipeline.P_MD))
+    assert (await anext(held)).token_ids == (20,)
+    assert limiter._short.count == 1  # the first token was sampled
+    with pytest.raises(ResourceExhaustedError, match="gateway is full"):
+        await anext(gateway.generate(job(Pipeline.P_MD)))
+    assert limiter._since_refusal == 0  # the refusal froze the limiter's baseline
+    await held.aclose()
+    assert gateway.admission.admitted == 0
+    await gateway.close()
+
+
 def test_the_gateways_bound_is_positive():
     with pytest.raises(ValueError, match="^max_in_flight:"):
         Gateway("127.0.0.1:7000", peers=FakePeers(md=[]), max_in_flight=0)

@@ -206,3 +206,31 @@ async def test_a_request_ended_after_its_first_token_is_dropped(ckpt):
         # the id is free again
         first, _ = await asyncio.wait_for(_events(node, _job("r4", Pipeline.P_MD, 0)), 60)
         assert first.prompt_tokens == 120
+
+
+async def test_a_sent_link_is_freed_without_waiting_for_the_garbage_collector():
+    """A link's KV buffer (the request's whole range) must go when the request does, by
+    reference count: no cycle through the generator feeding it (``pdd bench soak`` saw prefill's
+    memory creep while every request's buffer waited for a full collection)."""
+    import gc
+    import weakref
+
+    from pdd.kv.layout import KvDtype, KvLayout
+    from pdd.kv.transfer import make_header
+    from pdd.serving.prefill import _Link
+
+    layout = KvLayout(KvDtype.FLOAT32, num_layers=2, num_kv_heads=2, head_dim=8)
+    header = make_header("r", layout, 0, 6, chunk_bytes=512)  # 256 bytes per token
+    link = _Link(header)
+    link.feed(torch.ones(4, 2, 2, 2, 8), 0)
+    link.feed(torch.ones(2, 2, 2, 2, 8), 4)
+    data = await link.source.read(0, header.total_bytes)
+    assert data.nbytes == header.total_bytes
+    del data
+    gone = weakref.ref(link)
+    gc.disable()
+    try:
+        del link
+        assert gone() is None, "the link lives on in a reference cycle"
+    finally:
+        gc.enable()

@@ -25,47 +25,49 @@ _sym_db = _symbol_database.Default()
 from pdd.gen.common.v1 import common_pb2 as pdd_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$pdd/kvstore/v1/kvstore_service.proto\x12\x0epdd.kvstore.v1\x1a\x1apdd/common/v1/common.proto\"s\n\x0cInstanceLoad\x12\x18\n\x10running_requests\x18\x01 \x01(\r\x12\x18\n\x10waiting_requests\x18\x02 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x03 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\"\xa1\x01\n\x0cInstanceInfo\x12\'\n\x03ref\x18\x01 \x01(\x0b\x32\x1a.pdd.common.v1.InstanceRef\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\r\n\x05model\x18\x03 \x01(\t\x12*\n\x04load\x18\x04 \x01(\x0b\x32\x1c.pdd.kvstore.v1.InstanceLoad\x12\x19\n\x11last_heartbeat_ms\x18\x05 \x01(\x04\"\x8a\x01\n\x17RegisterInstanceRequest\x12\'\n\x03ref\x18\x01 \x01(\x0b\x32\x1a.pdd.common.v1.InstanceRef\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0e\n\x06ttl_ms\x18\x04 \x01(\r\x12\x13\n\x0breset_index\x18\x05 \x01(\x08\"*\n\x18RegisterInstanceResponse\x12\x0e\n\x06ttl_ms\x18\x01 \x01(\r\"S\n\x10HeartbeatRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12*\n\x04load\x18\x02 \x01(\x0b\x32\x1c.pdd.kvstore.v1.InstanceLoad\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"0\n\x19\x44\x65registerInstanceRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\"\x1c\n\x1a\x44\x65registerInstanceResponse\"9\n\x14ListInstancesRequest\x12!\n\x04role\x18\x01 \x01(\x0e\x32\x13.pdd.common.v1.Role\"H\n\x15ListInstancesResponse\x12/\n\tinstances\x18\x01 \x03(\x0b\x32\x1c.pdd.kvstore.v1.InstanceInfo\"y\n\nCacheEvent\x12,\n\x04kind\x18\x01 \x01(\x0e\x32\x1e.pdd.kvstore.v1.CacheEventKind\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x06\x12\x13\n\x0bparent_hash\x18\x03 \x01(\x06\x12\x12\n\ncache_salt\x18\x04 \x01(\t\"o\n\x19PublishCacheEventsRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12*\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x1a.pdd.kvstore.v1.CacheEvent\x12\x11\n\tfirst_seq\x18\x03 \x01(\x04\"=\n\x1aPublishCacheEventsResponse\x12\x0f\n\x07\x61pplied\x18\x01 \x01(\r\x12\x0e\n\x06resync\x18\x02 \x01(\x08\"{\n\x12PredictHitsRequest\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\r\x12\x12\n\ncache_salt\x18\x02 \x01(\t\x12\x14\n\x0cinstance_ids\x18\x03 \x03(\t\x12!\n\x04role\x18\x04 \x01(\x0e\x32\x13.pdd.common.v1.Role\"f\n\x0bInstanceHit\x12.\n\x08instance\x18\x01 \x01(\x0b\x32\x1c.pdd.kvstore.v1.InstanceInfo\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x10\n\x08hit_rate\x18\x03 \x01(\x01\"@\n\x13PredictHitsResponse\x12)\n\x04hits\x18\x01 \x03(\x0b\x32\x1b.pdd.kvstore.v1.InstanceHit*\x8b\x01\n\x0e\x43\x61\x63heEventKind\x12 \n\x1c\x43\x41\x43HE_EVENT_KIND_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x43\x41\x43HE_EVENT_KIND_STORED\x10\x01\x12\x1c\n\x18\x43\x41\x43HE_EVENT_KIND_EVICTED\x10\x02\x12\x1c\n\x18\x43\x41\x43HE_EVENT_KIND_CLEARED\x10\x03\x32\xd9\x04\n\x0eKvstoreService\x12\x65\n\x10RegisterInstance\x12\'.pdd.kvstore.v1.RegisterInstanceRequest\x1a(.pdd.kvstore.v1.RegisterInstanceResponse\x12P\n\tHeartbeat\x12 .pdd.kvstore.v1.HeartbeatRequest\x1a!.pdd.kvstore.v1.HeartbeatResponse\x12k\n\x12\x44\x65registerInstance\x12).pdd.kvstore.v1.DeregisterInstanceRequest\x1a*.pdd.kvstore.v1.DeregisterInstanceResponse\x12\\\n\rListInstances\x12$.pdd.kvstore.v1.ListInstancesRequest\x1a%.pdd.kvstore.v1.ListInstancesResponse\x12k\n\x12PublishCacheEvents\x12).pdd.kvstore.v1.PublishCacheEventsRequest\x1a*.pdd.kvstore.v1.PublishCacheEventsResponse\x12V\n\x0bPredictHits\x12\".pdd.kvstore.v1.PredictHitsRequest\x1a#.pdd.kvstore.v1.PredictHitsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$pdd/kvstore/v1/kvstore_service.proto\x12\x0epdd.kvstore.v1\x1a\x1apdd/common/v1/common.proto\"\x9d\x01\n\x0cInstanceLoad\x12\x18\n\x10running_requests\x18\x01 \x01(\r\x12\x18\n\x10waiting_requests\x18\x02 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x03 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\x12(\n\x05links\x18\x05 \x03(\x0b\x32\x19.pdd.kvstore.v1.LinkState\"\x9b\x01\n\tLinkState\x12\x0f\n\x07\x63luster\x18\x01 \x01(\t\x12\x16\n\x0ethroughput_bps\x18\x02 \x01(\x01\x12\x14\n\x0cqueued_bytes\x18\x03 \x01(\x04\x12\x17\n\x0fin_flight_bytes\x18\x04 \x01(\x04\x12\r\n\x05rtt_s\x18\x05 \x01(\x01\x12\x16\n\x0emeasured_at_ms\x18\x06 \x01(\x04\x12\x0f\n\x07healthy\x18\x07 \x01(\x08\"\xa1\x01\n\x0cInstanceInfo\x12\'\n\x03ref\x18\x01 \x01(\x0b\x32\x1a.pdd.common.v1.InstanceRef\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\r\n\x05model\x18\x03 \x01(\t\x12*\n\x04load\x18\x04 \x01(\x0b\x32\x1c.pdd.kvstore.v1.InstanceLoad\x12\x19\n\x11last_heartbeat_ms\x18\x05 \x01(\x04\"\x8a\x01\n\x17RegisterInstanceRequest\x12\'\n\x03ref\x18\x01 \x01(\x0b\x32\x1a.pdd.common.v1.InstanceRef\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0e\n\x06ttl_ms\x18\x04 \x01(\r\x12\x13\n\x0breset_index\x18\x05 \x01(\x08\"*\n\x18RegisterInstanceResponse\x12\x0e\n\x06ttl_ms\x18\x01 \x01(\r\"S\n\x10HeartbeatRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12*\n\x04load\x18\x02 \x01(\x0b\x32\x1c.pdd.kvstore.v1.InstanceLoad\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"0\n\x19\x44\x65registerInstanceRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\"\x1c\n\x1a\x44\x65registerInstanceResponse\"9\n\x14ListInstancesRequest\x12!\n\x04role\x18\x01 \x01(\x0e\x32\x13.pdd.common.v1.Role\"H\n\x15ListInstancesResponse\x12/\n\tinstances\x18\x01 \x03(\x0b\x32\x1c.pdd.kvstore.v1.InstanceInfo\"y\n\nCacheEvent\x12,\n\x04kind\x18\x01 \x01(\x0e\x32\x1e.pdd.kvstore.v1.CacheEventKind\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x06\x12\x13\n\x0bparent_hash\x18\x03 \x01(\x06\x12\x12\n\ncache_salt\x18\x04 \x01(\t\"o\n\x19PublishCacheEventsRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12*\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x1a.pdd.kvstore.v1.CacheEvent\x12\x11\n\tfirst_seq\x18\x03 \x01(\x04\"=\n\x1aPublishCacheEventsResponse\x12\x0f\n\x07\x61pplied\x18\x01 \x01(\r\x12\x0e\n\x06resync\x18\x02 \x01(\x08\"{\n\x12PredictHitsRequest\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\r\x12\x12\n\ncache_salt\x18\x02 \x01(\t\x12\x14\n\x0cinstance_ids\x18\x03 \x03(\t\x12!\n\x04role\x18\x04 \x01(\x0e\x32\x13.pdd.common.v1.Role\"f\n\x0bInstanceHit\x12.\n\x08instance\x18\x01 \x01(\x0b\x32\x1c.pdd.kvstore.v1.InstanceInfo\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x10\n\x08hit_rate\x18\x03 \x01(\x01\"@\n\x13PredictHitsResponse\x12)\n\x04hits\x18\x01 \x03(\x0b\x32\x1b.pdd.kvstore.v1.InstanceHit*\x8b\x01\n\x0e\x43\x61\x63heEventKind\x12 \n\x1c\x43\x41\x43HE_EVENT_KIND_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x43\x41\x43HE_EVENT_KIND_STORED\x10\x01\x12\x1c\n\x18\x43\x41\x43HE_EVENT_KIND_EVICTED\x10\x02\x12\x1c\n\x18\x43\x41\x43HE_EVENT_KIND_CLEARED\x10\x03\x32\xd9\x04\n\x0eKvstoreService\x12\x65\n\x10RegisterInstance\x12\'.pdd.kvstore.v1.RegisterInstanceRequest\x1a(.pdd.kvstore.v1.RegisterInstanceResponse\x12P\n\tHeartbeat\x12 .pdd.kvstore.v1.HeartbeatRequest\x1a!.pdd.kvstore.v1.HeartbeatResponse\x12k\n\x12\x44\x65registerInstance\x12).pdd.kvstore.v1.DeregisterInstanceRequest\x1a*.pdd.kvstore.v1.DeregisterInstanceResponse\x12\\\n\rListInstances\x12$.pdd.kvstore.v1.ListInstancesRequest\x1a%.pdd.kvstore.v1.ListInstancesResponse\x12k\n\x12PublishCacheEvents\x12).pdd.kvstore.v1.PublishCacheEventsRequest\x1a*.pdd.kvstore.v1.PublishCacheEventsResponse\x12V\n\x0bPredictHits\x12\".pdd.kvstore.v1.PredictHitsRequest\x1a#.pdd.kvstore.v1.PredictHitsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdd.kvstore.v1.kvstore_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CACHEEVENTKIND']._serialized_start=1479
-  _globals['_CACHEEVENTKIND']._serialized_end=1618
-  _globals['_INSTANCELOAD']._serialized_start=84
-  _globals['_INSTANCELOAD']._serialized_end=199
-  _globals['_INSTANCEINFO']._serialized_start=202
-  _globals['_INSTANCEINFO']._serialized_end=363
-  _globals['_REGISTERINSTANCEREQUEST']._serialized_start=366
-  _globals['_REGISTERINSTANCEREQUEST']._serialized_end=504
-  _globals['_REGISTERINSTANCERESPONSE']._serialized_start=506
-  _globals['_REGISTERINSTANCERESPONSE']._serialized_end=548
-  _globals['_HEARTBEATREQUEST']._serialized_start=550
-  _globals['_HEARTBEATREQUEST']._serialized_end=633
-  _globals['_HEARTBEATRESPONSE']._serialized_start=635
-  _globals['_HEARTBEATRESPONSE']._serialized_end=669
-  _globals['_DEREGISTERINSTANCEREQUEST']._serialized_start=671
-  _globals['_DEREGISTERINSTANCEREQUEST']._serialized_end=719
-  _globals['_DEREGISTERINSTANCERESPONSE']._serialized_start=721
-  _globals['_DEREGISTERINSTANCERESPONSE']._serialized_end=749
-  _globals['_LISTINSTANCESREQUEST']._serialized_start=751
-  _globals['_LISTINSTANCESREQUEST']._serialized_end=808
-  _globals['_LISTINSTANCESRESPONSE']._serialized_start=810
-  _globals['_LISTINSTANCESRESPONSE']._serialized_end=882
-  _globals['_CACHEEVENT']._serialized_start=884
-  _globals['_CACHEEVENT']._serialized_end=1005
-  _globals['_PUBLISHCACHEEVENTSREQUEST']._serialized_start=1007
-  _globals['_PUBLISHCACHEEVENTSREQUEST']._serialized_end=1118
-  _globals['_PUBLISHCACHEEVENTSRESPONSE']._serialized_start=1120
-  _globals['_PUBLISHCACHEEVENTSRESPONSE']._serialized_end=1181
-  _globals['_PREDICTHITSREQUEST']._serialized_start=1183
-  _globals['_PREDICTHITSREQUEST']._serialized_end=1306
-  _globals['_INSTANCEHIT']._serialized_start=1308
-  _globals['_INSTANCEHIT']._serialized_end=1410
-  _globals['_PREDICTHITSRESPONSE']._serialized_start=1412
-  _globals['_PREDICTHITSRESPONSE']._serialized_end=1476
-  _globals['_KVSTORESERVICE']._serialized_start=1621
-  _globals['_KVSTORESERVICE']._serialized_end=2222
+  _globals['_CACHEEVENTKIND']._serialized_start=1680
+  _globals['_CACHEEVENTKIND']._serialized_end=1819
+  _globals['_INSTANCELOAD']._serialized_start=85
+  _globals['_INSTANCELOAD']._serialized_end=242
+  _globals['_LINKSTATE']._serialized_start=245
+  _globals['_LINKSTATE']._serialized_end=400
+  _globals['_INSTANCEINFO']._serialized_start=403
+  _globals['_INSTANCEINFO']._serialized_end=564
+  _globals['_REGISTERINSTANCEREQUEST']._serialized_start=567
+  _globals['_REGISTERINSTANCEREQUEST']._serialized_end=705
+  _globals['_REGISTERINSTANCERESPONSE']._serialized_start=707
+  _globals['_REGISTERINSTANCERESPONSE']._serialized_end=749
+  _globals['_HEARTBEATREQUEST']._serialized_start=751
+  _globals['_HEARTBEATREQUEST']._serialized_end=834
+  _globals['_HEARTBEATRESPONSE']._serialized_start=836
+  _globals['_HEARTBEATRESPONSE']._serialized_end=870
+  _globals['_DEREGISTERINSTANCEREQUEST']._serialized_start=872
+  _globals['_DEREGISTERINSTANCEREQUEST']._serialized_end=920
+  _globals['_DEREGISTERINSTANCERESPONSE']._serialized_start=922
+  _globals['_DEREGISTERINSTANCERESPONSE']._serialized_end=950
+  _globals['_LISTINSTANCESREQUEST']._serialized_start=952
+  _globals['_LISTINSTANCESREQUEST']._serialized_end=1009
+  _globals['_LISTINSTANCESRESPONSE']._serialized_start=1011
+  _globals['_LISTINSTANCESRESPONSE']._serialized_end=1083
+  _globals['_CACHEEVENT']._serialized_start=1085
+  _globals['_CACHEEVENT']._serialized_end=1206
+  _globals['_PUBLISHCACHEEVENTSREQUEST']._serialized_start=1208
+  _globals['_PUBLISHCACHEEVENTSREQUEST']._serialized_end=1319
+  _globals['_PUBLISHCACHEEVENTSRESPONSE']._serialized_start=1321
+  _globals['_PUBLISHCACHEEVENTSRESPONSE']._serialized_end=1382
+  _globals['_PREDICTHITSREQUEST']._serialized_start=1384
+  _globals['_PREDICTHITSREQUEST']._serialized_end=1507
+  _globals['_INSTANCEHIT']._serialized_start=1509
+  _globals['_INSTANCEHIT']._serialized_end=1611
+  _globals['_PREDICTHITSRESPONSE']._serialized_start=1613
+  _globals['_PREDICTHITSRESPONSE']._serialized_end=1677
+  _globals['_KVSTORESERVICE']._serialized_start=1822
+  _globals['_KVSTORESERVICE']._serialized_end=2423
 # @@protoc_insertion_point(module_scope)

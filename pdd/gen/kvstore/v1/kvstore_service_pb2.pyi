@@ -20,16 +20,36 @@ CACHE_EVENT_KIND_EVICTED: CacheEventKind
 CACHE_EVENT_KIND_CLEARED: CacheEventKind
 
 class InstanceLoad(_message.Message):
-    __slots__ = ("running_requests", "waiting_requests", "kv_blocks_used", "kv_blocks_total")
+    __slots__ = ("running_requests", "waiting_requests", "kv_blocks_used", "kv_blocks_total", "links")
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    LINKS_FIELD_NUMBER: _ClassVar[int]
     running_requests: int
     waiting_requests: int
     kv_blocks_used: int
     kv_blocks_total: int
-    def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ...) -> None: ...
+    links: _containers.RepeatedCompositeFieldContainer[LinkState]
+    def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., links: _Optional[_Iterable[_Union[LinkState, _Mapping]]] = ...) -> None: ...
+
+class LinkState(_message.Message):
+    __slots__ = ("cluster", "throughput_bps", "queued_bytes", "in_flight_bytes", "rtt_s", "measured_at_ms", "healthy")
+    CLUSTER_FIELD_NUMBER: _ClassVar[int]
+    THROUGHPUT_BPS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RTT_S_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    cluster: str
+    throughput_bps: float
+    queued_bytes: int
+    in_flight_bytes: int
+    rtt_s: float
+    measured_at_ms: int
+    healthy: bool
+    def __init__(self, cluster: _Optional[str] = ..., throughput_bps: _Optional[float] = ..., queued_bytes: _Optional[int] = ..., in_flight_bytes: _Optional[int] = ..., rtt_s: _Optional[float] = ..., measured_at_ms: _Optional[int] = ..., healthy: _Optional[bool] = ...) -> None: ...
 
 class InstanceInfo(_message.Message):
     __slots__ = ("ref", "block_size", "model", "load", "last_heartbeat_ms")
