@@ -149,9 +149,21 @@ async def serve(config: ServerConfig, spec: ServiceSpec) -> None:
     stopping = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
+    # NOTE: `kill -USR2 <pid>` prints every unfinished asyncio task and where it waits (stderr).
+    loop.add_signal_handler(signal.SIGUSR2, _dump_tasks, loop)
     await stopping.wait()
     log.info("shutdown_requested")
     await server.stop()
+
+
+def _dump_tasks(loop: asyncio.AbstractEventLoop) -> None:
+    tasks = asyncio.all_tasks(loop)
+    print(f"--- {len(tasks)} asyncio tasks ---", file=sys.stderr)
+    for task in sorted(tasks, key=lambda t: t.get_name()):
+        frames = task.get_stack(limit=3)
+        where = " <- ".join(f"{f.f_code.co_name}:{f.f_lineno}" for f in reversed(frames))
+        print(f"{task.get_name()} {task.get_coro()!r:.120} at {where}", file=sys.stderr)
+    sys.stderr.flush()
 
 
 def run(config: ServerConfig, spec: ServiceSpec) -> None:

@@ -259,8 +259,13 @@ class Relay:
                 await self._wait_md(life)
                 call = life.md.token_handoff()
                 outputs = life.outputs[: out.position + 1]
-                await call.send(handoff_batch(job, outputs, 0, final=True, request_finished=True))
-                await call.done()
+                try:
+                    batch = handoff_batch(job, outputs, 0, final=True, request_finished=True)
+                    await call.send(batch)
+                    await call.done()
+                except BaseException:
+                    call.cancel()  # NOTE: as in _handoff: never leave the call open
+                    raise
                 metrics.HANDOFFS.labels(job.handoff_mode.value, "finished").inc()
                 return finished
             except PeerError as exc:
@@ -325,7 +330,9 @@ class Relay:
                 call.cancel()
                 return None  # NOTE: it finished here meanwhile; decode() hands it over as finished
             await call.done()
-        except PeerError:
+        except BaseException:
+            # NOTE: a failed handoff, and the request's own cancellation (its client went away
+            # mid-handoff): an open call would keep MainDecode's handler and ours alive forever.
             call.cancel()
             raise
         return self._handed_off(life, t0, caught_up[1] + 1, *final)

@@ -426,3 +426,44 @@ async def test_a_request_rerouted_here_resumes_from_the_streamed_tokens_and_fini
         tokens = list(ref[:k]) + [relayed[p] for p in range(k, n)]
         oracle.assert_greedy_equal(PROMPT, tokens, ref)
         assert not await stack.relay_loop.call(stack.relay_engine.holds_request, "r6")
+
+
+@pytest.mark.parametrize("mode", [HandoffMode.ONE_SHOT, HandoffMode.CATCH_UP])
+async def test_a_client_cancelling_mid_handoff_closes_the_handoff_call(ckpt, mode):
+    """The handoff's batch is on the (slow) WAN when the client goes away: the relay's handoff
+    call must be cancelled, or MainDecode's TokenHandoff handler and the relay's call task live
+    on forever (one per such request: what `pdd bench soak` found as a growing task count)."""
+    wan_stalled = asyncio.Event()
+
+    class _StalledHandoff(_Handoff):
+        async def send(self, batch: HandoffBatch) -> HandoffAck:
+            self.peer.batches.append(batch)
+            wan_stalled.set()
+            await asyncio.Event().wait()  # NOTE: never answered
+
+    async with Stack(ckpt, RelayConfig()) as stack:
+        stack.peer.token_handoff = lambda: (
+            stack.peer.calls.append(_StalledHandoff(stack.peer)) or stack.peer.calls[-1]
+        )
+        rid = f"cancel-{mode.value}"
+        relay_job, md_job = _jobs(rid, PROMPT, 120, mode)
+        md_events: list = []
+        md_task = await _open_md(stack, md_job, md_events)
+        await stack.push_wan(rid, PROMPT, "s")
+        await stack.send_fast(rid, PROMPT, "s")
+        stream = stack.relay.decode(relay_job)
+        reader = asyncio.create_task(_drain(stream, []))
+        await asyncio.wait_for(wan_stalled.wait(), 30)
+        reader.cancel()  # NOTE: the client's cancellation reaches the relay's stream like this
+        with contextlib.suppress(asyncio.CancelledError):
+            await reader
+        await stream.aclose()
+        for _ in range(100):
+            if stack.peer.calls[-1].cancelled:
+                break
+            await asyncio.sleep(0.01)
+        assert stack.peer.calls[-1].cancelled, "the handoff call was left open"
+        assert not await stack.relay_loop.call(stack.relay_engine.holds_request, rid)
+        md_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await md_task
