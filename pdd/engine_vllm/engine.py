@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -44,6 +45,11 @@ from pdd.engine.token_rules import check_token_ids, is_stop
 from pdd.engine_vllm import kv_store
 from pdd.engine_vllm.cache_events import CacheMirror, MirrorPublisher
 from pdd.engine_vllm.sampling import to_vllm, unsupported
+
+# NOTE: vLLM's forward context and its worker-side KV connector are process-wide globals, so two
+# engines in one process (a test's prefill, relay and MainDecode, each on its own engine loop
+# thread) must never step at once; a service runs one engine and never waits on this.
+_STEP_LOCK = threading.Lock()
 
 
 @dataclass
@@ -175,7 +181,9 @@ class VllmEngine:
             return []
         self._steps += 1
         outputs: list[StepOutput] = []
-        for out in self._llm.step():
+        with _STEP_LOCK:
+            step = self._llm.step()
+        for out in step:
             req = self._by_incarnation.get(out.request_id)
             if req is None or req.incarnation != out.request_id:
                 continue  # NOTE: an incarnation aborted in this step (an extension replaced it)

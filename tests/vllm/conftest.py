@@ -1,8 +1,8 @@
 """Fixtures of the vLLM tests, run by ``make test`` in the vLLM venv (``.venv-vllm``).
 
-One tiny random Llama, saved as a Hugging Face directory, loaded by our engine and by two
-in-process vLLM engines (one per role: ``md`` decodes, ``prefill`` computes and exports); each
-vLLM engine starts once per session (30-60 s on 2 cores; vLLM's compile cache makes the second
+One tiny random Llama, saved as a Hugging Face directory, loaded by our engine and by three
+in-process vLLM engines (one per role: ``md`` decodes, ``prefill`` computes and exports,
+``relay`` decodes first and hands over); each vLLM engine starts once per session (30-60 s on 2 cores; vLLM's compile cache makes the second
 start ~10 s). Prompts span several of vLLM's 128-token CPU blocks.
 """
 
@@ -46,6 +46,17 @@ def md(model_dir, md_events):
 
 @pytest.fixture(scope="session")
 def prefill(model_dir, md):  # NOTE: after md: one vLLM start at a time
+    from pdd.engine.config import EngineConfig
+    from pdd.engine_vllm.engine import VllmEngine
+
+    eng = VllmEngine(model_dir, EngineConfig(max_num_seqs=16))
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="session")
+def relay(model_dir, prefill):  # NOTE: after prefill: one vLLM start at a time
+    """The vLLM engine in the relay's place (started only by the relay tests)."""
     from pdd.engine.config import EngineConfig
     from pdd.engine_vllm.engine import VllmEngine
 
