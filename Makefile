@@ -161,6 +161,30 @@ vllm-venv: $(VLLM_STAMP)
 bench-vllm: venv vllm-venv
 	$(PY) -m pdd.bench.peer_bench --vllm-python $(VLLM_VENV)/bin/python
 
+# `pdd bench --engine vllm`: one small agentic trace through IDC-PD, CDC-PD and PDD, each on its own
+# stack of vLLM engine services (the vLLM venv's pdd: the services run on its Python), then the table.
+# The vLLM tests' tiny model: its compile is cached and short (each service compiles at its start,
+# and a stack allows a service 120 s to start).
+BENCH_VLLM_DIR := pdd-report-vllm
+BENCH_VLLM_MODEL := tiny:5,vocab=512,hidden=128,inter=256,layers=2,heads=4,kv_heads=2,ctx=2048
+.PHONY: bench-modes-vllm
+bench-modes-vllm: vllm-venv
+	mkdir -p $(BENCH_VLLM_DIR)
+	$(VLLM_VENV)/bin/pdd trace gen --sessions 3 --turns 2 --rps 1 --prompt-tokens 512 \
+	  --max-context 1536 --output-scale 8 --vocab-high 500 --concurrent-sessions 2 \
+	  --out $(BENCH_VLLM_DIR)/trace.jsonl
+	for m in idc-pd cdc-pd pdd; do $(VLLM_ENV) $(VLLM_VENV)/bin/pdd bench --engine vllm --no-pin \
+	  --model $(BENCH_VLLM_MODEL) --quiet --trace $(BENCH_VLLM_DIR)/trace.jsonl --mode $$m \
+	  --out $(BENCH_VLLM_DIR)/$$m.json || exit 1; done
+	$(VLLM_VENV)/bin/pdd bench compare $(BENCH_VLLM_DIR)/idc-pd.json $(BENCH_VLLM_DIR)/cdc-pd.json \
+	  $(BENCH_VLLM_DIR)/pdd.json
+
+# Served throughput: `pdd up`'s stack (gRPC and OpenAI HTTP, P-MD and P-RLD-MD forced), our engine
+# in-process and vLLM's OpenAI server, alternating in one run (README, "Engine").
+.PHONY: bench-served
+bench-served: venv vllm-venv
+	$(PY) -m pdd.bench.served --vllm-python $(VLLM_VENV)/bin/python
+
 # --- Accuracy parity: lm-evaluation-harness through every pipeline (not part of `make test`) ---
 # NOTE: lm-eval lives in its own venv, so its pins (python-dateutil<3, ...) never move the
 # project's; a .pth file lets it import the project's packages (torch, pdd) from .venv.

@@ -1,0 +1,420 @@
+"""Served throughput: ``pdd up``'s stack against our engine in-process and vLLM's OpenAI server.
+
+    make bench-served          # builds .venv-vllm once (make vllm-venv), then runs this
+    pdd bench served [--concurrency 1,16,32,64] [--contenders grpc-p-md,http-p-md,engine,vllm]
+        [--prompt-len 128] [--output-len 64] [--rounds 3] [--model HF_DIR] [--json out.json]
+
+One model for everyone: ``--model`` (a Hugging Face directory) or, by default, the engine
+benchmark's random Llama (~64M parameters, fp32, std 0.05) written once as safetensors.
+
+Life of a run: the stack (``pdd.testbed.stack``, every service its own process, the WAN
+emulator in front of MainDecode) and ``vllm serve`` (from ``.venv-vllm``) start once; then for
+each concurrency ``n`` and each round, every contender in turn serves ``n`` fresh prompts
+submitted at once, streaming, greedy, exactly ``--output-len`` tokens each (``ignore_eos``):
+
+- ``grpc-p-md`` / ``grpc-p-rld-md``: the gateway's ``Generate`` with the pipeline forced;
+- ``http-p-md`` / ``http-p-rld-md``: the gateway's ``/v1/completions`` (``stream: true``), the
+  pipeline forced by the ``X-PDD-Pipeline`` header;
+- ``engine``: our engine in this process, stepped until every request is done (no hops at all);
+- ``vllm``: vLLM's ``/v1/completions``, streaming, token-id prompts.
+
+Contenders alternate round by round, so a noisy moment on the shared machine hits all alike;
+the ratios within one run are the figures to read. A round's number is output tokens / wall
+time (prefill included). Beside it: TTFT and TPOT P50, the P50 of the time from a request's
+last token to the end of its stream (``tail``: what the client waits for after the last token),
+and the CPU seconds each process spent per output token, from its own ``/proc/<pid>/stat``
+(utime + stime, children included for vLLM's engine core) before and after the round.
+vLLM's processes are SIGSTOPped while the others run (an idle vLLM spins: ``peer_bench``).
+
+Fresh prompts (``FreshPrompts``): a counter in the first two tokens makes every prompt's first
+KV block new, so no prefix cache anywhere can hit; the stack also gets a cache salt per
+contender, because its gRPC and HTTP contenders (and both pipelines) share one stack.
+
+The contenders themselves live in ``served_contenders``; ``--py-spy`` profiles the stack's
+processes over the measured rounds (``py_spy``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import statistics
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from types import SimpleNamespace
+
+from pdd.bench.cpu import process_cpu_s
+from pdd.bench.metrics import percentile
+from pdd.bench.py_spy import PySpy
+from pdd.bench.record import RequestResult
+from pdd.bench.served_contenders import CLIENT, STACK_CONTENDERS, Contenders, random_model
+
+CONTENDERS = (*STACK_CONTENDERS, "engine", "vllm")
+REFERENCE = "vllm"
+
+
+@dataclass(frozen=True)
+class ServedConfig:
+    concurrency: tuple[int, ...] = (1, 16, 32, 64)
+    contenders: tuple[str, ...] = CONTENDERS
+    prompt_len: int = 128
+    output_len: int = 64
+    rounds: int = 3
+    # torch threads of every engine (ours in-process, the stack's, vLLM's OpenMP binding).
+    threads: int = 2
+    # A Hugging Face directory; "" = the random Llama below, written once.
+    model: str = ""
+    vllm_python: str = ".venv-vllm/bin/python"
+    vllm_startup_s: float = 900.0
+    request_timeout_s: float = 600.0
+    quiet_threshold: float = 0.15
+    quiet_max_wait_s: float = 30.0
+    # A py-spy binary: profile every stack process over the measured rounds ("" = no profile).
+    py_spy: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.concurrency or any(n < 1 for n in self.concurrency):
+            raise ValueError(f"concurrency: each must be >= 1, got {list(self.concurrency)}")
+        unknown = [c for c in self.contenders if c not in CONTENDERS]
+        if not self.contenders or unknown:
+            raise ValueError(
+                f"contenders: choose from {', '.join(CONTENDERS)}, got {','.join(self.contenders)}"
+            )
+        if len(set(self.contenders)) != len(self.contenders):
+            raise ValueError(f"contenders: named twice in {','.join(self.contenders)}")
+        for name in ("prompt_len", "output_len", "rounds", "threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.prompt_len < 2:
+            raise ValueError(
+                f"prompt_len: must be >= 2 (two tokens hold the counter), got {self.prompt_len}"
+            )
+        for name in ("vllm_startup_s", "request_timeout_s", "quiet_max_wait_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+        if not 0 <= self.quiet_threshold <= 1:
+            raise ValueError(f"quiet_threshold: must be in [0, 1], got {self.quiet_threshold}")
+        if "vllm" in self.contenders and not os.access(self.vllm_python, os.X_OK):
+            raise ValueError(
+                f"vllm_python: {self.vllm_python}: not an executable (make vllm-venv builds it)"
+            )
+        if self.py_spy and not os.access(self.py_spy, os.X_OK):
+            raise ValueError(f"py_spy: {self.py_spy}: not an executable")
+        if self.py_spy and not set(self.contenders) & set(STACK_CONTENDERS):
+            raise ValueError("py_spy: profiles the stack; choose a stack contender too")
+        if self.model and not (Path(self.model) / "config.json").is_file():
+            raise ValueError(f"model: {self.model}: not a Hugging Face directory (no config.json)")
+
+
+def _int_list(text: str, name: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise ValueError(f"{name}: expected comma-separated integers, got {text!r}") from None
+
+
+class FreshPrompts:
+    """Prompts no server has seen before: prompt ``k`` starts with ``k`` in base ``vocab``.
+
+    NOTE: two tokens of counter give every prompt a first KV block of its own (a block hash
+    chains from the first token on), so no prefix cache can hit one, whatever its block size;
+    the rest is random. ``vocab ** 2`` prompts before the counter would wrap: refused.
+    """
+
+    def __init__(self, vocab: int, length: int, seed: int = 0) -> None:
+        if vocab < 2 or length < 2:
+            raise ValueError(f"vocab and length: must be >= 2, got {vocab}, {length}")
+        self.vocab, self.length = vocab, length
+        self._rng = random.Random(seed)
+        self._next = 0
+
+    def take(self, n: int) -> list[list[int]]:
+        out = []
+        for _ in range(n):
+            k = self._next
+            if k >= self.vocab**2:
+                raise ValueError(f"FreshPrompts: more than {self.vocab**2} prompts")
+            self._next += 1
+            rest = [self._rng.randrange(self.vocab) for _ in range(self.length - 2)]
+            out.append([k % self.vocab, k // self.vocab, *rest])
+        return out
+
+
+# ---- CPU accounting ----------------------------------------------------------------------
+def cpu_snapshot(pids: Mapping[str, Sequence[int]]) -> dict[str, float | None]:
+    """Name → CPU seconds (user + system) its processes have used; None if none could be read."""
+    out: dict[str, float | None] = {}
+    for name, group in pids.items():
+        values = [v for v in (process_cpu_s(p) for p in group) if v is not None]
+        out[name] = sum(values) if values else None
+    return out
+
+
+def cpu_delta(
+    before: Mapping[str, float | None], after: Mapping[str, float | None]
+) -> dict[str, float | None]:
+    """CPU seconds each process spent between two snapshots (None where either is missing)."""
+    return {
+        name: None
+        if before.get(name) is None or after[name] is None
+        else after[name] - before[name]
+        for name in after
+    }
+
+
+# ---- the numbers --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Round:
+    contender: str
+    concurrency: int
+    wall_s: float
+    output_tokens: int
+    errors: int
+    ttft_ms: tuple[float, ...]
+    tpot_ms: tuple[float, ...]
+    tail_ms: tuple[float, ...]
+    cpu_s: Mapping[str, float | None]
+
+    @property
+    def tok_s(self) -> float:
+        return self.output_tokens / self.wall_s
+
+
+def summarize(rounds: Sequence[Round]) -> dict:
+    """One contender at one concurrency: median/best tok/s, latency P50s, CPU ms per token."""
+    tokens = sum(r.output_tokens for r in rounds)
+    cpu: dict[str, float | None] = {}
+    for r in rounds:
+        for name, s in r.cpu_s.items():
+            cpu[name] = None if s is None or cpu.get(name, 0.0) is None else cpu.get(name, 0.0) + s
+
+    def p50(field: str) -> float | None:
+        return percentile([v for r in rounds for v in getattr(r, field)], 50)
+
+    known = [s for n, s in cpu.items() if s is not None and n != CLIENT]
+    return {
+        "median_tok_s": statistics.median(r.tok_s for r in rounds),
+        "best_tok_s": max(r.tok_s for r in rounds),
+        "errors": sum(r.errors for r in rounds),
+        "ttft_p50_ms": p50("ttft_ms"),
+        "tpot_p50_ms": p50("tpot_ms"),
+        "tail_p50_ms": p50("tail_ms"),
+        "cpu_ms_per_token": {
+            n: None if s is None or not tokens else 1000.0 * s / tokens for n, s in cpu.items()
+        },
+        "cpu_ms_per_token_total": 1000.0 * sum(known) / tokens if known and tokens else None,
+    }
+
+
+def ratio(value: float | None, reference: float | None) -> float | None:
+    return None if value is None or not reference else value / reference
+
+
+def _fmt(v: float | None, digits: int = 1) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def table(results: Mapping[int, Mapping[str, dict]]) -> list[str]:
+    """The printed table: one line per concurrency and contender, ratios to vLLM's median."""
+    head = (
+        f"{'conc':>4} {'contender':<14}{'tok/s med':>10}{'best':>8}{'x vLLM':>8}"
+        f"{'TTFT p50':>10}{'TPOT p50':>10}{'tail p50':>10}{'CPU ms/tok':>11}"
+        f"{'same outputs':>16}  CPU ms/tok per process"
+    )
+    lines = [head]
+    for conc, by_name in results.items():
+        ref = by_name.get(REFERENCE, {}).get("median_tok_s")
+        for name, s in by_name.items():
+            per = " ".join(
+                f"{n}={_fmt(v, 2)}"
+                for n, v in s["cpu_ms_per_token"].items()
+                if v is None or v >= 0.005
+            )
+            lines.append(
+                f"{conc:>4} {name:<14}{s['median_tok_s']:>10.1f}{s['best_tok_s']:>8.1f}"
+                f"{_fmt(ratio(s['median_tok_s'], ref), 2):>8}{_fmt(s['ttft_p50_ms']):>10}"
+                f"{_fmt(s['tpot_p50_ms']):>10}{_fmt(s['tail_p50_ms']):>10}"
+                f"{_fmt(s['cpu_ms_per_token_total'], 2):>11}"
+                f"{s.get('same_outputs_as', '-'):>16}  {per}"
+                + (f"  ERRORS {s['errors']}" if s["errors"] else "")
+            )
+    return lines
+
+
+def make_round(
+    contender: str, conc: int, wall_s: float, recs: Sequence[RequestResult], cpu_s, output_len: int
+) -> Round:
+    ok = [r for r in recs if r.ok and len(r.output_token_ids) == output_len]
+    return Round(
+        contender,
+        conc,
+        wall_s,
+        sum(len(r.output_token_ids) for r in recs if r.ok),
+        len(recs) - len(ok),
+        tuple(r.ttft_ms for r in ok if r.ttft_ms is not None),
+        tuple(r.tpot_ms for r in ok if r.tpot_ms is not None),
+        tuple(r.e2el_ms - r.token_times_ms[-1] for r in ok if r.token_times_ms and r.e2el_ms),
+        dict(cpu_s),
+    )
+
+
+# ---- the run ------------------------------------------------------------------------------
+def _reference(names: Sequence[str]) -> str:
+    """Whose outputs the others' are compared with: vLLM's, else our engine's, else the first."""
+    return next((n for n in (REFERENCE, "engine") if n in names), names[0])
+
+
+def _same(a: Sequence[RequestResult], b: Sequence[RequestResult]) -> int:
+    return sum(x.ok and y.ok and x.output_token_ids == y.output_token_ids for x, y in zip(a, b))
+
+
+async def run(cfg: ServedConfig, workdir: Path) -> dict:
+    from pdd.bench.peer_bench import wait_for_quiet
+
+    model_dir = Path(cfg.model) if cfg.model else random_model(workdir)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    fresh = FreshPrompts(vocab, cfg.prompt_len, seed=0)
+    contenders = Contenders(cfg, workdir)
+    results: dict[int, dict[str, dict]] = {}
+    rounds: list[dict] = []
+    spy: PySpy | None = None
+    profile: dict = {}
+    try:
+        contenders.start(model_dir)
+        await contenders.open()
+        names = list(cfg.contenders)
+        for name in names:  # warm-up: first calls pay for connections, compiles, allocations
+            await contenders.round(name, fresh.take(2), f"warm-{name}")
+        if cfg.py_spy:
+            stack_pids = contenders.pids[next(c for c in names if c in STACK_CONTENDERS)]
+            spy = PySpy(
+                cfg.py_spy, {n: g for n, g in stack_pids.items() if n != CLIENT}, workdir / "py-spy"
+            )
+        for conc in cfg.concurrency:
+            done: dict[str, list[Round]] = {n: [] for n in names}
+            same = {n: 0 for n in names}
+            for k in range(cfg.rounds):
+                prompts = fresh.take(conc)
+                outputs = {}
+                order = names[k % len(names) :] + names[: k % len(names)]  # none always first
+                for name in order:
+                    busy = wait_for_quiet(cfg.quiet_threshold, cfg.quiet_max_wait_s)
+                    pids = contenders.pids[name]
+                    before = cpu_snapshot(pids)
+                    wall, recs = await contenders.round(name, prompts, f"n{conc}r{k}")
+                    cpu_s = cpu_delta(before, cpu_snapshot(pids))
+                    r = make_round(name, conc, wall, recs, cpu_s, cfg.output_len)
+                    done[name].append(r)
+                    outputs[name] = recs
+                    rounds.append(asdict(r) | {"busy_before": round(busy, 3)})
+                    first_error = next((x.error_message for x in recs if not x.ok), "")
+                    print(
+                        f"  n={conc:<3} round {k} {name:<14}{r.tok_s:9.1f} tok/s  "
+                        f"(CPUs {busy:.0%} busy before)"
+                        + (f"  {r.errors} errors: {first_error}" if r.errors else ""),
+                        flush=True,
+                    )
+                ref = _reference(names)
+                for name in names:
+                    same[name] += _same(outputs[ref], outputs[name])
+            results[conc] = {n: summarize(done[n]) for n in names}
+            ref = _reference(names)
+            for n in names:
+                results[conc][n]["same_outputs_as"] = f"{ref} {same[n]}/{conc * cfg.rounds}"
+    finally:
+        if spy is not None:
+            profile = spy.stop()
+        await contenders.aclose()
+        contenders.close()
+    return {
+        "config": asdict(cfg),
+        "model": str(model_dir),
+        "results": results,
+        "rounds": rounds,
+        "profile": profile,
+    }
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    # NOTE: the defaults, not a default config: that one would already check for vLLM's venv.
+    d = SimpleNamespace(**{f.name: f.default for f in fields(ServedConfig)})
+    ap = argparse.ArgumentParser(
+        prog="pdd bench served",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("--concurrency", default=",".join(map(str, d.concurrency)))
+    ap.add_argument(
+        "--contenders", default=",".join(d.contenders), help=f"any of {','.join(CONTENDERS)}"
+    )
+    ap.add_argument("--prompt-len", type=int, default=d.prompt_len)
+    ap.add_argument("--output-len", type=int, default=d.output_len)
+    ap.add_argument("--rounds", type=int, default=d.rounds)
+    ap.add_argument("--threads", type=int, default=d.threads)
+    ap.add_argument(
+        "--model", default=d.model, help="a Hugging Face directory (default: a random Llama)"
+    )
+    ap.add_argument("--vllm-python", default=d.vllm_python)
+    ap.add_argument("--quiet-threshold", type=float, default=d.quiet_threshold)
+    ap.add_argument("--quiet-max-wait", type=float, default=d.quiet_max_wait_s)
+    ap.add_argument("--py-spy", default=d.py_spy, help="a py-spy binary: profile the stack")
+    ap.add_argument("--json", type=Path, help="also write every round and the summary here")
+    return ap.parse_args(argv)
+
+
+def config_from(args: argparse.Namespace) -> ServedConfig:
+    return ServedConfig(
+        concurrency=_int_list(args.concurrency, "concurrency"),
+        contenders=tuple(c.strip() for c in args.contenders.split(",") if c.strip()),
+        prompt_len=args.prompt_len,
+        output_len=args.output_len,
+        rounds=args.rounds,
+        threads=args.threads,
+        model=args.model,
+        vllm_python=args.vllm_python,
+        quiet_threshold=args.quiet_threshold,
+        quiet_max_wait_s=args.quiet_max_wait,
+        py_spy=args.py_spy,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse(argv)
+    try:
+        cfg = config_from(args)
+    except ValueError as exc:
+        print(f"pdd bench served: error: {exc}", file=sys.stderr)
+        return 2
+    # NOTE: SIGTERM must unwind through ``finally``: a paused vLLM left behind stays stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    import torch
+
+    torch.set_num_threads(cfg.threads)
+    workdir = Path(tempfile.mkdtemp(prefix="pdd_served_"))
+    print(
+        f"served bench: prompt {cfg.prompt_len} + output {cfg.output_len} tokens, "
+        f"{cfg.rounds} alternating rounds, {cfg.threads} threads; work dir {workdir}",
+        flush=True,
+    )
+    report = asyncio.run(run(cfg, workdir))
+    print()
+    for line in table(report["results"]):
+        print(line)
+    for name, top in report["profile"].items():
+        print(f"\n{name}: self / inclusive share of its py-spy samples")
+        for frame, own, incl in top:
+            print(f"  {own:6.1%} {incl:6.1%}  {frame}")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

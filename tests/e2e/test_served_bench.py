@@ -1,0 +1,65 @@
+"""``pdd bench served`` against a real stack (every service its own process), without vLLM.
+
+A few requests at concurrency 1 and 2 through both of the gateway's doors and both pipelines,
+and our engine in-process: every contender must serve every token, greedy outputs identical to
+the in-process engine's (the design's equivalence of pipelines), and the CPU accounting must
+have read the services it charges.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pdd.bench import served
+from pdd.engine import tiny_model
+
+pytestmark = pytest.mark.slow
+
+
+def test_served_bench_smoke(tmp_path, capsys):
+    model = tiny_model(7, std=0.05).save_hf(tmp_path / "model")
+    out = tmp_path / "served.json"
+    code = served.main(
+        [
+            "--model",
+            str(model),
+            "--contenders",
+            "grpc-p-md,http-p-md,grpc-p-rld-md,engine",
+            "--concurrency",
+            "1,2",
+            "--rounds",
+            "1",
+            "--prompt-len",
+            "24",
+            "--output-len",
+            "8",
+            "--threads",
+            "1",
+            "--quiet-max-wait",
+            "1",
+            "--json",
+            str(out),
+        ]
+    )
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert set(report["results"]) == {"1", "2"}
+    for conc, by_name in report["results"].items():
+        assert set(by_name) == {"grpc-p-md", "http-p-md", "grpc-p-rld-md", "engine"}
+        for name, s in by_name.items():
+            assert s["errors"] == 0, (conc, name)
+            assert s["median_tok_s"] > 0 and s["ttft_p50_ms"] > 0 and s["tpot_p50_ms"] > 0
+            assert s["same_outputs_as"] == f"engine {conc}/{conc}", (conc, name)
+        stack_cpu = by_name["grpc-p-md"]["cpu_ms_per_token"]
+        assert stack_cpu["main_decode-0"] > 0 and stack_cpu["gateway"] > 0
+        assert stack_cpu["prefill-0"] > 0
+    assert {r["contender"] for r in report["rounds"]} == {
+        "grpc-p-md",
+        "http-p-md",
+        "grpc-p-rld-md",
+        "engine",
+    }
+    printed = capsys.readouterr().out
+    assert "x vLLM" in printed and "grpc-p-rld-md" in printed
