@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from pdd.core.errors import PddError, PeerError
+from pdd.core.errors import PeerError
 from pdd.core.instance import InstanceRef, Role
 from pdd.core.pipeline import HandoffMode, Pipeline
 from pdd.core.stage_events import (
@@ -27,7 +27,6 @@ from pdd.core.stage_events import (
     HandedOff,
     HandoffAck,
     HandoffBatch,
-    KvReadiness,
     RelayJob,
     Tokens,
 )
@@ -43,7 +42,6 @@ from pdd.kv.fast_link.state import TransferState, Transport
 from pdd.kv.receiver import KvReceiver
 from pdd.kv.source import BytesSource
 from pdd.kv.transfer import Commit
-from pdd.server.errors import status_for
 from pdd.server.tls import TlsConfig
 from pdd.serving.channels import Channels
 from pdd.serving.engine_loop import EngineLoop
@@ -51,6 +49,7 @@ from pdd.serving.kv_bridge import export_tokens, range_header, wire_bytes
 from pdd.serving.main_decode import MainDecode
 from pdd.serving.model_spec import load_model
 from pdd.serving.relay import Relay, RelayConfig
+from tests.in_process_main_decode import InProcessHandoff, InProcessMainDecode
 
 MODEL = "tiny:3,ctx=256,layers=2,hidden=64,inter=128"
 BLOCK = 4
@@ -76,48 +75,6 @@ class _Instance:
 
     def __init__(self, engine: Engine, runner: EngineLoop) -> None:
         self.engine, self.runner = engine, runner
-
-
-class _Handoff:
-    """A handoff call answered by ``MainDecode.handoff``; its failures as the client's PeerError."""
-
-    def __init__(self, peer: InProcessMainDecode) -> None:
-        self.peer = peer
-        self.finished = self.cancelled = False
-
-    async def send(self, batch: HandoffBatch) -> HandoffAck:
-        self.peer.batches.append(batch)
-        try:
-            return await self.peer.md.handoff(batch)
-        except PddError as exc:
-            code, details = status_for(exc)  # NOTE: what the servicer's status would carry
-            raise PeerError(code.name, details, "main_decode") from None
-
-    async def done(self, *, wait: bool = False) -> None:
-        self.finished = True
-
-    def cancel(self) -> None:
-        self.cancelled = True
-
-
-class InProcessMainDecode:
-    """``MainDecodeClient``'s calls the relay makes, answered by a MainDecode in this process."""
-
-    def __init__(self, md: MainDecode) -> None:
-        self.md = md
-        self.batches: list[HandoffBatch] = []
-        self.calls: list[_Handoff] = []
-
-    async def wait_kv_ready(self, request_id: str, timeout_ms: int) -> KvReadiness:
-        try:
-            return await self.md.wait_kv_ready(request_id, timeout_ms)
-        except PddError as exc:
-            code, details = status_for(exc)
-            raise PeerError(code.name, details, "main_decode") from None
-
-    def token_handoff(self) -> _Handoff:
-        self.calls.append(_Handoff(self))
-        return self.calls[-1]
 
 
 class Stack:
@@ -435,7 +392,7 @@ async def test_a_client_cancelling_mid_handoff_closes_the_handoff_call(ckpt, mod
     on forever (one per such request: what `pdd bench soak` found as a growing task count)."""
     wan_stalled = asyncio.Event()
 
-    class _StalledHandoff(_Handoff):
+    class _StalledHandoff(InProcessHandoff):
         async def send(self, batch: HandoffBatch) -> HandoffAck:
             self.peer.batches.append(batch)
             wan_stalled.set()

@@ -16,7 +16,6 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from pdd.core.errors import PddError, PeerError
 from pdd.core.instance import InstanceRef, Role
 from pdd.core.pipeline import HandoffMode, Pipeline
 from pdd.core.sampling_params import SamplingParams
@@ -25,9 +24,6 @@ from pdd.core.stage_events import (
     DecodeJob,
     Finished,
     HandedOff,
-    HandoffAck,
-    HandoffBatch,
-    KvReadiness,
     RelayJob,
     Tokens,
 )
@@ -40,13 +36,13 @@ from pdd.kv.fast_link.state import TransferState, Transport
 from pdd.kv.receiver import KvReceiver
 from pdd.kv.source import BytesSource
 from pdd.kv.transfer import Commit
-from pdd.server.errors import status_for
 from pdd.server.tls import TlsConfig
 from pdd.serving.channels import Channels
 from pdd.serving.engine_loop import EngineLoop
 from pdd.serving.kv_bridge import export_tokens, range_header, wire_bytes
 from pdd.serving.main_decode import MainDecode
 from pdd.serving.relay import Relay, RelayConfig
+from tests.in_process_main_decode import InProcessMainDecode
 
 MD_REF = InstanceRef("md-0", "in-process:0", Role.MAIN_DECODE)
 
@@ -62,48 +58,6 @@ def _greedy(n: int) -> SamplingParams:
 class _Instance:
     def __init__(self, engine, runner) -> None:
         self.engine, self.runner = engine, runner
-
-
-class _Handoff:
-    """A handoff call answered by ``MainDecode.handoff``; its failures as the client's."""
-
-    def __init__(self, peer: _InProcessMainDecode) -> None:
-        self.peer = peer
-        self.finished = self.cancelled = False
-
-    async def send(self, batch: HandoffBatch) -> HandoffAck:
-        self.peer.batches.append(batch)
-        try:
-            return await self.peer.md.handoff(batch)
-        except PddError as exc:
-            code, details = status_for(exc)
-            raise PeerError(code.name, details, "main_decode") from None
-
-    async def done(self, *, wait: bool = False) -> None:
-        self.finished = True
-
-    def cancel(self) -> None:
-        self.cancelled = True
-
-
-class _InProcessMainDecode:
-    """``MainDecodeClient``'s calls the relay makes, answered by a MainDecode in this process."""
-
-    def __init__(self, md: MainDecode) -> None:
-        self.md = md
-        self.batches: list[HandoffBatch] = []
-        self.calls: list[_Handoff] = []
-
-    async def wait_kv_ready(self, request_id: str, timeout_ms: int) -> KvReadiness:
-        try:
-            return await self.md.wait_kv_ready(request_id, timeout_ms)
-        except PddError as exc:
-            code, details = status_for(exc)
-            raise PeerError(code.name, details, "main_decode") from None
-
-    def token_handoff(self) -> _Handoff:
-        self.calls.append(_Handoff(self))
-        return self.calls[-1]
 
 
 def _computed(prefill, rid: str, prompt: list[int]) -> tuple:
@@ -178,7 +132,7 @@ async def test_p_rld_md_on_vllm_equals_vllm_alone(prefill, relay, md, mode, seed
     await md_loop.start()
     try:
         receiver, fast = KvReceiver(), FastLinkReceiver([ShmReceiverBackend()])
-        peer = _InProcessMainDecode(MainDecode(_Instance(md, md_loop), receiver, kv_timeout_s=60))
+        peer = InProcessMainDecode(MainDecode(_Instance(md, md_loop), receiver, kv_timeout_s=60))
         role = Relay(
             _Instance(relay, relay_loop),
             fast,
