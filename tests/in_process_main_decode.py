@@ -1,4 +1,5 @@
-"""A MainDecode in this process, answering the calls a relay makes of ``MainDecodeClient``.
+"""A MainDecode in this process, answering the calls a relay makes of ``MainDecodeClient``, and
+the readers of a relay's event stream.
 
 Shared by the relay's request-life tests on our engine (tests/unit/test_relay_life.py) and on
 vLLM (tests/vllm/test_vllm_relay.py): a domain error becomes the PeerError the client would raise.
@@ -6,8 +7,10 @@ vLLM (tests/vllm/test_vllm_relay.py): a domain error becomes the PeerError the c
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 from pdd.core.errors import PddError, PeerError
-from pdd.core.stage_events import HandoffAck, HandoffBatch, KvReadiness
+from pdd.core.stage_events import HandoffAck, HandoffBatch, KvReadiness, Tokens
 from pdd.server.errors import status_for
 from pdd.serving.main_decode import MainDecode
 
@@ -52,3 +55,22 @@ class InProcessMainDecode:
     def token_handoff(self) -> InProcessHandoff:
         self.calls.append(InProcessHandoff(self))
         return self.calls[-1]
+
+
+def positions(events) -> dict[int, int]:
+    """Output position → token of the ``Tokens`` among ``events`` (no position twice)."""
+    out: dict[int, int] = {}
+    for ev in events:
+        if isinstance(ev, Tokens):
+            for i, tok in enumerate(ev.token_ids):
+                assert ev.start_position + i not in out, "a position streamed twice"
+                out[ev.start_position + i] = tok
+    return out
+
+
+async def read_through(stream: AsyncIterator, position: int) -> list:
+    """The relay's events up to (and with) the one carrying output ``position``."""
+    events: list = []
+    while position not in positions(events):
+        events.append(await anext(stream))
+    return events

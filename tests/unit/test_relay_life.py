@@ -28,7 +28,6 @@ from pdd.core.stage_events import (
     HandoffAck,
     HandoffBatch,
     RelayJob,
-    Tokens,
 )
 from pdd.engine.config import EngineConfig
 from pdd.engine.engine import Engine
@@ -49,7 +48,12 @@ from pdd.serving.kv_bridge import export_tokens, range_header, wire_bytes
 from pdd.serving.main_decode import MainDecode
 from pdd.serving.model_spec import load_model
 from pdd.serving.relay import Relay, RelayConfig
-from tests.in_process_main_decode import InProcessHandoff, InProcessMainDecode
+from tests.in_process_main_decode import (
+    InProcessHandoff,
+    InProcessMainDecode,
+    positions,
+    read_through,
+)
 
 MODEL = "tiny:3,ctx=256,layers=2,hidden=64,inter=128"
 BLOCK = 4
@@ -176,24 +180,6 @@ def _jobs(rid, prompt, n, mode, pipeline=Pipeline.P_RLD_MD, salt="s"):
     )
 
 
-def _positions(events) -> dict[int, int]:
-    out: dict[int, int] = {}
-    for ev in events:
-        if isinstance(ev, Tokens):
-            for i, tok in enumerate(ev.token_ids):
-                assert ev.start_position + i not in out, "a position streamed twice"
-                out[ev.start_position + i] = tok
-    return out
-
-
-async def _read_through(stream: AsyncIterator, position: int) -> list:
-    """The relay's events up to (and with) the one carrying output ``position``."""
-    events: list = []
-    while position not in _positions(events):
-        events.append(await stream.__anext__())
-    return events
-
-
 def _reference(ckpt, prompt, n) -> list[int]:
     return _engine(ckpt).generate([prompt], SamplingParams(max_tokens=n, ignore_eos=True))[0]
 
@@ -213,7 +199,7 @@ async def test_handoff_output_equals_a_single_engine(ckpt, oracle, mode):
         await stack.send_fast("r1", PROMPT, "s")
         stream = stack.relay.decode(relay_job)
         # NOTE: MainDecode's KV arrives once the relay streamed a few tokens, as over a WAN.
-        relay_events = await _read_through(stream, 8)
+        relay_events = await read_through(stream, 8)
         await stack.push_wan("r1", PROMPT, "s")
         relay_events += [ev async for ev in stream]
         await asyncio.wait_for(md_task, 30)
@@ -230,7 +216,7 @@ async def test_handoff_output_equals_a_single_engine(ckpt, oracle, mode):
         final = stack.peer.batches[-1]
         assert final.final and not final.request_finished
         assert final.start_position + len(final.token_ids) == at
-        relayed, md_out = _positions(relay_events), _positions(md_events)
+        relayed, md_out = positions(relay_events), positions(md_events)
         # The relay streams its own tokens (prefill's first is not its) up to the handoff,
         # MainDecode from there on: no gap, no overlap.
         assert sorted(relayed) == list(range(1, at)) and sorted(md_out) == list(range(at, n))
@@ -255,7 +241,7 @@ async def test_request_finishing_on_the_relay_still_hands_its_tokens_over(ckpt, 
         stream = stack.relay.decode(relay_job)
         # NOTE: MainDecode gets its KV only once the relay has streamed its last token: the
         # request finishes here first, and the relay waits for MainDecode to hold the KV.
-        relay_events = await _read_through(stream, n - 1)
+        relay_events = await read_through(stream, n - 1)
         assert stack.peer.batches == []
         await stack.push_wan("r2", prompt, "fin")
         relay_events += [ev async for ev in stream]
@@ -264,14 +250,14 @@ async def test_request_finishing_on_the_relay_still_hands_its_tokens_over(ckpt, 
         assert relay_events[-1] == Finished("length", n)
         assert not any(isinstance(ev, HandedOff) for ev in relay_events)
         first = stack.prefilled("r2", prompt, "fin")[1]
-        relayed = _positions(relay_events)
+        relayed = positions(relay_events)
         tokens = [first] + [relayed[p] for p in range(1, n)]
         oracle.assert_greedy_equal(prompt, tokens, _reference(ckpt, prompt, n))
         (batch,) = stack.peer.batches
         assert batch.request_finished and batch.final and batch.start_position == 0
         assert list(batch.token_ids) == tokens
         # MainDecode extended every token into its DRC and emitted none of them.
-        assert _positions(md_events) == {} and isinstance(md_events[-1], Finished)
+        assert positions(md_events) == {} and isinstance(md_events[-1], Finished)
         held = await stack.md_loop.call(stack.md_engine.prefix_match_len, prompt + tokens, "fin")
         assert held == (len(prompt) + n) // BLOCK * BLOCK
 
@@ -309,14 +295,14 @@ async def test_a_main_decode_lost_before_its_kv_leaves_the_relay_decoding_alone(
         md_task = await _open_md(stack, md_job, md_events)
         await stack.send_fast("r4", PROMPT, "s")
         stream = stack.relay.decode(relay_job)
-        relay_events = await _read_through(stream, 4)
+        relay_events = await read_through(stream, 4)
         md_task.cancel()  # NOTE: MainDecode loses the request; the relay's long-poll learns it
         with contextlib.suppress(asyncio.CancelledError):
             await md_task
         relay_events += [ev async for ev in stream]
         assert relay_events[-1] == Finished("length", n) and stack.peer.batches == []
         first = stack.prefilled("r4", PROMPT, "s")[1]
-        relayed = _positions(relay_events)
+        relayed = positions(relay_events)
         assert sorted(relayed) == list(range(1, n))
         tokens = [first] + [relayed[p] for p in range(1, n)]
         oracle.assert_greedy_equal(PROMPT, tokens, _reference(ckpt, PROMPT, n))
@@ -334,9 +320,9 @@ async def test_a_rehomed_main_decode_rebuilds_the_kv_and_continues_from_the_fina
         relay_job, _ = _jobs("r5", PROMPT, n, HandoffMode.ONE_SHOT)
         await stack.send_fast("r5", PROMPT, "s")
         stream = stack.relay.decode(relay_job)
-        relay_events = await _read_through(stream, k - 1)
+        relay_events = await read_through(stream, k - 1)
         first = stack.prefilled("r5", PROMPT, "s")[1]
-        streamed = [first] + [_positions(relay_events)[p] for p in range(1, k)]
+        streamed = [first] + [positions(relay_events)[p] for p in range(1, k)]
         rehome = DecodeJob(
             "r5", tuple(PROMPT), relay_job.sampling, "s", Pipeline.P_RLD_MD, tuple(streamed)
         )
@@ -344,14 +330,14 @@ async def test_a_rehomed_main_decode_rebuilds_the_kv_and_continues_from_the_fina
         md_task = await _open_md(stack, rehome, md_events)
         readiness = await stack.peer.wait_kv_ready("r5", 30_000)
         assert readiness.ready
-        relay_events += await _read_through(stream, k + 5)  # the relay stays the stream meanwhile
+        relay_events += await read_through(stream, k + 5)  # the relay stays the stream meanwhile
         await stream.aclose()  # NOTE: the gateway takes the request from the relay
-        relayed = _positions(relay_events)
+        relayed = positions(relay_events)
         taken = [first] + [relayed[p] for p in range(1, max(relayed) + 1)]
         call = stack.peer.token_handoff()
         await call.send(HandoffBatch("r5", 0, tuple(taken), final=True))
         await asyncio.wait_for(md_task, 30)
-        md_out = _positions(md_events)
+        md_out = positions(md_events)
         assert sorted(md_out) == list(range(len(taken), n))  # nothing before the batch's end
         tokens = taken + [md_out[p] for p in range(len(taken), n)]
         oracle.assert_greedy_equal(PROMPT, tokens, _reference(ckpt, PROMPT, n))
@@ -378,7 +364,7 @@ async def test_a_request_rerouted_here_resumes_from_the_streamed_tokens_and_fini
         )
         events = [ev async for ev in stack.relay.decode(resumed)]
         assert isinstance(events[0], Accepted) and events[-1] == Finished("length", n)
-        relayed = _positions(events)
+        relayed = positions(events)
         assert sorted(relayed) == list(range(k, n)) and stack.peer.batches == []
         tokens = list(ref[:k]) + [relayed[p] for p in range(k, n)]
         oracle.assert_greedy_equal(PROMPT, tokens, ref)

@@ -25,7 +25,6 @@ from pdd.core.stage_events import (
     Finished,
     HandedOff,
     RelayJob,
-    Tokens,
 )
 from pdd.kv.chunking import split
 from pdd.kv.fast_link.receiver import FastLinkReceiver
@@ -42,7 +41,7 @@ from pdd.serving.engine_loop import EngineLoop
 from pdd.serving.kv_bridge import export_tokens, range_header, wire_bytes
 from pdd.serving.main_decode import MainDecode
 from pdd.serving.relay import Relay, RelayConfig
-from tests.in_process_main_decode import InProcessMainDecode
+from tests.in_process_main_decode import InProcessMainDecode, positions, read_through
 
 MD_REF = InstanceRef("md-0", "in-process:0", Role.MAIN_DECODE)
 
@@ -97,23 +96,6 @@ async def _push_wan(receiver: KvReceiver, rid: str, kv, header, first: int) -> N
     assert (await receiver.receive(items())).complete
 
 
-def _positions(events) -> dict[int, int]:
-    out: dict[int, int] = {}
-    for ev in events:
-        if isinstance(ev, Tokens):
-            for i, tok in enumerate(ev.token_ids):
-                assert ev.start_position + i not in out, "a position streamed twice"
-                out[ev.start_position + i] = tok
-    return out
-
-
-async def _read_through(stream: AsyncIterator, position: int) -> list:
-    events: list = []
-    while position not in _positions(events):
-        events.append(await anext(stream))
-    return events
-
-
 async def _drain(events: AsyncIterator, into: list) -> None:
     async for ev in events:
         into.append(ev)
@@ -154,7 +136,7 @@ async def test_p_rld_md_on_vllm_equals_vllm_alone(prefill, relay, md, mode, seed
         await _send_fast(fast, rid, kv, header, first)
         stream = role.decode(RelayJob(rid, tuple(prompt), sampling, "", MD_REF, mode))
         # NOTE: MainDecode's KV arrives once the relay streamed a few tokens, as over a WAN.
-        relay_events = await _read_through(stream, 8)
+        relay_events = await read_through(stream, 8)
         await _push_wan(receiver, rid, kv, header, first)
         relay_events += [ev async for ev in stream]
         await asyncio.wait_for(md_task, 120)
@@ -170,7 +152,7 @@ async def test_p_rld_md_on_vllm_equals_vllm_alone(prefill, relay, md, mode, seed
             assert handed.rounds == 1 and len(peer.batches) == 1
         final = peer.batches[-1]
         assert final.final and final.start_position + len(final.token_ids) == at
-        relayed, md_out = _positions(relay_events), _positions(md_events)
+        relayed, md_out = positions(relay_events), positions(md_events)
         assert sorted(relayed) == list(range(1, at)) and sorted(md_out) == list(range(at, n))
         assert isinstance(md_events[-1], Finished) and md_events[-1].completion_tokens == n
         tokens = [first] + [relayed[p] for p in range(1, at)] + [md_out[p] for p in range(at, n)]
