@@ -127,6 +127,11 @@ soak: venv system-deps
 bench: venv system-deps
 	$(VENV)/bin/pdd demo --preset full
 
+.PHONY: sim
+# The simulator at the report's scale: the report's figures beside the simulated ones (README).
+sim: venv
+	$(VENV)/bin/pdd bench sim --report --goodput
+
 bench-engine: venv
 	$(PY) -m pdd.bench.engine_bench
 

@@ -9,7 +9,6 @@ transfers in step units, split at the router's hit threshold.
 
 from __future__ import annotations
 
-import os
 import random
 import time
 from collections.abc import Sequence
@@ -21,6 +20,8 @@ from pdd.bench.record import RequestResult
 FP32_BYTES = 4
 # The profile's per-request stack costs and the bench mode that measures each.
 OVERHEADS = {"request_overhead_ms": "idc-pd", "md_request_overhead_ms": "pdd"}
+# The stack's cost per decode step of each stage (``calibrate_stack.measure_stream``).
+STREAM = ("md_stream_ms_per_step", "relay_stream_ms_per_step")
 NOT_MEASURED = "not measured (`pdd bench calibrate --stack` measures it)"
 
 
@@ -126,6 +127,26 @@ def _fit(rows: Sequence[Sequence[float]], ys: Sequence[float]) -> list[float]:
     return [max(0.0, float(c)) for c in coef]
 
 
+def _decode_step_ms(engine, prompts: list[list[int]], steps: int) -> float:
+    """The median time of one decode step with ``prompts`` all decoding (prefill excluded)."""
+    from pdd.engine import SamplingParams
+
+    sp = SamplingParams(max_tokens=steps + 4, ignore_eos=True)
+    rids = [f"calibrate-{len(p)}-{i}-{time.monotonic_ns()}" for i, p in enumerate(prompts)]
+    for rid, prompt in zip(rids, prompts):
+        engine.add_request(rid, prompt, sp)
+    for _ in range(sum(map(len, prompts)) + 1):  # NOTE: a bound: each step computes >= 1 token
+        if len(engine.last_batch) == len(rids) and all(n == 1 for _, n in engine.last_batch):
+            break
+        engine.step()  # prefill, until one step decodes every prompt
+    else:
+        raise RuntimeError(f"calibrate: {len(rids)} prompts never decoded in one step together")
+    times = [_timed(engine.step) for _ in range(steps)]
+    while engine.has_unfinished():
+        engine.step()  # NOTE: a finished request leaves the engine (and frees its KV) by itself
+    return float(np.median(times))
+
+
 def measure_engine(
     model: str, *, threads: int = 1, kv_cache_mb: int = 256, quick: bool = False
 ) -> dict:
@@ -154,18 +175,15 @@ def measure_engine(
             for n in lengths
         }
         o, a, b = _fit([(1, n, n * n / 2) for n in lengths], [pre[n] for n in lengths])
-        # Decode: B prompts of c tokens, N steps, less the prefill-only time, per step.
+        # Decode: B prompts of c tokens; once every one decodes, each step timed alone (median).
+        # NOTE: not a whole generate less a prefill-only one: on a busy host the two prefills'
+        # jitter is larger than the few ms of steps between them.
         steps = 8 if quick else 16
         rows, ys = [], []
         for batch in (1, 4) if quick else (1, 2, 4, 8):
             for ctx in (256, 1024):
-                sp = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
-                t1 = _timed(lambda b=batch, c=ctx: engine.generate([ids(c) for _ in range(b)], one))
-                t2 = _timed(
-                    lambda b=batch, c=ctx, sp=sp: engine.generate([ids(c) for _ in range(b)], sp)
-                )
                 rows.append((1, batch, batch * ctx / 1e6))
-                ys.append(max(1e-3, (t2 - t1) / steps))
+                ys.append(_decode_step_ms(engine, [ids(ctx) for _ in range(batch)], steps))
         s0, s1, s2 = _fit(rows, ys)
         # Extend by k: k new tokens after a cached 512-token prefix (one chunk), vs the step alone.
         ks = (8, 32, 128)
@@ -193,8 +211,8 @@ def measure_engine(
         "prefill_chunk_tokens": (2048, "pdd/engine/config.py: max_num_batched_tokens (prefill's)"),
         "decode_step_ms": (
             s0,
-            f"{how}: step ms {[round(y, 3) for y in ys]} at (batch, ctx) "
-            f"{[(r[1], int(r[2] * 1e6 / r[1])) for r in rows]}, least squares",
+            f"{how}: step ms (median of {steps} steps each) {[round(y, 3) for y in ys]} at "
+            f"(batch, ctx) {[(r[1], int(r[2] * 1e6 / r[1])) for r in rows]}, least squares",
         ),
         "decode_ms_per_seq": (s1, f"{how}: the fit's batch term"),
         "decode_ms_per_mtok": (s2, f"{how}: the fit's context term"),
@@ -208,63 +226,6 @@ def measure_engine(
         ),
         "max_batch": (cfg.max_num_seqs, "pdd/engine/config.py: max_num_seqs"),
     }
-
-
-def measure_stack(
-    testbed,
-    chip: dict,
-    mode: str = "idc-pd",
-    *,
-    requests: int = 12,
-    prompt_tokens: int = 64,
-    gap_ms: float = 400.0,
-) -> tuple[float, str]:
-    """The serving stack's own cost per request: the testbed stack (pinned as the bench runs it)
-    serves ``requests`` tiny one-turn requests one at a time; their median TTFDT less what the
-    fitted chip says the engines compute. ``idc-pd``: pipeline P-MD on the unshaped link (a prefill
-    of ``prompt_tokens``, one decode step); ``pdd``: the router's local prefill sends them down
-    pipeline MD (MainDecode computes them in one step; the WAN's delay each way is the sim's)."""
-    import tempfile
-    from pathlib import Path
-
-    from pdd.bench.runner import run_mode
-    from pdd.bench.trace import TraceRequest
-
-    rng = random.Random(1)
-    trace = [
-        TraceRequest(
-            request_id=f"cal{i}",
-            session_id=f"cal{i}",
-            timestamp_ms=i * gap_ms,
-            prompt_token_ids=[rng.randrange(10, 4000) for _ in range(prompt_tokens)],
-            max_tokens=4,
-            expected_hit=0.0,
-        )
-        for i in range(requests)
-    ]
-    with tempfile.TemporaryDirectory() as d:
-        out = run_mode(trace, mode, Path(d) / f"{mode}.json", testbed=testbed)
-    want = "p-md" if mode == "idc-pd" else "md"
-    ttfdt = [r.ttfdt_ms for r in out.records if r.ok and r.pipeline == want and r.ttfdt_ms]
-    if len(ttfdt) < requests // 2:
-        raise RuntimeError(f"calibrate --stack: only {len(ttfdt)}/{requests} requests served")
-    v = {k: val for k, (val, _) in chip.items()}
-    n = prompt_tokens
-    step = v["decode_step_ms"] + v["decode_ms_per_seq"]
-    if want == "p-md":
-        pre = n / v["prefill_tokens_per_s"] * 1e3 * (1 + n / 2 / v["prefill_attention_tokens"])
-        compute = v["prefill_overhead_ms"] + pre + step
-    else:
-        compute = step + n * v["extend_ms_per_token"] + 2 * testbed.wan_delay_ms
-    med = float(np.median(ttfdt))
-    how = (
-        f"measured by `pdd bench calibrate --stack`, {time.strftime('%Y-%m-%d')}: {len(ttfdt)} "
-        f"idle {n}-token {mode} requests (pipeline {want}) through the pinned testbed stack, TTFDT P50 "
-        f"{med:.1f} ms (P10-P90 {np.percentile(ttfdt, 10):.1f}-{np.percentile(ttfdt, 90):.1f}) "
-        f"less the {compute:.1f} ms the simulator computes for them; host load average "
-        f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
-    )
-    return max(0.0, med - compute), how
 
 
 def write_profile(
@@ -293,7 +254,9 @@ def write_profile(
                 "kv_wire_ratio": entry((1.0, wire)),
                 **{
                     k: entry(v)
-                    for k, v in (overheads or {k: (0.0, NOT_MEASURED) for k in OVERHEADS}).items()
+                    for k, v in (
+                        overheads or {k: (0.0, NOT_MEASURED) for k in (*OVERHEADS, *STREAM)}
+                    ).items()
                 },
                 "chips": chips,
                 "link": {k: entry(v) for k, v in link.items()},
@@ -321,7 +284,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--kv-cache-mb", type=int, default=tb.kv_cache_mb)
     p.add_argument("--quick", action="store_true", help="fewer points (~15 s)")
     p.add_argument(
-        "--stack", action="store_true", help="also the stack's per-request cost (~1 min: pdd bench)"
+        "--stack",
+        action="store_true",
+        help="also the stack's cost per request and per decode step (~2 min: pdd bench)",
     )
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
@@ -341,7 +306,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     kw = {}
     if a.stack:
-        kw["overheads"] = {k: measure_stack(tb, chip, mode) for k, mode in OVERHEADS.items()}
+        from pdd.bench.calibrate_stack import measure_stack, measure_stream
+
+        over = {k: measure_stack(tb, chip, mode) for k, mode in OVERHEADS.items()}
+        over.update(measure_stream(tb, chip))
+        kw["overheads"] = over
     write_profile(
         a.out,
         chip,

@@ -8,7 +8,7 @@ less cost — and IDC-PD's points for the same prefill sizes as the baseline; ``
 vs cost per mode.
 
     pdd plan [--profile report] [--dist skewed] [--prefill 6,8] [--relay 1,3] [--md 4,8]
-             [--threshold 0.95] [--sla-p90 10 --sla-p99 15] [--prices 1,0.8,0.05] [--plot F.png]
+             [--threshold 0.95] [--sla-p90 10 --sla-p99 15] [--prices 1,0.727,0.05] [--plot F.png]
 """
 
 from __future__ import annotations
@@ -151,7 +151,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--sla-p90", type=float, default=d.sla_p90_s)
     p.add_argument("--sla-p99", type=float, default=d.sla_p99_s)
     p.add_argument(
-        "--prices", type=_floats, default=[1.0, 0.8, 0.05], help="flagship,bandwidth,wan line"
+        "--prices",
+        type=_floats,
+        default=[Prices().flagship, Prices().bandwidth, Prices().wan_line],
+        help="flagship,bandwidth,wan line (economics.Prices: the MainDecode chip's is derived)",
     )
     p.add_argument("--max-rps", type=float, default=24.0)
     p.add_argument("--steps", type=int, default=5, help="bisection steps per point")

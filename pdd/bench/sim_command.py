@@ -4,7 +4,8 @@ Runs ``simulator.simulate`` for each hit distribution and mode and prints the ta
 ``--goodput`` searches each mode's goodput under the SLA and PDD's benefit-cost ratio
 (``economics``); ``--report`` prints the report's figures beside the simulated ones with the error
 of each (``sim_report``); ``--validate`` replays the recorded ``pdd bench`` run with this machine's
-profile and prints the check (``sim_validate``).
+profile and prints the check (``sim_validate``); ``--digest DIR --json OUT`` records a ``pdd demo``
+folder as such a run (``profiles/demo_run.json``'s form).
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--report", action="store_true", help="the report's figures, simulated vs report"
     )
     p.add_argument("--validate", action="store_true", help="check against the recorded bench run")
+    p.add_argument(
+        "--recorded", default=str(sim_validate.RECORDED), help="the recorded run --validate replays"
+    )
+    p.add_argument("--digest", default=None, help="a `pdd demo` folder to record (with --json)")
     p.add_argument("--json", default=None, help="write every run as JSON here")
     for name, value in asdict(d).items():
         flag = "--" + name.replace("_", "-")
@@ -49,15 +54,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     modes = [m.strip() for m in a.pop("modes").split(",") if m.strip()]
     want_goodput, out = a.pop("goodput"), a.pop("json")
     want_report, want_validate = a.pop("report"), a.pop("validate")
+    recorded, digest_dir = a.pop("recorded"), a.pop("digest")
     if out and not Path(out).resolve().parent.is_dir():  # NOTE: before the runs, not after them
         p.error(f"--json: no folder {Path(out).resolve().parent}")
+    if digest_dir is not None:
+        if not out:
+            p.error("--digest: needs --json OUT (where the recorded run goes)")
+        if not (Path(digest_dir) / "trace.jsonl").is_file():
+            p.error(f"--digest: no trace.jsonl in {digest_dir}")
+        Path(out).write_text(json.dumps(sim_validate.digest(digest_dir), indent=0) + "\n")
+        print(f"wrote {out}")
+        return 0
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:
         p.error(f"--modes: choose from {', '.join(MODES)}, got {','.join(bad) or 'none'}")
     try:
         cfgs = [SimConfig(**{**a, "dist": dist}) for dist in dists]
         if want_validate:
-            rows = sim_validate.validate()
+            rows = sim_validate.validate(recorded)
             print(sim_validate.table(rows))
             return 0 if all(r["ok"] for r in rows) else 1
         if want_report:

@@ -3,9 +3,11 @@
 ``DecodeInstance`` (relay, MainDecode, IDC decode): every step decodes one token for each running
 sequence and takes up to ``prefill_chunk_tokens`` of queued prefill/extend work (a local prefill,
 a handoff's extension) into the same step, whose time is the chip profile's
-``decode_ms(batch, context) + chunk tokens × extend_ms_per_token``. KV memory is one budget of
-``kv_budget_tokens``: locked cache hits + every admitted sequence's reservation (prompt + output) +
-the radix cache, whose LRU entries are evicted to make room; a sequence that does not fit waits.
+``decode_ms(batch, context) + chunk tokens × extend_ms_per_token`` plus what the served stage adds
+to every step (``stream_ms``: its serving loop and its core's neighbours, from the profile). KV
+memory is one budget of ``kv_budget_tokens``: locked cache hits + every admitted sequence's
+reservation (prompt + output) + the radix cache, whose LRU entries are evicted to make room; a
+sequence that does not fit waits.
 Per step the work is O(1 + sequences joining or leaving): a sequence's last step is known when it
 joins (a heap), and its token count at time t is the steps ended since it joined (``produced``).
 
@@ -71,8 +73,12 @@ class _Job:
 
 
 class DecodeInstance:
-    def __init__(self, loop: EventLoop, chip: ChipProfile, name: str) -> None:
+    def __init__(
+        self, loop: EventLoop, chip: ChipProfile, name: str, stream_ms: float = 0.0
+    ) -> None:
         self.loop, self.chip, self.name = loop, chip, name
+        # The served stage's cost per step beyond the engine's (``Profile.*_stream_ms_per_step``).
+        self.stream_ms = stream_ms
         self.cache = SessionCache()
         self.locked = 0
         self.reserved = 0
@@ -84,6 +90,7 @@ class DecodeInstance:
         self.starting: list[Seq] = []
         self.step = 0  # steps ended
         self.step_ends: list[float] = []
+        self.step_tokens: list[int] = []  # decode tokens each step streamed (for the ITL)
         self.busy = False
         self.busy_s = 0.0
         self._ids = itertools.count()
@@ -162,7 +169,7 @@ class DecodeInstance:
             budget -= n
             chunk_ms += n * self.chip.extend_ms_per_token
             self._chunked.append((s, n))
-        ms = self.chip.decode_ms(max(self.running, 1), self.context) + chunk_ms
+        ms = self.chip.decode_ms(max(self.running, 1), self.context) + chunk_ms + self.stream_ms
         self.busy = True
         self.busy_s += ms / 1e3
         self.loop.at(self.loop.now + ms / 1e3, self._end)
@@ -171,6 +178,7 @@ class DecodeInstance:
         now = self.loop.now
         self.step += 1
         self.step_ends.append(now)
+        self.step_tokens.append(self.running)
         self.context += self.running
         for s in self.starting:
             if not s.stopped:

@@ -72,6 +72,20 @@ class SimLink:
         self._version = 0
         # Time during which every stream of the pool was busy (pool saturation).
         self.saturated_s = 0.0
+        # What the live prefill's ``LinkMeter`` reports to the router: bytes moved per second of
+        # time with a transfer in flight, and the bytes of open pushes not yet across.
+        self.busy_s = 0.0
+        self.moved = 0.0
+        self.outstanding = 0.0
+
+    def sync(self) -> None:
+        """Bring the busy-time counters up to now (between events)."""
+        self._advance()
+
+    @property
+    def measured_bps(self) -> float:
+        """Bytes per second of busy time so far (0: nothing sent yet), as ``LinkMeter`` measures."""
+        return self.moved / self.busy_s if self.busy_s > 0 else 0.0
 
     def _rate(self) -> float:
         return min(self.bytes_per_s / len(self.active), self.stream_cap) if self.active else 0.0
@@ -83,6 +97,8 @@ class SimLink:
             sent = self._rate() * dt
             for t in self.active:
                 t.remaining -= sent
+            self.busy_s += dt
+            self.moved += sent * len(self.active)
             if len(self.active) == self.streams:
                 self.saturated_s += dt
         self._last = now

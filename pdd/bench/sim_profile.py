@@ -19,6 +19,7 @@ The cost model of one chip (an *instance*: the unit that runs one batch):
   prefill step    overhead + Σ_chunks n / rate × (1 + (cached + n/2) / attention_tokens)
                   (the attention term: per-token cost grows with the context it attends to)
   decode step     step_ms + ms_per_seq × batch + ms_per_mtok × (context tokens in the batch) / 1e6
+                  (+ the profile's ``md_`` / ``relay_stream_ms_per_step``: the served stage's cost)
   extend by k     a prefill chunk of k tokens on the decode chip: its step + k × extend_ms_per_token
   KV budget       ``kv_budget_tokens`` of KV per instance: running requests and the radix cache
                   share it, so the batch and the hit rate are both bounded by it.
@@ -37,6 +38,8 @@ PROFILE_NUMBERS = (
     "kv_wire_ratio",
     "request_overhead_ms",
     "md_request_overhead_ms",
+    "md_stream_ms_per_step",
+    "relay_stream_ms_per_step",
 )
 
 
@@ -132,11 +135,18 @@ class Profile:
     request_overhead_ms: float = 0.0
     # The same for pipeline MD (no prefill stage, no KV transfer: fewer hops).
     md_request_overhead_ms: float = 0.0
+    # What a served decode stage adds to each of its steps beyond the bare engine's step: the
+    # serving loop handing the step's tokens to the event loop and out as gRPC messages, and the
+    # processes sharing its core (on the testbed MainDecode's core also runs the WAN emulator that
+    # forwards its tokens; the relay's runs prefill, the gateway and the bench client, which
+    # handle every token of every request).
+    md_stream_ms_per_step: float = 0.0
+    relay_stream_ms_per_step: float = 0.0
 
     def __post_init__(self) -> None:
         if self.kv_bytes_per_token <= 0:
             raise ValueError(f"kv_bytes_per_token: must be > 0, got {self.kv_bytes_per_token}")
-        for name in ("request_overhead_ms", "md_request_overhead_ms"):
+        for name in PROFILE_NUMBERS[2:]:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
         if not 0 < self.kv_wire_ratio <= 1:
@@ -194,6 +204,8 @@ def parse_profile(d: dict) -> Profile:
         kv_wire_ratio=float(kv["kv_wire_ratio"]),
         request_overhead_ms=float(kv["request_overhead_ms"]),
         md_request_overhead_ms=float(kv["md_request_overhead_ms"]),
+        md_stream_ms_per_step=float(kv["md_stream_ms_per_step"]),
+        relay_stream_ms_per_step=float(kv["relay_stream_ms_per_step"]),
     )
 
 

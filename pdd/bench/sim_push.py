@@ -31,9 +31,15 @@ class WanPush:
     ) -> None:
         self.loop, self.link, self.kv, self.landed = loop, link, bytes_per_token, landed
         self.sent_to = start  # prompt position up to which KV is handed to the link
+        self.total = 0.0  # the delta's bytes, once known (``expect``): the link's outstanding
         self.pending = 0.0
         self.busy = self.closed = self.over = False
         self.queue = self.flight = 0.0  # seconds waiting for a pool slot / on the wire, summed
+
+    def expect(self, nbytes: float) -> None:
+        """The push registers its whole delta with the link (the router sees it outstanding)."""
+        self.total = nbytes
+        self.link.outstanding += nbytes
 
     def feed(self, upto: int) -> None:
         """Prefill holds the prompt's KV up to position ``upto``."""
@@ -51,12 +57,15 @@ class WanPush:
             return
         if self.pending > 0:
             nbytes, self.pending, self.busy = self.pending, 0.0, True
-            self.link.submit(nbytes, self._sent)
+            self.link.submit(nbytes, lambda q, f: self._sent(q, f, nbytes))
         elif self.closed:
             self.over = True
             self.landed()
 
-    def _sent(self, queue: float, flight: float) -> None:
+    def _sent(self, queue: float, flight: float, nbytes: float) -> None:
+        moved = min(nbytes, self.total)
+        self.total -= moved
+        self.link.outstanding -= moved
         self.queue += queue
         self.flight += flight
         self.busy = False

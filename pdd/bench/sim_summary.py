@@ -19,6 +19,26 @@ def pct(xs: Sequence[float], scale: float = 1.0) -> dict:
     }
 
 
+def itl_p50_ms(decoders: Sequence) -> float | None:
+    """The median gap between a stream's consecutive tokens over every decode instance's steps:
+    each step that follows a decoding step is one gap for each token it streamed (as the bench's
+    ITL counts a gap per token message)."""
+    gaps, weights = [], []
+    for d in decoders:
+        ends, toks = np.asarray(d.step_ends), np.asarray(d.step_tokens)
+        if len(ends) < 2:
+            continue
+        keep = (toks[1:] > 0) & (toks[:-1] > 0)  # NOTE: back to back: the step before decoded too
+        gaps.append(np.diff(ends)[keep])
+        weights.append(toks[1:][keep])
+    if not gaps or not sum(len(g) for g in gaps):
+        return None
+    g, w = np.concatenate(gaps), np.concatenate(weights)
+    order = np.argsort(g)
+    cum = np.cumsum(w[order])
+    return float(g[order][np.searchsorted(cum, cum[-1] / 2)] * 1e3)
+
+
 def summarize(run, outcomes: Sequence) -> dict:
     """``run`` is the simulator's ``_Run``; requests arriving before ``warmup_s`` are left out."""
     cfg = run.cfg
@@ -57,6 +77,7 @@ def summarize(run, outcomes: Sequence) -> dict:
         "pipelines": {p: sum(o.pipeline == p for o in done) for p in ("md", "p-md", "p-rld-md")},
         "handoffs": {h: sum(o.handoff == h for o in done) for h in ("one-shot", "catch-up")},
         "handoff_gap_ms": pct([o.gap for o in done], 1000),
+        "itl_ms_p50": itl_p50_ms(decoders),
         "busy": {
             "prefill": sum(p.busy_s for p in run.prefill) / horizon / max(1, len(run.prefill)),
             "main_decode": sum(m.busy_s for m in run.mds) / horizon / max(1, len(run.mds)),

@@ -1,10 +1,16 @@
 """The simulator checked against a recorded ``pdd bench`` run before it is trusted at scale.
 
 The recorded run (``profiles/demo_run.json``: the demo trace's shape per request and each mode's
-measured TTFDT and RLD share) is replayed through the simulator with this machine's profile
-(``profiles/testbed.json``, written by ``pdd bench calibrate``) on the testbed's deployment (one
-prefill, one MainDecode, one relay in PDD; the WAN emulator's bandwidth and delay; the bench's
-router settings). Each mode's P50 / P90 TTFDT and RLD share must come within ``TOLERANCE``.
+measured TTFDT and RLD share; ``digest`` writes it from a ``pdd demo`` folder) is replayed through
+the simulator with this machine's profile (``profiles/testbed.json``, written by ``pdd bench
+calibrate``) on the testbed's deployment (one prefill, one MainDecode, one relay in PDD; the WAN
+emulator's bandwidth and delay; the bench's router settings). Each mode's P50 / P90 TTFDT and RLD
+share must come within ``TOLERANCE``.
+
+A first turn's prompt opens with part of the one system prompt every session shares; its
+``expected_hit`` is only what *earlier* requests held of it (0 for the very first request), so
+the replay takes the system prompt's length from ``system_tokens``: the longest prefix the turn
+shares with any other first turn, which is what a cache holding it can serve to another session.
 """
 
 from __future__ import annotations
@@ -18,6 +24,15 @@ from pdd.bench.simulator import MODES, SimConfig, simulate
 
 TOLERANCE = 0.20
 RECORDED = PROFILES / "demo_run.json"
+COLUMNS = (
+    "timestamp_ms",
+    "session_id",
+    "turn",
+    "prompt_tokens",
+    "max_tokens",
+    "expected_hit",
+    "first_turn",
+)
 
 
 def recorded_requests(d: dict) -> list[SimRequest]:
@@ -33,7 +48,8 @@ def recorded_requests(d: dict) -> list[SimRequest]:
         n, sid = r["prompt_tokens"], r["session_id"]
         shared = int(round(r["expected_hit"] * n))
         if r["first_turn"]:
-            system[sid] = shared
+            # NOTE: older digests lack the column: the hit on earlier requests is a lower bound.
+            system[sid] = max(shared, r.get("system_tokens", 0))
         out.append(
             SimRequest(
                 rid=rid,
@@ -49,6 +65,65 @@ def recorded_requests(d: dict) -> list[SimRequest]:
         )
         last[sid] = rid
     return out
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def digest(report_dir: str | Path, testbed=None) -> dict:
+    """A ``pdd demo`` folder (``trace.jsonl`` + ``<mode>.json``) as ``demo_run.json`` holds it."""
+    from pdd.bench.modes import Testbed
+    from pdd.bench.trace import read_trace
+    from pdd.routing.policy import RoutingConfig
+
+    tb, router = testbed or Testbed(), RoutingConfig()  # NOTE: the bench's gateway: the defaults
+    root = Path(report_dir)
+    trace = read_trace(root / "trace.jsonl")
+    firsts = [t.prompt_token_ids for t in trace if t.turn == 0]
+    cols = [*COLUMNS, "system_tokens"]
+    rows = []
+    for t in trace:
+        first = t.turn == 0
+        own = t.prompt_token_ids
+        sys_len = (
+            max((_common_prefix(own, o) for o in firsts if o is not own), default=0) if first else 0
+        )
+        rows.append(
+            [t.timestamp_ms, t.session_id, t.turn, len(own), t.max_tokens, t.expected_hit]
+            + [int(first), sys_len]
+        )
+    results = {}
+    for mode in MODES:
+        r = json.loads((root / f"{mode}.json").read_text())
+        results[mode] = {
+            "ttfdt_ms": r["ttfdt_ms"],
+            "rld_token_share": r["rld_token_share"] or 0.0,
+            "pipelines": r["pipelines"],
+            "duration_s": r["duration_s"],
+            "itl_ms_p50": r["itl_ms"]["p50"],
+            "link": r["link"],
+            "cpu": r.get("cpu"),
+        }
+    return {
+        "_about": f"A recorded `pdd demo` (digested by `pdd bench sim --digest {root}`)",
+        "columns": cols,
+        "trace": rows,
+        "testbed": {
+            "prefill": 1,
+            "relay": 1,
+            "main_decode": 1,
+            "local_prefill_tokens": tb.local_prefill_tokens,
+            "hit_threshold": tb.hit_threshold,
+            "relay_busy_requests": tb.relay_busy_requests,
+            "md_max_batched_tokens": tb.md_max_batched_tokens,
+            "wan_mbps": tb.wan_mbps,
+            "wan_delay_ms": tb.wan_delay_ms,
+            "pipeline_policy": router.pipeline_policy,
+            "ttft_budget_s": router.ttft_budget_s,
+        },
+        "results": results,
+    }
 
 
 def testbed_config(d: dict, profile: str) -> SimConfig:
@@ -68,6 +143,9 @@ def testbed_config(d: dict, profile: str) -> SimConfig:
         hit_threshold=tb["hit_threshold"],
         local_prefill_tokens=tb["local_prefill_tokens"],
         relay_busy_requests=tb["relay_busy_requests"],
+        # NOTE: a run recorded before router v2 (no field) was routed by θ
+        pipeline_policy=tb.get("pipeline_policy", "threshold"),
+        ttft_budget_s=tb.get("ttft_budget_s", 0.5),
         sla_p90_s=1.0,
         sla_p99_s=1e9,
     )

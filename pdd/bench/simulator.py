@@ -33,18 +33,19 @@ Requests that arrive in the first ``warmup_s`` (cold caches) are run but not mea
 from __future__ import annotations
 
 import random
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 
+from pdd.bench.sim_config import SimConfig
 from pdd.bench.sim_engine import DecodeInstance, PrefillInstance, Seq
 from pdd.bench.sim_link import EventLoop, SimLink
 from pdd.bench.sim_profile import Profile, load_profile
 from pdd.bench.sim_push import FastPush, WanPush
 from pdd.bench.sim_summary import summarize
 from pdd.bench.sim_workload import SimRequest, sessions
-from pdd.bench.trace import DISTS
 from pdd.core.instance import Instance, InstanceLoad, InstanceRef, Role
+from pdd.core.link_state import LinkState
 from pdd.core.pipeline import HandoffMode, Pipeline
-from pdd.routing.policy import RoutingConfig, route
+from pdd.routing.policy import route
 
 MODES = ("idc-pd", "cdc-pd", "pdd")
 
@@ -56,87 +57,6 @@ def _ignore(_: float) -> None:
 BLOCK = 16  # tokens per KV block, for the router's view of KV usage
 CATCH_UP_GAP = 8  # the relay's --catch-up-gap: stop once MainDecode is this close
 MAX_ROUNDS = 8
-
-
-@dataclass(frozen=True)
-class SimConfig:
-    profile: str = "report"
-    # Workload (the generator's; ``requests`` from a trace replace it).
-    dist: str = "skewed"
-    rps: float = 11.5
-    duration_s: float = 600.0
-    warmup_s: float = 60.0
-    seed: int = 0
-    context_tokens: int = 65536
-    live_sessions: int = 512
-    output_tokens: int = 0  # 0 = the report's output buckets
-    output_scale: float = 1.0
-    # Deployment: instances of each pool, the chips they run on.
-    prefill_instances: int = 8
-    relay_instances: int = 3
-    md_instances: int = 8
-    remote_clusters: int = 1
-    idc_prefill_instances: int = 8
-    idc_decode_instances: int = 8
-    prefill_chip: str = "flagship"
-    relay_chip: str = "flagship"
-    md_chip: str = "bandwidth"
-    idc_decode_chip: str = "flagship"
-    # MainDecode's per-step budget of prefill/extend tokens (0 = the chip's prefill_chunk_tokens).
-    md_chunk_tokens: int = 0
-    # Links: 0 = the profile's value.
-    wan_gbps: float = 0.0
-    wan_delay_ms: float = -1.0
-    pool_streams: int = 0
-    # KV bytes per token as the engine holds it (0 = the profile's; the wire ratio applies on top).
-    kv_bytes_per_token: int = 0
-    # Stream each prefill chunk's KV as it is computed (the live prefill); False: after prefill.
-    stream_kv: bool = True
-    # The router (pdd.routing.RoutingConfig's fields).
-    hit_threshold: float = 0.95
-    local_prefill_tokens: int = 0
-    tokens_per_load_unit: int = 256
-    relay_busy_requests: int = 4
-    max_kv_usage: float = 0.95
-    # The SLA on TTFT, as the report's.
-    sla_p90_s: float = 10.0
-    sla_p99_s: float = 15.0
-
-    def __post_init__(self) -> None:
-        if self.dist not in DISTS:
-            raise ValueError(f"dist: must be one of {DISTS}, got {self.dist!r}")
-        for name, value in asdict(self).items():
-            if name == "wan_delay_ms":
-                continue
-            if isinstance(value, (int, float)) and value < 0:
-                raise ValueError(f"{name}: must be >= 0, got {value}")
-        for name in (
-            "rps",
-            "duration_s",
-            "context_tokens",
-            "live_sessions",
-            "prefill_instances",
-            "md_instances",
-            "remote_clusters",
-            "idc_prefill_instances",
-            "idc_decode_instances",
-        ):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
-        if self.output_scale < 1:
-            raise ValueError(f"output_scale: must be >= 1, got {self.output_scale}")
-        if self.remote_clusters > self.md_instances:
-            raise ValueError("remote_clusters: each remote cluster needs a MainDecode instance")
-        self.routing()  # NOTE: the router validates its own fields, once
-
-    def routing(self) -> RoutingConfig:
-        return RoutingConfig(
-            hit_threshold=self.hit_threshold,
-            local_prefill_tokens=self.local_prefill_tokens,
-            tokens_per_load_unit=self.tokens_per_load_unit,
-            relay_busy_requests=max(1, self.relay_busy_requests),
-            max_kv_usage=self.max_kv_usage,
-        )
 
 
 @dataclass(eq=False)
@@ -189,10 +109,12 @@ class _Run:
         if cfg.md_chunk_tokens:
             dchip = replace(dchip, prefill_chunk_tokens=cfg.md_chunk_tokens)
         n_md = cfg.idc_decode_instances if idc else cfg.md_instances
-        self.mds = [DecodeInstance(self.loop, dchip, f"md{i}") for i in range(n_md)]
+        stream = profile.md_stream_ms_per_step
+        self.mds = [DecodeInstance(self.loop, dchip, f"md{i}", stream) for i in range(n_md)]
         rchip = profile.chip(cfg.relay_chip)
         n_r = cfg.relay_instances if mode == "pdd" else 0
-        self.relays = [DecodeInstance(self.loop, rchip, f"rld{i}") for i in range(n_r)]
+        stream = profile.relay_stream_ms_per_step
+        self.relays = [DecodeInstance(self.loop, rchip, f"rld{i}", stream) for i in range(n_r)]
         wan = (cfg.wan_gbps or link.wan_gbps) * 1e9 / 8
         streams = cfg.pool_streams or link.pool_streams
         self.links = [SimLink(self.loop, wan, streams) for _ in range(cfg.remote_clusters)]
@@ -203,8 +125,11 @@ class _Run:
         roles += [(r, Role.RELAY) for r in self.relays]
         self.roles = roles
         self.by_name = {inst.name: inst for inst, _ in roles}
+        # NOTE: MainDecode i sits in remote cluster i % remote_clusters, behind that link.
+        where = {name: f"remote{c}" for name, c in self.cluster.items()}
         self.refs = {
-            inst.name: InstanceRef(inst.name, f"{inst.name}:0", role) for inst, role in roles
+            inst.name: InstanceRef(inst.name, f"{inst.name}:0", role, where.get(inst.name, "main"))
+            for inst, role in roles
         }
         self._views: dict[str, tuple[tuple, Instance]] = {}
         self.outcomes: list[Outcome] = []
@@ -231,7 +156,24 @@ class _Run:
         }
         views = [self._view(inst) for inst, _ in self.roles]
         force = None if self.mode == "pdd" else Pipeline.P_MD
-        return route(r.prompt, views, cached, self.rng, self.router, force_pipeline=force)
+        links = None
+        if self.router.link_aware:  # NOTE: what prefill's LinkMeter would report right now
+            for ln in self.links:
+                ln.sync()
+            links = [
+                LinkState(f"remote{i}", ln.measured_bps, int(ln.outstanding), rtt_s=2 * self.delay)
+                for i, ln in enumerate(self.links)
+            ]
+        return route(
+            r.prompt,
+            views,
+            cached,
+            self.rng,
+            self.router,
+            force_pipeline=force,
+            links=links,
+            kv_bytes_per_token=int(round(self.kv)),
+        )
 
     # --- a request's life ---------------------------------------------------------------------
     def arrive(self, o: Outcome) -> None:
@@ -329,6 +271,7 @@ class _Run:
             self.loop.at(self.loop.now + self.delay, landed)
 
         push = WanPush(self.loop, self.links[self.cluster[o.md.name]], self.kv, held, done)
+        push.expect((o.req.prompt - held) * self.kv)
         return push
 
     def _relay_done(self, o: Outcome, t: float) -> None:

@@ -1,0 +1,168 @@
+"""What the serving stack itself costs, beyond the engine: ``pdd bench calibrate --stack``.
+
+The engine's fit (``calibrate.measure_engine``) times bare forward passes in one process. A served
+request also pays the stack: per request, the gateway, kvstore's prediction and the gRPC hops
+before a stage computes (``measure_stack``); per token, the decoding process's serving loop (the
+engine thread hands each step's tokens to the event loop, one gRPC message per token) and, on the
+testbed, the processes that share its core — the relay shares the main cluster's CPU with the
+gateway and the bench client, which handle every token it streams, and with prefill; MainDecode
+shares the remote CPU with the WAN emulator that forwards its tokens (``measure_stream``). Both
+are measured on the pinned testbed stack, as ``pdd bench`` runs it, and each number's source says
+how and under what host load.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from pdd.bench.trace import TraceRequest
+
+
+def _engine(chip: dict) -> dict:
+    return {k: val for k, (val, _) in chip.items()}
+
+
+def _run(trace: list[TraceRequest], mode: str, testbed):
+    """The run's outcome: ``records`` and ``result`` (with ``cpu``: each process's cores used)."""
+    from pdd.bench.runner import run_mode  # NOTE: lazy: starts processes, imports grpc
+
+    with tempfile.TemporaryDirectory() as d:
+        return run_mode(trace, mode, Path(d) / f"{mode}.json", testbed=testbed)
+
+
+def _load() -> str:
+    return f"host load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+
+
+def measure_stack(
+    testbed,
+    chip: dict,
+    mode: str = "idc-pd",
+    *,
+    requests: int = 12,
+    prompt_tokens: int = 64,
+    gap_ms: float = 400.0,
+) -> tuple[float, str]:
+    """The serving stack's own cost per request: the testbed stack (pinned as the bench runs it)
+    serves ``requests`` tiny one-turn requests one at a time; their median TTFDT less what the
+    fitted chip says the engines compute. ``idc-pd``: pipeline P-MD on the unshaped link (a prefill
+    of ``prompt_tokens``, one decode step); ``pdd``: the router's local prefill sends them down
+    pipeline MD (MainDecode computes them in one step; the WAN's delay each way is the sim's)."""
+    rng = random.Random(1)
+    trace = [
+        TraceRequest(
+            request_id=f"cal{i}",
+            session_id=f"cal{i}",
+            timestamp_ms=i * gap_ms,
+            prompt_token_ids=[rng.randrange(10, 4000) for _ in range(prompt_tokens)],
+            max_tokens=4,
+            expected_hit=0.0,
+        )
+        for i in range(requests)
+    ]
+    records = _run(trace, mode, testbed).records
+    want = "p-md" if mode == "idc-pd" else "md"
+    ttfdt = [r.ttfdt_ms for r in records if r.ok and r.pipeline == want and r.ttfdt_ms]
+    if len(ttfdt) < requests // 2:
+        raise RuntimeError(f"calibrate --stack: only {len(ttfdt)}/{requests} requests served")
+    v = _engine(chip)
+    n = prompt_tokens
+    step = v["decode_step_ms"] + v["decode_ms_per_seq"]
+    if want == "p-md":
+        pre = n / v["prefill_tokens_per_s"] * 1e3 * (1 + n / 2 / v["prefill_attention_tokens"])
+        compute = v["prefill_overhead_ms"] + pre + step
+    else:
+        compute = step + n * v["extend_ms_per_token"] + 2 * testbed.wan_delay_ms
+    med = float(np.median(ttfdt))
+    how = (
+        f"measured by `pdd bench calibrate --stack`, {time.strftime('%Y-%m-%d')}: {len(ttfdt)} "
+        f"idle {n}-token {mode} requests (pipeline {want}) through the pinned testbed stack, TTFDT P50 "
+        f"{med:.1f} ms (P10-P90 {np.percentile(ttfdt, 10):.1f}-{np.percentile(ttfdt, 90):.1f}) "
+        f"less the {compute:.1f} ms the simulator computes for them; {_load()}"
+    )
+    return max(0.0, med - compute), how
+
+
+def cpu_ms_per_token(result: dict, records) -> dict[str, float]:
+    """CPU time per streamed token of each decoding stage and of what forwards its tokens, from
+    the run's ``cpu`` (user + system time per process: unlike wall time, not stretched by other
+    work on the host). ``relay`` / ``main_decode``: the process's CPU over the tokens it produced;
+    ``main_side``: the gateway and the bench client over every token (the relay's core runs them);
+    ``wan``: the WAN emulator over every token (MainDecode's core runs it)."""
+    cpu = result["cpu"]
+    wall, procs = cpu["wall_s"], cpu["services"]
+    rld = sum(r.rld_tokens for r in records if r.ok)
+    md = sum(r.md_tokens for r in records if r.ok)
+    every = rld + md
+    per = lambda name, n: 1e3 * procs.get(name, 0.0) * wall / n if n else 0.0  # noqa: E731
+    return {
+        "relay": per("relay-0", rld),
+        "main_decode": per("main_decode-0", md),
+        "main_side": per("gateway", every) + per("bench_client", every),
+        "wan": per("wan-0", every),
+    }
+
+
+def measure_stream(
+    testbed,
+    chip: dict,
+    *,
+    requests: int = 8,
+    md_prompt_tokens: int = 64,
+    md_output_tokens: int = 64,
+    relay_prompt_tokens: int = 1536,
+    relay_output_tokens: int = 256,
+    gap_ms: float = 1500.0,
+) -> dict[str, tuple[float, str]]:
+    """The stack's cost per decode step of each stage (batch 1), beyond the engine's step.
+
+    One PDD stack serves, one at a time, ``requests`` short fresh prompts that the router sends
+    down pipeline MD (MainDecode decodes them) and as many long fresh ones it sends down P-RLD-MD
+    (the relay decodes until MainDecode holds their KV: a 1536-token delta takes ~0.6 s of the
+    80 Mbps WAN, past the link-aware router's 0.5 s budget for P-MD). Per stage: its process's CPU
+    per token plus what the processes on its core spend forwarding it (``cpu_ms_per_token``), less
+    the engine fit's batch-1 step. CPU time, not wall time: on a shared host the wall time per
+    token also holds other tenants' work, which is the host's state, not the stack's cost.
+    """
+    rng = random.Random(2)
+    ids = lambda n: [rng.randrange(10, 4000) for _ in range(n)]  # noqa: E731
+    trace = []
+    for i in range(2 * requests):
+        relay = i % 2 == 1
+        trace.append(
+            TraceRequest(
+                request_id=f"str{i}",
+                session_id=f"str{i}",
+                timestamp_ms=i * gap_ms,
+                prompt_token_ids=ids(relay_prompt_tokens if relay else md_prompt_tokens),
+                max_tokens=relay_output_tokens if relay else md_output_tokens,
+                expected_hit=0.0,
+            )
+        )
+    run = _run(trace, "pdd", testbed)
+    records = [r for r in run.records if r.ok]
+    if not any(r.rld_tokens for r in records):
+        raise RuntimeError("calibrate --stack: no request was decoded on the relay")
+    per = cpu_ms_per_token(run.result, records)
+    v = _engine(chip)
+    step = v["decode_step_ms"] + v["decode_ms_per_seq"]
+    pipelines = {p: sum(r.pipeline == p for r in records) for p in ("md", "p-md", "p-rld-md")}
+    how = (
+        f"measured by `pdd bench calibrate --stack`, {time.strftime('%Y-%m-%d')}: one pinned PDD "
+        f"testbed stack serving {len(records)} idle requests one at a time ({pipelines}); CPU per "
+        f"token (ms) relay {per['relay']:.2f}, MainDecode {per['main_decode']:.2f}, gateway + "
+        f"bench client {per['main_side']:.2f}, WAN emulator {per['wan']:.2f}; less the engine "
+        f"fit's batch-1 step {step:.2f} ms; {_load()} (CPU time is not stretched by it)"
+    )
+    relay = per["relay"] + per["main_side"] - step
+    md = per["main_decode"] + per["wan"] - step
+    return {
+        "relay_stream_ms_per_step": (max(0.0, relay), f"{how}: relay + gateway + client"),
+        "md_stream_ms_per_step": (max(0.0, md), f"{how}: MainDecode + WAN emulator"),
+    }
