@@ -1,22 +1,29 @@
 """An asyncio face for the (synchronous, single-threaded) engine: its step loop.
 
-The engine is not thread-safe, so every touch of it — a step, adding or
-aborting a request, importing or exporting KV — runs on one dedicated worker
-thread, in submission order. The step loop runs on that thread too: between
-two steps, queued mutations run. Each step's outputs are routed to the
-asyncio queue of the request they belong to (the items: ``pdd.serving.mailbox``).
+The engine is not thread-safe, so every touch of it — a step, adding or aborting a request,
+importing or exporting KV — runs on one dedicated engine thread, in submission order. That
+thread steps on its own while the engine has schedulable work, running queued calls between two
+steps, and hands each step's outputs to the event loop (``call_soon_threadsafe``), which routes
+them to the asyncio queue of the request they belong to (the items: ``pdd.serving.mailbox``).
+
+NOTE: the engine never waits for the event loop between steps: the loop's work of a step
+(routing outputs, one gRPC write per stream) overlaps the next step instead of following it.
+An earlier loop ran each step as an executor call awaited by a task, so every step also waited
+for the event loop to come round to that task; under a full batch that is the loop's whole
+backlog of stream writes.
 
 Life of a request through the loop: ``open(request_id)`` gives its queue →
-``call(engine.add_request, ...)`` → the loop steps while the engine has
-schedulable work → a watched request gets ``Computed(n)`` after each step →
-each ``StepOutput`` lands in the queue (a failed step: ``StepFailed``) →
-``close(request_id)``.
+``call(engine.add_request, ...)`` → the thread steps while the engine has schedulable work →
+a watched request gets ``Computed(n)`` after each step → each ``StepOutput`` lands in the queue
+(a failed step: ``StepFailed``) → ``close(request_id)``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import queue
+import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -27,26 +34,27 @@ from pdd.serving.mailbox import Computed, StepFailed
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
 
-# One engine step, as seen from the loop: outputs, whether anything moved, watched progress.
-_StepResult = tuple[list, bool, list[tuple[str, int]]]
+# How long a step that moved nothing (everything paused, or the pool full) waits for a change.
+STALL_WAIT_S = 0.05
 
 
-def _log_failure(future: concurrent.futures.Future) -> None:
-    if not future.cancelled() and future.exception() is not None:
-        log.error("engine_call_failed", error=repr(future.exception()))
+class _Stop:
+    """The engine thread's last work item."""
 
 
 class EngineLoop:
     def __init__(self, engine: Any) -> None:
         self.engine = engine
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="engine"
-        )
+        # Work for the engine thread between steps: (fn, future or None), or _Stop.
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stopped = False
         self._queues: dict[str, asyncio.Queue] = {}
-        # Requests whose computed-token count is reported after every step (``Computed``).
+        # Requests whose computed-token count is reported after every step (``Computed``);
+        # changed on the event loop, read by the engine thread under the lock.
         self._watched: set[str] = set()
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task | None = None
+        self._watch_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self.steps = 0
         # Smoothed time between back-to-back steps: what a decoding request waits per token here.
@@ -54,30 +62,35 @@ class EngineLoop:
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._task = asyncio.create_task(self._run(), name="engine-loop")
+        self._thread = threading.Thread(target=self._work, name="engine", daemon=True)
+        self._thread.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-        self._pool.shutdown(wait=True)
+        if self._stopped:
+            return
+        self._stopped = True
+        if self._thread is not None:
+            self._calls.put(_Stop)
+            self._wakeup.set()
+            await asyncio.to_thread(self._thread.join)
 
     async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run ``fn(*args, **kwargs)`` on the engine thread between steps."""
         assert self._loop is not None, "EngineLoop.start() was not awaited"
-        result = await self._loop.run_in_executor(self._pool, lambda: fn(*args, **kwargs))
-        self._wake.set()
-        return result
+        future: asyncio.Future = self._loop.create_future()
+        self._put(lambda: fn(*args, **kwargs), future)
+        return await future
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
         """Queue ``fn(*args)`` on the engine thread without waiting (cleanup that must not be
         cancelled)."""
-        future = self._pool.submit(fn, *args)
-        future.add_done_callback(_log_failure)
-        self._wake.set()
+        self._put(lambda: fn(*args), None)
+
+    def _put(self, fn: Callable[[], Any], future: asyncio.Future | None) -> None:
+        if self._stopped:
+            raise RuntimeError("the engine loop is stopped")
+        self._calls.put((fn, future))
+        self._wakeup.set()
 
     def call_threadsafe(self, fn: Callable[[], None]) -> None:
         """Schedule ``fn`` on the asyncio loop from the engine thread (e.g. cache events)."""
@@ -91,59 +104,83 @@ class EngineLoop:
 
     def close(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
-        self._watched.discard(request_id)
+        with self._watch_lock:
+            self._watched.discard(request_id)
 
     def watch(self, request_id: str) -> None:
         """Also put ``Computed(n)`` on the request's queue after each step (KV streaming)."""
-        self._watched.add(request_id)
+        with self._watch_lock:
+            self._watched.add(request_id)
 
     def wake(self) -> None:
-        self._wake.set()
+        self._wakeup.set()
 
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
+    # --- the engine thread ---------------------------------------------------------------------
+
+    def _work(self) -> None:
         last_step: float | None = None  # when the previous step ended, if the engine stayed busy
         while True:
+            if not self._run_calls():
+                return
             try:
-                # NOTE: check and step in one trip to the engine thread: a separate check would
-                # cost every step an extra event-loop round trip.
-                result = await loop.run_in_executor(
-                    self._pool, self._step_if_schedulable, tuple(self._watched)
-                )
+                schedulable = self.engine.has_schedulable()
+                if schedulable:
+                    with self._watch_lock:
+                        watched = tuple(self._watched)
+                    outputs, progressed, computed = self._step(watched)
             except Exception:  # noqa: BLE001 — a failed step must not kill the service silently
                 log.exception("engine_step_failed")
-                await self._fail_all()
-                continue
-            if result is None:
+                self._post(self._fail_all)
                 last_step = None
-                await self._idle()
+                self._wakeup.clear()
+                self._wakeup.wait(STALL_WAIT_S)
                 continue
-            outputs, progressed, computed = result
+            if not schedulable:
+                last_step = None
+                # NOTE: clear, then re-check: a call that landed in between sets it again.
+                self._wakeup.clear()
+                if self._calls.empty() and not self.engine.has_schedulable():
+                    self._wakeup.wait()
+                continue
             self.steps += 1
-            now = loop.time()
+            now = time.perf_counter()
             if last_step is not None and outputs:
                 self._note_interval(now - last_step)
             last_step = now if outputs else None
+            if outputs or computed:
+                self._post(self._route, outputs, computed)
             if not progressed:
-                await self._stalled()
-            self._route(outputs, computed)
+                # NOTE: nothing fit (pool full of paused/kept requests): wait for a change.
+                self._wakeup.clear()
+                if self._calls.empty():
+                    self._wakeup.wait(STALL_WAIT_S)
 
-    async def _idle(self) -> None:
-        """Nothing schedulable: sleep until a call or a wake."""
-        self._wake.clear()
-        # NOTE: re-check after clearing: a call() may have landed in between.
-        schedulable = await asyncio.get_running_loop().run_in_executor(
-            self._pool, self.engine.has_schedulable
-        )
-        if not schedulable:
-            await self._wake.wait()
+    def _run_calls(self) -> bool:
+        """Run every queued call (each future gets its result); False once told to stop."""
+        while True:
+            try:
+                item = self._calls.get_nowait()
+            except queue.Empty:
+                return True
+            if item is _Stop:
+                return False
+            fn, future = item
+            try:
+                result = fn()
+            except Exception as exc:  # noqa: BLE001 — it belongs to the caller
+                if future is None:
+                    log.error("engine_call_failed", error=repr(exc))
+                else:
+                    self._post(_settle, future, None, exc)
+                continue
+            if future is not None:
+                self._post(_settle, future, result, None)
 
-    async def _stalled(self) -> None:
-        # NOTE: nothing fit (pool full of paused/kept requests); wait for a change, don't spin.
-        self._wake.clear()
+    def _post(self, fn: Callable[..., Any], *args: Any) -> None:
+        assert self._loop is not None
         try:
-            await asyncio.wait_for(self._wake.wait(), 0.05)
-        except TimeoutError:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # NOTE: the event loop is closed: nobody is left to tell
             pass
 
     def _route(self, outputs: list, computed: list[tuple[str, int]]) -> None:
@@ -164,21 +201,26 @@ class EngineLoop:
             seconds if self.step_interval_s == 0 else 0.9 * self.step_interval_s + 0.1 * seconds
         )
 
-    def _step_if_schedulable(self, watched: tuple[str, ...]) -> _StepResult | None:
-        return self._step(watched) if self.engine.has_schedulable() else None
-
-    def _step(self, watched: tuple[str, ...]) -> _StepResult:
-        """One engine step on the engine thread: outputs, whether anything moved, watched progress."""
+    def _step(self, watched: tuple[str, ...]) -> tuple[list, bool, list[tuple[str, int]]]:
+        """One engine step: outputs, whether anything moved, watched progress."""
         eng = self.engine
         before = eng.num_computed_total()
         outputs = eng.step()
         computed = [(rid, eng.num_cached_tokens(rid)) for rid in watched if eng.holds_request(rid)]
         return outputs, bool(outputs) or eng.num_computed_total() != before, computed
 
-    async def _fail_all(self) -> None:
+    def _fail_all(self) -> None:
+        """On the event loop: every open request learns its engine failed, and is aborted."""
         for request_id, q in list(self._queues.items()):
             q.put_nowait(StepFailed(RuntimeError("engine step failed")))
-            try:
-                await self.call(self.engine.abort, request_id)
-            except Exception:  # noqa: BLE001
-                log.exception("abort_failed", request_id=request_id)
+            if not self._stopped:
+                self.submit(self.engine.abort, request_id)
+
+
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.cancelled():
+        return  # NOTE: the caller went away; the call itself ran (it is not undone)
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

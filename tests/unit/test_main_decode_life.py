@@ -143,8 +143,15 @@ async def test_p_md_request_decodes_from_prefills_first_token(ckpt, oracle):
 async def test_handoff_rolls_back_what_main_decode_decoded_ahead(ckpt, oracle):
     """Two batches (catch-up): the second disagrees with what MainDecode decoded meanwhile;
     MainDecode drops its own path and continues from the relay's tokens."""
-    n = 64
+    # NOTE: long enough that MainDecode, decoding ahead on its own thread, is still at it when
+    # the second batch lands (a finished request cannot roll back: FAILED_PRECONDITION).
+    n = 200
     ref = _single(ckpt, PROMPT, n)
+    # The relay sampled another token at output 6 than MainDecode will (greedy: ``ref``'s).
+    x = next(t for t in range(1, 250) if t != ref[6])
+    decided = [*ref[:6], x]
+    after = _single(ckpt, PROMPT + decided, n - len(decided))
+    assert after != ref[len(decided) :]  # else a missed rollback would go unnoticed
     async with Node(ckpt) as node:
         job = DecodeJob("r2", tuple(PROMPT), _greedy(n), SALT, Pipeline.P_RLD_MD)
         stream = node.md.decode(job)
@@ -157,11 +164,7 @@ async def test_handoff_rolls_back_what_main_decode_decoded_ahead(ckpt, oracle):
         while len(ahead := await node.outputs("r2")) < 8:
             await asyncio.sleep(0.005)
         assert not rest.done()  # it speaks only after the final batch
-        # The relay sampled another token at output 6 than MainDecode did.
-        x = next(t for t in range(1, 250) if t not in (ahead[6], ref[6]))
-        decided = [*ref[:6], x]
-        after = _single(ckpt, PROMPT + decided, n - len(decided))
-        assert after != ref[len(decided) :]  # else a missed rollback would go unnoticed
+        assert ahead[6] == ref[6] != x
         ack = await node.md.handoff(HandoffBatch("r2", 4, tuple(decided[4:]), final=True))
         assert ack.extended_through == 7 and ack.computed_through >= 7
         events = await asyncio.wait_for(rest, 60)
