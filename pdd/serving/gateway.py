@@ -50,6 +50,7 @@ from pdd.core.instance import Instance, Role
 from pdd.core.pipeline import Pipeline, Stage
 from pdd.core.request import Ending, FinalEvent, GenerateJob, TokenEvent
 from pdd.core.stage_events import Accepted, DecodeJob, FirstToken, PrefillJob, RelayJob
+from pdd.core.token_runs import coalesce
 from pdd.routing.policy import NoInstanceError, Route, RouteReason, RoutingConfig, route
 from pdd.server.tls import TlsConfig
 from pdd.serving.admission import DEFAULT_MAX_IN_FLIGHT, Admission, Limits
@@ -427,8 +428,21 @@ class Gateway(Recovery):
         # relay after HandedOff/Finished, main_decode after Finished), so all ends = request done.
         # A migration replaces run.queue and run.streaming: read both afresh each time.
         # What a replaced or stopped call says is dropped (``Run.current``).
+        # NOTE: tokens wait in ``ready`` only while more items are already queued: what a stage
+        # sent faster than the client reads goes out as one event, and a stream that keeps up
+        # is yielded token by token as before (nothing waits for company).
+        ready: list[TokenEvent] = []
         while run.streaming:
-            match await run.queue.get():
+            if ready and run.queue.empty():
+                for ev in coalesce(ready):
+                    yield ev
+                ready = []
+            item = await run.queue.get()
+            if ready and not isinstance(item, StageEvent):
+                for ev in coalesce(ready):  # NOTE: the tokens first, then a fault or an end
+                    yield ev
+                ready = []
+            match item:
                 case StageEnded(stage=stage, stream=stream) if run.current(stage, stream):
                     del run.streaming[stage]
                     if stage is Stage.RELAY:
@@ -450,11 +464,13 @@ class Gateway(Recovery):
                         self.start_kv_deadline(run)
                     for ev in apply_event(run, stage, event):
                         count_tokens(run, ev)
-                        yield ev
+                        ready.append(ev)
                 case Rehomed(stream=stream):
                     await self._on_rehomed(run, stream)
                 case KvDeadline():
                     await self._on_kv_deadline(run)
+        for ev in coalesce(ready):
+            yield ev
         if run.pending is not None and run.finish is None:
             raise run.pending.error
         yield final_event(run)

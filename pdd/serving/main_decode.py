@@ -58,6 +58,7 @@ from pdd.core.stage_events import (
     KvReadiness,
     Tokens,
 )
+from pdd.core.token_runs import coalesce
 from pdd.engine.engine import StepOutput
 from pdd.engine.protocol import EngineBackend
 from pdd.engine.sampling import Logprob
@@ -74,6 +75,10 @@ log = structlog.get_logger(__name__)
 # How long a new call waits for a cancelled call of the same request id to be closed here
 # (a migration may come back to this MainDecode right after cancelling its first call).
 REPLACED_CALL_WAIT_S = 2.0
+
+
+def _ends(events: list) -> bool:
+    return any(isinstance(e, Finished) for e in events)
 
 
 class MainDecode:
@@ -115,8 +120,12 @@ class MainDecode:
             yield Accepted(await self._admit(state))
             kv_task = self._start_kv(state)
             while not done:
-                item = await state.queue.get()
-                for event in await self._on_item(state, item):
+                events = await self._on_item(state, await state.queue.get())
+                # NOTE: what is already queued goes out with it, its tokens in one message: a
+                # stream behind its engine's steps catches up in one write, not one per token.
+                while not state.queue.empty() and not _ends(events):
+                    events += await self._on_item(state, state.queue.get_nowait())
+                for event in coalesce(events):
                     done = done or isinstance(event, Finished)
                     yield event
         finally:

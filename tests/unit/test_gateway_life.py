@@ -814,3 +814,29 @@ async def test_a_p_md_request_whose_main_decode_speaks_in_time_is_not_rerouted()
     tokens, final = await asyncio.wait_for(run(peers, job(Pipeline.P_MD), kv_deadline_s=0.05), 10)
     assert flat(tokens)[0] == [20, 21, 22] and "relay" not in peers.jobs
     assert final.stats.migrations == 0
+
+
+async def test_tokens_queued_while_the_client_is_behind_go_out_as_one_event():
+    """A client slower than MainDecode's stream: what piled up meanwhile is one event, with its
+    logprobs joined in order; a client that keeps up gets each token as it came."""
+    lp = [Logprob(-0.1 * i, ()) for i in range(8)]
+    md_tokens = [Tokens(p, (20 + p,), (lp[p],)) for p in range(1, 8)]
+    peers = FakePeers(
+        md=[Accepted(0), *md_tokens, Finished("length", 8, 7)],
+        prefill=[first_token(logprob=lp[0]), TRANSFER],
+    )
+    gateway = Gateway("127.0.0.1:7000", rng=random.Random(7), peers=peers)
+    stream = gateway.generate(job(Pipeline.P_MD, logprobs=0))
+    head = await anext(stream)
+    assert (head.start_position, head.token_ids, head.stage) == (0, (20,), Stage.PREFILL)
+    for _ in range(100):  # the client stalls until MainDecode has sent everything
+        if not peers.md.script:
+            break
+        await asyncio.sleep(0.02)
+    await asyncio.sleep(0.2)  # NOTE: margin for the reader task to queue the last event
+    *rest, final = [ev async for ev in stream]
+    await gateway.close()
+    assert len(rest) == 1 and isinstance(final, FinalEvent), rest
+    assert (rest[0].start_position, rest[0].token_ids) == (1, tuple(range(21, 28)))
+    assert rest[0].stage is Stage.MAIN_DECODE and rest[0].logprobs == tuple(lp[1:])
+    assert final.stats.completion_tokens == 8 and final.stats.md_tokens == 7

@@ -1,0 +1,49 @@
+"""Joining adjacent runs of output tokens into one event.
+
+A stream that falls behind its producer (an engine stepping faster than one gRPC write per token
+per request, a gateway reading faster than its client) holds several token events at once. Sent
+one message each, every token pays a whole message's cost at every hop; joined, a backlog costs
+one message, and a stream that keeps up is unchanged (nothing waits to be joined: only what is
+already there is). Both a stage's ``Tokens`` and the gateway's ``TokenEvent`` are joined here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import replace
+from typing import TypeVar
+
+from pdd.core.request import TokenEvent
+from pdd.core.stage_events import Tokens
+
+E = TypeVar("E")
+
+
+def _joinable(prev: object, ev: object) -> bool:
+    if not isinstance(ev, (Tokens, TokenEvent)) or type(prev) is not type(ev):
+        return False
+    assert isinstance(prev, (Tokens, TokenEvent))
+    return (
+        prev.start_position + len(prev.token_ids) == ev.start_position
+        and getattr(prev, "stage", None) == getattr(ev, "stage", None)
+        # NOTE: prompt logprobs ride on the event carrying output 0, which can only come first.
+        and not ev.prompt_logprobs
+        # NOTE: logprobs are one per token or none at all: never a run that mixes both.
+        and bool(prev.logprobs) == bool(ev.logprobs)
+    )
+
+
+def coalesce(events: Iterable[E]) -> list[E]:
+    """``events`` with each run of contiguous token events (same type, same stage) joined into
+    one; every other event stays where it was, in order."""
+    out: list[E] = []
+    for ev in events:
+        if out and _joinable(out[-1], ev):
+            prev = out[-1]
+            assert isinstance(prev, (Tokens, TokenEvent)) and isinstance(ev, (Tokens, TokenEvent))
+            out[-1] = replace(
+                prev, token_ids=prev.token_ids + ev.token_ids, logprobs=prev.logprobs + ev.logprobs
+            )
+        else:
+            out.append(ev)
+    return out
