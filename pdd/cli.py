@@ -5,7 +5,8 @@ pdd generate  stream a completion from a running gateway
 pdd demo      the main job: stack + agentic trace in three modes + report
 pdd chaos     inject real faults into a stack and tabulate what the clients saw
 pdd bench     benchmarks: [run] one serving mode, compare, sim, calibrate, link, engine, burst,
-              index, clusters (two remote clusters: hit-only vs link-aware router), served
+              index, clusters (two remote clusters: hit-only vs link-aware router), served,
+              gateway (tokens/s one gateway core carries)
 pdd plan      size a deployment's pools for the best benefit-cost ratio (the simulator)
 pdd trace     traces: gen (agentic), mooncake (map a Mooncake trace)
 
@@ -346,6 +347,7 @@ BENCH = {
     "served": "pdd.bench.served",
     "soak": "pdd.bench.soak",
     "clusters": "pdd.bench.clusters",
+    "gateway": "pdd.bench.gateway_bench",
 }
 TRACE = {"gen": "pdd.bench.trace", "mooncake": "pdd.bench.mooncake"}
 
@@ -508,7 +510,7 @@ def _dispatch(argv: list[str]) -> int:
     sub.add_parser(
         "bench",
         help="[run] --trace F --mode M --out R | compare | sim | calibrate | link | engine | burst "
-        "| index | served | clusters | soak",
+        "| index | served | clusters | soak | gateway",
     )
     sub.add_parser("plan", help="size the pools for the best benefit-cost (the simulator)")
     sub.add_parser("trace", help="gen | mooncake")

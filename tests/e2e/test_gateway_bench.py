@@ -1,0 +1,62 @@
+"""``pdd bench gateway`` end to end: kvstore, the token-flood stage and the gateway as their own
+processes; every token both doors streamed is checked, and the gateway's CPU is accounted."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from pdd.bench import gateway_bench
+
+
+def test_both_doors_stream_every_flood_token_and_the_gateway_cpu_is_counted(tmp_path):
+    out = tmp_path / "gw.json"
+    code = gateway_bench.main(
+        [
+            "--seconds", "1", "--concurrency", "4", "--output-len", "32",
+            "--tokens-per-message", "1,4", "--json", str(out),
+        ]
+    )  # fmt: skip
+    rows = json.loads(out.read_text())
+    assert code == 0, [r["errors"][:3] for r in rows]
+    assert [(r["door"], r["tokens_per_message"]) for r in rows] == [
+        ("grpc", 1), ("http", 1), ("grpc", 4), ("http", 4),
+    ]  # fmt: skip
+    for r in rows:
+        assert r["requests"] >= 4 and r["tokens"] == 32 * r["requests"] and not r["errors"]
+        assert r["gateway_cpu_s"] > 0 and r["tokens_per_core_s"] > 0
+    # at most one message per token; four tokens a flood message: at most 8 per request (the
+    # gateway may join more when its client falls behind)
+    assert rows[0]["messages"] <= rows[0]["tokens"]
+    assert rows[2]["messages"] <= 8 * rows[2]["requests"]
+
+
+def test_the_flood_stage_refuses_what_it_does_not_serve(tmp_path):
+    """A P-MD request: the flood stage, asked to decode it, refuses naming the field (it serves
+    pipeline MD only; listed as a prefill too, it is never a real one)."""
+    import grpc
+
+    from pdd.bench.loadgen import PIPELINES
+    from pdd.gen.gateway.v1 import gateway_service_pb2 as pb
+    from pdd.gen.gateway.v1 import gateway_service_pb2_grpc as pb_grpc
+
+    bench = gateway_bench.Bench(gateway_bench.GatewayBenchConfig(log_dir=str(tmp_path)))
+    bench.start()
+    try:
+        bench.flood_with(1)
+
+        async def call() -> tuple[grpc.StatusCode, str]:
+            async with grpc.aio.insecure_channel(bench.gateway.address) as ch:
+                msg = pb.GenerateRequest(max_tokens=4, force_pipeline=PIPELINES["p-md"])
+                msg.prompt_token_ids.token_ids.extend([1, 2, 3])
+                try:
+                    async for _ in pb_grpc.GatewayServiceStub(ch).Generate(msg, timeout=30):
+                        pass
+                except grpc.aio.AioRpcError as exc:
+                    return exc.code(), exc.details()
+            return grpc.StatusCode.OK, ""
+
+        code, details = asyncio.run(call())
+        assert code is grpc.StatusCode.INVALID_ARGUMENT and "pipeline" in details, details
+    finally:
+        bench.stop()
