@@ -190,6 +190,13 @@ bench-modes-vllm: vllm-venv
 bench-served: venv vllm-venv
 	$(PY) -m pdd.bench.served --vllm-python $(VLLM_VENV)/bin/python
 
+# PDD on vLLM (`pdd up --engine vllm`, its services on the vLLM venv's Python, P-MD forced) against
+# `vllm serve` on the same weights, issue 14's shape: 16 concurrent, 128 + 128 tokens (README, "vLLM").
+.PHONY: bench-served-vllm
+bench-served-vllm: venv vllm-venv
+	$(PY) -m pdd.bench.served --vllm-python $(VLLM_VENV)/bin/python \
+	  --contenders stack-vllm,stack-vllm-http,vllm --concurrency 16 --prompt-len 128 --output-len 128
+
 # --- Accuracy parity: lm-evaluation-harness through every pipeline (not part of `make test`) ---
 # NOTE: lm-eval lives in its own venv, so its pins (python-dateutil<3, ...) never move the
 # project's; a .pth file lets it import the project's packages (torch, pdd) from .venv.

@@ -2,6 +2,7 @@
 
     make bench-served          # builds .venv-vllm once (make vllm-venv), then runs this
     pdd bench served [--concurrency 1,16,32,64] [--contenders grpc-p-md,http-p-md,engine,vllm]
+        (PDD on vLLM: --contenders stack-vllm,vllm; make bench-served-vllm)
         [--prompt-len 128] [--output-len 64] [--rounds 3] [--model HF_DIR] [--json out.json]
 
 One model for everyone: ``--model`` (a Hugging Face directory) or, by default, the engine
@@ -16,10 +17,13 @@ submitted at once, streaming, greedy, exactly ``--output-len`` tokens each (``ig
 - ``http-p-md`` / ``http-p-rld-md``: the gateway's ``/v1/completions`` (``stream: true``), the
   pipeline forced by the ``X-PDD-Pipeline`` header;
 - ``engine``: our engine in this process, stepped until every request is done (no hops at all);
-- ``vllm``: vLLM's ``/v1/completions``, streaming, token-id prompts.
+- ``vllm``: vLLM's ``/v1/completions``, streaming, token-id prompts;
+- ``stack-vllm`` / ``stack-vllm-http``: the same stack with ``--engine vllm`` (no relay), run on
+  the vLLM venv's Python (``served_vllm``), P-MD forced, by gRPC / HTTP (not by default).
 
 Contenders alternate round by round, so a noisy moment on the shared machine hits all alike;
-the ratios within one run are the figures to read. A round's number is output tokens / wall
+the ratios within one run are the figures to read (``served_overhead`` prints them against
+vLLM's server: throughput, TTFT, TPOT, CPU per token). A round's number is output tokens / wall
 time (prefill included). Beside it: TTFT and TPOT P50, the P50 of the time from a request's
 last token to the end of its stream (``tail``: what the client waits for after the last token),
 and the CPU seconds each process spent per output token, from its own ``/proc/<pid>/stat``
@@ -54,16 +58,29 @@ from pdd.bench.cpu import process_cpu_s
 from pdd.bench.metrics import percentile
 from pdd.bench.py_spy import PySpy
 from pdd.bench.record import RequestResult
-from pdd.bench.served_contenders import CLIENT, STACK_CONTENDERS, Contenders, random_model
+from pdd.bench.served_contenders import (
+    CLIENT,
+    STACK_CONTENDERS,
+    VLLM_STACK_CONTENDERS,
+    Contenders,
+    random_model,
+)
+from pdd.bench.served_overhead import overhead_table
 
-CONTENDERS = (*STACK_CONTENDERS, "engine", "vllm")
+DEFAULT_CONTENDERS = (*STACK_CONTENDERS, "engine", "vllm")
+# NOTE: the stack on vLLM is chosen by name only: three more vLLM starts (minutes each on 2 cores).
+CONTENDERS = (*DEFAULT_CONTENDERS, *VLLM_STACK_CONTENDERS)
 REFERENCE = "vllm"
+# Whatever needs the vLLM venv's Python: its server, and the stack whose services run vLLM.
+NEEDS_VLLM = ("vllm", *VLLM_STACK_CONTENDERS)
+# What ``--py-spy`` can profile: the first of these chosen (a stack, on our engine or vLLM).
+PROFILED = (*STACK_CONTENDERS, *VLLM_STACK_CONTENDERS)
 
 
 @dataclass(frozen=True)
 class ServedConfig:
     concurrency: tuple[int, ...] = (1, 16, 32, 64)
-    contenders: tuple[str, ...] = CONTENDERS
+    contenders: tuple[str, ...] = DEFAULT_CONTENDERS
     prompt_len: int = 128
     output_len: int = 64
     rounds: int = 3
@@ -72,6 +89,8 @@ class ServedConfig:
     # A Hugging Face directory; "" = the random Llama below, written once.
     model: str = ""
     vllm_python: str = ".venv-vllm/bin/python"
+    # Extra flags of vLLM's server (e.g. ("--distributed-executor-backend", "uni")).
+    vllm_serve_flags: tuple[str, ...] = ()
     vllm_startup_s: float = 900.0
     request_timeout_s: float = 600.0
     quiet_threshold: float = 0.15
@@ -101,14 +120,14 @@ class ServedConfig:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
         if not 0 <= self.quiet_threshold <= 1:
             raise ValueError(f"quiet_threshold: must be in [0, 1], got {self.quiet_threshold}")
-        if "vllm" in self.contenders and not os.access(self.vllm_python, os.X_OK):
+        if set(NEEDS_VLLM) & set(self.contenders) and not os.access(self.vllm_python, os.X_OK):
             raise ValueError(
                 f"vllm_python: {self.vllm_python}: not an executable (make vllm-venv builds it)"
             )
         if self.py_spy and not os.access(self.py_spy, os.X_OK):
             raise ValueError(f"py_spy: {self.py_spy}: not an executable")
-        if self.py_spy and not set(self.contenders) & set(STACK_CONTENDERS):
-            raise ValueError("py_spy: profiles the stack; choose a stack contender too")
+        if self.py_spy and not set(self.contenders) & set(PROFILED):
+            raise ValueError(f"py_spy: profiles the stack; choose one of {','.join(PROFILED)}")
         if self.model and not (Path(self.model) / "config.json").is_file():
             raise ValueError(f"model: {self.model}: not a Hugging Face directory (no config.json)")
 
@@ -293,7 +312,7 @@ async def run(cfg: ServedConfig, workdir: Path) -> dict:
         for name in names:  # warm-up: first calls pay for connections, compiles, allocations
             await contenders.round(name, fresh.take(2), f"warm-{name}")
         if cfg.py_spy:
-            stack_pids = contenders.pids[next(c for c in names if c in STACK_CONTENDERS)]
+            stack_pids = contenders.pids[next(c for c in names if c in PROFILED)]
             spy = PySpy(
                 cfg.py_spy, {n: g for n, g in stack_pids.items() if n != CLIENT}, workdir / "py-spy"
             )
@@ -362,6 +381,13 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "--model", default=d.model, help="a Hugging Face directory (default: a random Llama)"
     )
     ap.add_argument("--vllm-python", default=d.vllm_python)
+    ap.add_argument(
+        "--vllm-serve-flag",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="extra flag of vLLM's server, e.g. --vllm-serve-flag=--distributed-executor-backend=uni",
+    )
     ap.add_argument("--quiet-threshold", type=float, default=d.quiet_threshold)
     ap.add_argument("--quiet-max-wait", type=float, default=d.quiet_max_wait_s)
     ap.add_argument("--py-spy", default=d.py_spy, help="a py-spy binary: profile the stack")
@@ -379,6 +405,7 @@ def config_from(args: argparse.Namespace) -> ServedConfig:
         threads=args.threads,
         model=args.model,
         vllm_python=args.vllm_python,
+        vllm_serve_flags=tuple(args.vllm_serve_flag),
         quiet_threshold=args.quiet_threshold,
         quiet_max_wait_s=args.quiet_max_wait,
         py_spy=args.py_spy,
@@ -406,6 +433,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = asyncio.run(run(cfg, workdir))
     print()
     for line in table(report["results"]):
+        print(line)
+    overhead = overhead_table(report["results"])
+    if overhead:
+        print()
+    for line in overhead:
         print(line)
     for name, top in report["profile"].items():
         print(f"\n{name}: self / inclusive share of its py-spy samples")

