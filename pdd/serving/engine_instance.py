@@ -113,6 +113,10 @@ class EngineInstance:
         """The chosen engine, its model loaded (on a worker thread: minutes for vLLM)."""
         cfg = self.config
         if cfg.engine_kind is EngineKind.VLLM:
+            if cfg.threads:
+                # NOTE: vLLM cuts torch to one thread "for serving" in its engine-core process
+                # unless OMP_NUM_THREADS is set; here that process is this service.
+                os.environ.setdefault("OMP_NUM_THREADS", str(cfg.threads))
             # NOTE: imported only on this choice: vLLM is an optional extra (pdd[vllm]).
             from pdd.engine_vllm.engine import VllmEngine
 
