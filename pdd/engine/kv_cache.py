@@ -58,12 +58,29 @@ class KvCache:
         """Store one layer's ``kv [N, 2, KV, D]`` at ``slots [N]``."""
         self._slots[layer].index_copy_(0, slots, kv)
 
+    def _rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """Rows of ``[L * S, 2 * KV * D]`` holding ``slots [n]``, token-major: ``[n * L]``."""
+        layer_base = torch.arange(self.num_layers, device=slots.device) * self._slots.shape[1]
+        return (slots[:, None] + layer_base[None, :]).reshape(-1)
+
     def read_tokens(self, slots: torch.Tensor) -> torch.Tensor:
-        """Every layer's K/V at ``slots [n]`` → ``[L, 2, n, KV, D]`` (the wire layout)."""
-        return self._slots.index_select(1, slots).transpose(
-            1, 2
-        )  # [L, n, 2, KV, D] → [L, 2, n, KV, D]
+        """Every layer's K/V at ``slots [n]`` → ``[L, 2, n, KV, D]`` (the wire layout's shape).
+
+        One gather of whole rows (a token's K and V of one layer are contiguous), token-major:
+        the result is the ``[L, 2, n, KV, D]`` view of a contiguous ``[n, L, 2, KV, D]``
+        tensor, so the links (token-major) take it without another copy.
+        """
+        rows = self._slots.view(-1, 2 * self.num_kv_heads * self.head_dim)  # [L * S, 2 * KV * D]
+        kv = rows.index_select(0, self._rows(slots))  # [n * L, 2 * KV * D]
+        shape = (slots.shape[0], self.num_layers, 2, self.num_kv_heads, self.head_dim)
+        return kv.view(shape).permute(1, 2, 0, 3, 4)  # [n, L, 2, KV, D] → [L, 2, n, KV, D]
 
     def write_tokens(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
-        """Store ``kv [L, 2, n, KV, D]`` (any float dtype; converted) at ``slots [n]``."""
-        self._slots.index_copy_(1, slots, kv.transpose(1, 2).to(self.dtype))  # [L, n, 2, KV, D]
+        """Store ``kv [L, 2, n, KV, D]`` (any float dtype, any strides; converted) at ``slots [n]``.
+
+        One scatter of whole rows when ``kv`` is a token-major view (a received region).
+        """
+        rows = self._slots.view(-1, 2 * self.num_kv_heads * self.head_dim)
+        by_token = kv.permute(2, 0, 1, 3, 4).to(self.dtype)  # [n, L, 2, KV, D]
+        # NOTE: a view when kv is token-major; a layer-major kv is reordered once here.
+        rows.index_copy_(0, self._rows(slots), by_token.reshape(-1, rows.shape[1]))

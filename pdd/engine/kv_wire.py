@@ -63,16 +63,30 @@ class KvDescriptor:
         return n * _ITEMSIZE[self.dtype]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class KvPayload:
+    """A KV range in the canonical format, held as a tensor so that no step copies it needlessly.
+
+    ``tensor`` is ``descriptor.shape`` in ``descriptor.dtype`` on the CPU, of any strides: an
+    exporter may gather token-major and hand out the ``[L, 2, n, KV, D]`` view of it, an importer
+    may wrap a received buffer in place (``from_buffer``). ``data`` materialises the canonical
+    bytes, copying only when the tensor is not laid out canonically already.
+
+    NOTE: a payload shares memory with what it was made from, and ``to_tensor`` with the payload.
+    """
+
     descriptor: KvDescriptor
-    data: bytes  # contiguous, little-endian, ``descriptor.shape`` in ``descriptor.dtype``
+    tensor: torch.Tensor  # [L, 2, n, KV, D]
 
     def __post_init__(self) -> None:
-        if len(self.data) != self.descriptor.nbytes:
+        d, t = self.descriptor, self.tensor
+        if tuple(t.shape) != d.shape or t.dtype != parse_dtype(d.dtype):
             raise ValueError(
-                f"KV payload has {len(self.data)} bytes, descriptor says {self.descriptor.nbytes}"
+                f"KV payload tensor is {tuple(t.shape)} {dtype_name(t.dtype)}, "
+                f"descriptor says {d.shape} {d.dtype}"
             )
+        if t.device.type != "cpu":
+            raise ValueError(f"KV payload tensor must be on the CPU, got {t.device}")
 
     @property
     def start_token(self) -> int:
@@ -82,6 +96,18 @@ class KvPayload:
     def num_tokens(self) -> int:
         return self.descriptor.num_tokens
 
+    @property
+    def data(self) -> memoryview:
+        """The canonical little-endian bytes (a copy only where ``tensor`` is not contiguous)."""
+        return _le_bytes(self.tensor.contiguous())
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, KvPayload):
+            return NotImplemented
+        return self.descriptor == other.descriptor and torch.equal(self.tensor, other.tensor)
+
+    __hash__ = None  # type: ignore[assignment]  # a tensor's contents are not hashable
+
     @classmethod
     def from_tensor(
         cls,
@@ -90,34 +116,49 @@ class KvPayload:
         block_size: int,
         dtype: str | torch.dtype | None = None,
     ) -> KvPayload:
-        """``kv [L, 2, n, KV, D]`` → payload, converted to ``dtype`` (default: ``kv``'s)."""
+        """``kv [L, 2, n, KV, D]`` → payload in ``dtype`` (default: ``kv``'s); no copy when ``kv``
+        is already a CPU tensor of that dtype (whatever its strides)."""
         if kv.dim() != 5 or kv.shape[1] != 2:
             raise ValueError(
                 f"expected a [layer, 2, token, head, dim] tensor, got shape {tuple(kv.shape)}"
             )
-        kv = kv.to("cpu", parse_dtype(dtype) if dtype is not None else kv.dtype).contiguous()
+        kv = kv.to("cpu", parse_dtype(dtype) if dtype is not None else kv.dtype)
         layers, _, n, heads, dim = kv.shape
         desc = KvDescriptor(
             dtype_name(kv.dtype), WIRE_LAYOUT, layers, heads, dim, block_size, start_token, n
         )
-        return cls(desc, _le_bytes(kv))
+        return cls(desc, kv)
 
-    def to_tensor(self, dtype: str | torch.dtype | None = None) -> torch.Tensor:
-        """The payload as ``[L, 2, n, KV, D]`` in ``dtype`` (default: the wire dtype)."""
-        d = self.descriptor
-        if not self.data:
-            return torch.empty(d.shape, dtype=parse_dtype(dtype or d.dtype))
-        raw = torch.frombuffer(bytearray(self.data), dtype=torch.uint8)  # a writable copy
+    @classmethod
+    def from_buffer(
+        cls, descriptor: KvDescriptor, data: bytes | bytearray | memoryview
+    ) -> KvPayload:
+        """A payload over canonical bytes: in place when ``data`` is writable, else one copy."""
+        view = memoryview(data).cast("B")
+        if view.nbytes != descriptor.nbytes:
+            raise ValueError(
+                f"KV payload has {view.nbytes} bytes, descriptor says {descriptor.nbytes}"
+            )
         if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
             raise NotImplementedError("KV wire import on big-endian hosts")
-        t = raw.view(parse_dtype(d.dtype)).view(d.shape)
-        return t if dtype is None else t.to(parse_dtype(dtype))
+        dtype = parse_dtype(descriptor.dtype)
+        if view.nbytes == 0:
+            return cls(descriptor, torch.empty(descriptor.shape, dtype=dtype))
+        raw = torch.frombuffer(bytearray(view) if view.readonly else view, dtype=torch.uint8)
+        return cls(descriptor, raw.view(dtype).view(descriptor.shape))
+
+    def to_tensor(self, dtype: str | torch.dtype | None = None) -> torch.Tensor:
+        """The payload as ``[L, 2, n, KV, D]``: without ``dtype`` the payload's own tensor (no
+        copy: for an importer that writes it into its pool at once), with one a tensor of its
+        own in that dtype (for one that keeps it past the call: the payload's memory may be a
+        region the relay reuses once the import returns)."""
+        return self.tensor if dtype is None else self.tensor.to(parse_dtype(dtype), copy=True)
 
 
-def _le_bytes(t: torch.Tensor) -> bytes:
+def _le_bytes(t: torch.Tensor) -> memoryview:
     if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
         raise NotImplementedError("KV wire export on big-endian hosts")
-    return t.reshape(-1).view(torch.uint8).numpy().tobytes()
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
 def to_bytes(payload: KvPayload) -> bytes:
@@ -134,4 +175,4 @@ def from_bytes(blob: bytes) -> KvPayload:
         desc = KvDescriptor(**json.loads(blob[start : start + size]))
     except (TypeError, json.JSONDecodeError) as e:
         raise ValueError(f"bad KV payload header: {e}") from e
-    return KvPayload(desc, bytes(blob[start + size :]))
+    return KvPayload.from_buffer(desc, memoryview(blob)[start + size :])

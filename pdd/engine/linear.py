@@ -11,6 +11,12 @@ MKL's GEMM does, which dominates at decode sizes: measured on this project's
 64M-parameter benchmark model, one thread, the whole step's GEMMs are 1.2-1.5x
 faster for 2-48 rows. For a single row MKL's GEMV is faster still, so one-row
 matmuls keep using ``weight_t``. The cost is a second copy of every weight.
+
+NOTE: oneDNN builds (JIT-compiles) and caches one primitive per distinct row count, each holding
+a few hundred KiB; prefill chunks of every length made that cache grow a process's resident
+memory by hundreds of MB before it reached its 1,024-entry capacity (`pdd bench soak`'s prefill
++14 %). Only decode-sized batches (``MAX_PACKED_ROWS``), where packing pays, take the packed
+path, which bounds the cache; prefill-sized matmuls are within a few percent either way.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ class Linear(nn.Module):
 
     # NOTE: a single row goes to MKL's GEMV on weight_t (faster than oneDNN there).
     MIN_PACKED_ROWS = 2
+    # NOTE: above this, MKL's GEMM on weight_t (as fast there); bounds oneDNN's primitive cache.
+    MAX_PACKED_ROWS = 64
     # the batch size oneDNN picks its blocked layout for (it serves every other size too)
     PACK_HINT_ROWS = 16
 
@@ -53,7 +61,7 @@ class Linear(nn.Module):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.shape[0] >= self.MIN_PACKED_ROWS:
+        if self.packed is not None and self.MIN_PACKED_ROWS <= x.shape[0] <= self.MAX_PACKED_ROWS:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if self.bias is None:
             return torch.mm(x, self.weight_t)

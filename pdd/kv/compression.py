@@ -39,6 +39,13 @@ def cast_for_wire(kv: torch.Tensor, wire: KvDtype) -> torch.Tensor:
     return kv.to(wire.torch_dtype).contiguous()
 
 
+def copy_cast(dst: torch.Tensor, kv: torch.Tensor) -> None:
+    """``dst.copy_(kv)`` to ``dst``'s wire dtype in one pass (fp8 saturating, as ``cast_for_wire``)."""
+    if dst.dtype == torch.float8_e4m3fn:
+        kv = kv.float().clamp(-_FP8_MAX, _FP8_MAX)  # NOTE: out of range would become NaN
+    dst.copy_(kv)
+
+
 def tensor_bytes(kv: torch.Tensor) -> memoryview:
     """The raw little-endian bytes of a contiguous CPU tensor, without a copy."""
     if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian

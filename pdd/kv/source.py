@@ -10,6 +10,8 @@ chunks (back-pressure).
 A span may be read again later: a resumed push resends chunks the receiver
 lacks. ``StreamedSource`` therefore keeps what it pulled — bounded by the
 payload's declared size, like the sender's KV pool that holds the same bytes.
+``FilledSource`` is the push form: its producer writes the payload in place
+(prefill exports KV straight into it: no queue of pieces, no second copy).
 """
 
 from __future__ import annotations
@@ -94,4 +96,60 @@ class StreamedSource:
                         )
                     self._buffer[self._produced : self._produced + piece.nbytes] = piece
                     self._produced += piece.nbytes
+        return memoryview(self._buffer)[offset:end]
+
+
+class FilledSource:
+    """A payload buffer its producer writes in place, front to back; a read waits for its span.
+
+    The producer asks for the next ``span(nbytes)`` (a writable view, e.g. the target of a
+    tensor copy that casts KV to the wire dtype on the way), fills it and calls
+    ``advance(nbytes)``. The buffer is the only copy of the payload on the sending side, kept
+    for resends until the source is dropped.
+    """
+
+    def __init__(self, total_bytes: int) -> None:
+        if total_bytes < 0:
+            raise ValueError(f"total_bytes: must be >= 0, got {total_bytes}")
+        self._buffer = bytearray(total_bytes)
+        self._produced = 0
+        self._progress = asyncio.Event()
+        self._error: BaseException | None = None
+
+    @property
+    def total_bytes(self) -> int:
+        return len(self._buffer)
+
+    @property
+    def produced(self) -> int:
+        """Bytes the producer has filled so far."""
+        return self._produced
+
+    def span(self, nbytes: int) -> memoryview:
+        """The next ``nbytes`` of the buffer, for the producer to fill (then ``advance``)."""
+        if nbytes < 0 or self._produced + nbytes > len(self._buffer):
+            raise InvalidArgumentError(
+                "payload", f"producer overran the declared {len(self._buffer)} bytes"
+            )
+        return memoryview(self._buffer)[self._produced : self._produced + nbytes]
+
+    def advance(self, nbytes: int) -> None:
+        """``nbytes`` more were filled (call on the event loop: it wakes the readers)."""
+        self.span(nbytes)  # the same bound
+        self._produced += nbytes
+        self._progress.set()
+        self._progress = asyncio.Event()
+
+    def fail(self, error: BaseException) -> None:
+        """The producer gave up: every read still waiting (and any later one) raises ``error``."""
+        self._error = error
+        self._progress.set()
+
+    async def read(self, offset: int, length: int) -> memoryview:
+        _check_span(offset, length, len(self._buffer))
+        end = offset + length
+        while self._produced < end:
+            if self._error is not None:
+                raise self._error
+            await self._progress.wait()
         return memoryview(self._buffer)[offset:end]

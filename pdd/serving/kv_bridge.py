@@ -17,7 +17,7 @@ import torch
 
 from pdd.engine.kv_wire import KvPayload
 from pdd.engine.protocol import EngineBackend
-from pdd.kv.compression import decode_tensor, encode_tensor
+from pdd.kv.compression import copy_cast, decode_tensor
 from pdd.kv.layout import KvDtype, KvLayout
 from pdd.kv.transfer import DEFAULT_CHUNK_BYTES, Compression, TransferHeader, make_header
 
@@ -64,21 +64,42 @@ def range_header(
 
 
 def export_tokens(engine: EngineBackend, request_id: str, start: int, end: int) -> torch.Tensor:
-    """KV of tokens ``[start, end)``, token-major ``[n, L, 2, KV, D]`` (call on the engine thread)."""
-    kv = engine.export_kv(request_id, start, end).to_tensor()  # [L, 2, n, KV, D]
-    return kv.permute(2, 0, 1, 3, 4).contiguous()  # [n, L, 2, KV, D]
+    """KV of tokens ``[start, end)`` token-major ``[n, L, 2, KV, D]`` (call on the engine thread).
+
+    A view of the engine's export, not a copy: our engine gathers token-major, so it is
+    contiguous; another engine's layer-major export is reordered by ``write_wire``'s one copy.
+    """
+    return engine.export_kv(request_id, start, end).tensor.permute(2, 0, 1, 3, 4)
+
+
+def write_wire(kv: torch.Tensor, layout: KvLayout, out: memoryview) -> None:
+    """Token-major KV ``[n, L, 2, KV, D]`` into ``out`` (its payload bytes) in the layout's wire
+    dtype: one copy that casts and reorders on the way, straight into a transfer buffer."""
+    dst = (
+        torch.frombuffer(out, dtype=torch.uint8)
+        if out.nbytes
+        else torch.empty(0, dtype=torch.uint8)
+    )
+    dst = dst.view(layout.dtype.torch_dtype).view(kv.shape)
+    copy_cast(dst, kv)
 
 
 def wire_bytes(kv: torch.Tensor, layout: KvLayout) -> memoryview:
-    """Token-major KV ``[n, L, 2, KV, D]`` as payload bytes in the layout's wire dtype."""
-    return encode_tensor(kv, layout.dtype)
+    """Token-major KV ``[n, L, 2, KV, D]`` as a payload of its own in the layout's wire dtype."""
+    out = memoryview(bytearray(layout.nbytes(kv.shape[0])))
+    write_wire(kv, layout, out)
+    return out
 
 
 def import_range(engine: EngineBackend, request_id: str, header: TransferHeader, payload) -> None:
-    """Write a received range into the request's KV, converting dtype (call on the engine thread)."""
+    """Write a received range into the request's KV, converting dtype (call on the engine thread).
+
+    ``payload`` is read in place (a fast-link region, a reassembled buffer): the engine scatters
+    from the token-major view straight into its pool.
+    """
     if header.num_tokens == 0:
         return
     kv = decode_tensor(payload, header.layout, header.num_tokens, dtype=engine.dtype)
     axes = header.layout.axes.split(",")
-    kv = kv.permute(*(axes.index(a) for a in _ENGINE_AXES))  # → [L, 2, n, KV, D]
+    kv = kv.permute(*(axes.index(a) for a in _ENGINE_AXES))  # → [L, 2, n, KV, D], a view
     engine.import_kv(request_id, KvPayload.from_tensor(kv, header.start_token, engine.block_size))

@@ -48,14 +48,14 @@ from pdd.kv.fast_link.state import TransferState, Transport
 from pdd.kv.fast_link.tcp import TcpSenderBackend
 from pdd.kv.layout import KvDtype
 from pdd.kv.link_meter import LinkMeterConfig, LinkMeters
-from pdd.kv.source import StreamedSource
+from pdd.kv.source import FilledSource
 from pdd.kv.stream_pool import StreamPool
 from pdd.kv.transfer import DEFAULT_CHUNK_BYTES, Compression, TransferHeader
 from pdd.kv.wan import KvPusher, PushReport
 from pdd.serving.admission import Admission, AdmissionConfig
 from pdd.serving.channels import Channels
 from pdd.serving.engine_instance import EngineInstance
-from pdd.serving.kv_bridge import export_tokens, range_header, wire_bytes
+from pdd.serving.kv_bridge import export_tokens, range_header, write_wire
 from pdd.serving.link_prober import LinkProbe, LinkProber
 from pdd.serving.mailbox import Computed, StepFailed
 from pdd.telemetry import metrics
@@ -152,30 +152,20 @@ class PrefillPeers:
 
 
 class _Link:
-    """One outgoing KV range: its header and a source fed token by token as prefill computes."""
+    """One outgoing KV range: its header and the buffer prefill exports it into as it computes."""
 
     def __init__(self, header: TransferHeader) -> None:
         self.header = header
-        self._pieces: asyncio.Queue = asyncio.Queue()
-        # NOTE: the generator holds the queue only, never this link: a generator → link →
-        # source → generator cycle kept every request's whole KV buffer alive until a full
-        # garbage collection (what `pdd bench soak` saw as prefill's resident memory creeping).
-        self.source = StreamedSource(header.total_bytes, _drain(self._pieces, header.total_bytes))
+        self.source = FilledSource(header.total_bytes)
 
-    def feed(self, kv_token_major, start: int) -> None:
-        """Tokens ``[start, start + len(kv))`` were computed; queue the part inside this range."""
-        lo = max(start, self.header.start_token) - start
-        if lo < kv_token_major.shape[0]:
-            self._pieces.put_nowait(wire_bytes(kv_token_major[lo:], self.header.layout))
-
-
-async def _drain(pieces: asyncio.Queue, total_bytes: int):
-    """The queued pieces, in order, until ``total_bytes`` went out (then it ends)."""
-    sent = 0
-    while sent < total_bytes:
-        piece = await pieces.get()
-        sent += memoryview(piece).nbytes
-        yield piece
+    def fill(self, kv_token_major, start: int) -> int:
+        """Tokens ``[start, start + len(kv))`` were computed: write the part inside this range
+        into the buffer in the wire dtype (engine thread); the bytes to ``advance`` on the loop."""
+        kv = kv_token_major[max(start, self.header.start_token) - start :]
+        nbytes = self.header.layout.nbytes(kv.shape[0])
+        if nbytes:
+            write_wire(kv, self.header.layout, self.source.span(nbytes))
+        return nbytes
 
 
 @dataclass(frozen=True)
@@ -222,6 +212,8 @@ class Prefill:
         # NOTE: the links' states go out with every load report (membership's heartbeat).
         instance.link_states = self.link_states
         self.transports = offered_transports(config.fast_link, config.relay_same_host)
+        # NOTE: one for the process: it keeps the relays' segments mapped for their reuse.
+        self._shm = ShmSenderBackend()
         self.admission = Admission.for_engine("prefill", admission, lambda: self.engine)
 
     @property
@@ -238,9 +230,10 @@ class Prefill:
         return states
 
     async def close(self) -> None:
-        """Stop probing the links."""
+        """Stop probing the links; unmap the relays' segments."""
         if self.prober is not None:
             await self.prober.close()
+        self._shm.close()
 
     @property
     def engine(self) -> EngineBackend:
@@ -358,9 +351,9 @@ class Prefill:
                 case item:
                     raise TypeError(f"unexpected item on {rid}'s queue: {item!r}")
             if upto > exported:
-                kv = await self.runner.call(export_tokens, self.engine, rid, exported, upto)
-                for link in links:
-                    link.feed(kv, exported)
+                filled = await self.runner.call(self._export, rid, exported, upto, links)
+                for link, nbytes in zip(links, filled, strict=True):
+                    link.source.advance(nbytes)
                 exported = upto
             if out is not None:
                 return out
@@ -412,6 +405,11 @@ class Prefill:
         if held:
             self.runner.submit(self._drop, rid)  # NOTE: not awaited: runs even when cancelled
 
+    def _export(self, rid: str, start: int, end: int, links: list[_Link]) -> list[int]:
+        """Tokens ``[start, end)`` straight into every link's buffer (engine thread)."""
+        kv = export_tokens(self.engine, rid, start, end)  # [n, L, 2, KV, D], a view
+        return [link.fill(kv, start) for link in links]
+
     def _drop(self, rid: str) -> None:
         self.engine.abort(rid)  # NOTE: frees a kept (finished) request too
 
@@ -460,7 +458,7 @@ class Prefill:
             job.request_id, header.layout, header.num_tokens, header.total_bytes, self.transports
         )
         reservation = await relay.prepare_transfer(request)
-        sender = FastLinkSender([ShmSenderBackend(), relay.tcp_backend()])
+        sender = FastLinkSender([self._shm, relay.tcp_backend()])
         t0 = time.perf_counter()
         report = await sender.send(reservation, header, link.source, relay.complete_transfer, first)
         if report.state is not TransferState.COMPLETED:

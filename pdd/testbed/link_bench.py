@@ -10,13 +10,13 @@ One run, all on loopback in this process:
    receiver), time to last byte (push start to the sender holding the
    receiver's confirmation) against its ideal (line rate + one RTT), and wire
    overhead per chunk (bytes the emulator carried beyond the payload);
-3. the shared-memory fast link — prepare, write, CRC-checked completion —
-   against a plain memory copy of the same bytes.
+3. the shared-memory fast link — prepare, write, completion — against a plain
+   memory copy of the same bytes, the two alternating.
 
 The JSON written to ``--out`` holds ``configured_mbps``, ``achieved_mbps`` (the
 WAN path for the largest size), ``fast_link_gbps``, ``memcpy_gbps`` and the
 details. Targets: WAN ≥ 90% of the emulated bandwidth for ≥ 4 MB; emulator
-bandwidth and RTT within 5%; shm ≥ 30% of memcpy.
+bandwidth and RTT within 5%; shm ≥ 50% of memcpy (issue 19).
 """
 
 from __future__ import annotations
@@ -188,40 +188,46 @@ async def _wan_path(cfg: BenchConfig, link: LinkConfig) -> list[dict[str, float]
     return rows
 
 
-async def _fast_link(size_mb: int) -> dict[str, float]:
+async def _fast_link(size_mb: int, runs: int = 7) -> dict[str, float]:
+    """Shared-memory transfers and plain copies of the same bytes, alternating (so that other
+    load on the host weighs on both alike); medians. The first transfer, which creates and maps
+    the segment, is left out as warm-up, as the faulting in of the copy's destination is."""
     nbytes = size_mb * _MIB
     tokens = nbytes // _LAYOUT.bytes_per_token
     payload = np.frombuffer(os.urandom(nbytes), dtype=np.uint8)
-    relay = FastLinkReceiver([ShmReceiverBackend()])
+    shm = ShmReceiverBackend()
+    relay = FastLinkReceiver([shm])
     sender = FastLinkSender([ShmSenderBackend()])
-    runs = []
-    for i in range(3):
-        start = time.monotonic()
-        reservation = await relay.prepare(
-            PrepareRequest(f"fl-{i}", _LAYOUT, tokens, nbytes, (Transport.SHM,))
-        )
-        prepared = time.monotonic()
-        header = make_header(f"fl-{i}", _LAYOUT, 0, tokens)
-        report = await sender.send(
-            reservation, header, BytesSource(memoryview(payload)), relay.complete
-        )
-        relay.release(reservation.transfer_id)
-        runs.append((prepared - start, report.write_s, report.complete_s))
     dst = np.empty_like(payload)
     np.copyto(dst, payload)  # fault the destination in, as the segment is at prepare
-    copies = []
-    for _ in range(3):
-        start = time.perf_counter()
-        np.copyto(dst, payload)
-        copies.append(time.perf_counter() - start)
-    prepare_s, write_s, complete_s = (statistics.median(x) for x in zip(*runs, strict=True))
-    fast = nbytes / (write_s + complete_s) / 1e9
+    fast, copies = [], []
+    try:
+        for i in range(runs + 1):
+            start = time.monotonic()
+            reservation = await relay.prepare(
+                PrepareRequest(f"fl-{i}", _LAYOUT, tokens, nbytes, (Transport.SHM,))
+            )
+            prepared = time.monotonic()
+            header = make_header(f"fl-{i}", _LAYOUT, 0, tokens)
+            report = await sender.send(
+                reservation, header, BytesSource(memoryview(payload)), relay.complete
+            )
+            relay.release(reservation.transfer_id)
+            start_copy = time.perf_counter()
+            np.copyto(dst, payload)
+            if i:
+                copies.append(time.perf_counter() - start_copy)
+                fast.append((prepared - start, report.write_s, report.complete_s))
+    finally:
+        shm.close()
+    prepare_s, write_s, complete_s = (statistics.median(x) for x in zip(*fast, strict=True))
+    fast_gbps = nbytes / statistics.median(w + c for _, w, c in fast) / 1e9
     memcpy = nbytes / statistics.median(copies) / 1e9
     return {
         "fast_link_mb": size_mb,
-        "fast_link_gbps": round(fast, 3),
+        "fast_link_gbps": round(fast_gbps, 3),
         "memcpy_gbps": round(memcpy, 3),
-        "fast_link_vs_memcpy": round(fast / memcpy, 4),
+        "fast_link_vs_memcpy": round(fast_gbps / memcpy, 4),
         "fast_link_prepare_ms": round(prepare_s * 1e3, 2),
         "fast_link_write_ms": round(write_s * 1e3, 2),
         "fast_link_complete_ms": round(complete_s * 1e3, 2),
@@ -250,7 +256,7 @@ async def run_bench(cfg: BenchConfig) -> dict[str, object]:
             "wan_ge_90pct_from_4mb": all(r["efficiency"] >= 0.9 for r in wan if r["size_mb"] >= 4),
             "emulator_bandwidth_within_5pct": abs(bw_error) <= 0.05,
             "emulator_rtt_within_5pct": rtt_error is None or abs(rtt_error) <= 0.05,
-            "fast_link_ge_30pct_memcpy": fast["fast_link_vs_memcpy"] >= 0.3,
+            "fast_link_ge_50pct_memcpy": fast["fast_link_vs_memcpy"] >= 0.5,
         },
         "config": asdict(cfg),
         "cpus": os.cpu_count(),

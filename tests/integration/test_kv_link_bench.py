@@ -56,5 +56,5 @@ def test_bench_writes_configured_and_achieved_figures(tmp_path, capsys, restore_
         "wan_ge_90pct_from_4mb",
         "emulator_bandwidth_within_5pct",
         "emulator_rtt_within_5pct",
-        "fast_link_ge_30pct_memcpy",
+        "fast_link_ge_50pct_memcpy",
     }

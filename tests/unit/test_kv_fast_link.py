@@ -27,7 +27,13 @@ from pdd.kv.fast_link.receiver import FastLinkConfig, FastLinkReceiver
 from pdd.kv.fast_link.region import Completion, PrepareRequest
 from pdd.kv.fast_link.select import HostProbe, probe_host, select_transport, usable_candidates
 from pdd.kv.fast_link.sender import FastLinkSender
-from pdd.kv.fast_link.shm import ShmReceiverBackend, ShmSenderBackend, ShmWriter, segment_exists
+from pdd.kv.fast_link.shm import (
+    ShmReceiverBackend,
+    ShmSenderBackend,
+    ShmWriter,
+    segment_exists,
+    segment_size,
+)
 from pdd.kv.fast_link.state import TransferState, Transport, advance
 from pdd.kv.fast_link.tcp import TcpReceiverBackend
 from pdd.kv.layout import KvDtype, KvLayout
@@ -60,9 +66,16 @@ def clock():
 
 
 @pytest.fixture
-def relay(clock):
+def shm_backend():
+    backend = ShmReceiverBackend()
+    yield backend
+    backend.close()  # unlink the segments kept for reuse
+
+
+@pytest.fixture
+def relay(clock, shm_backend):
     rx = FastLinkReceiver(
-        [ShmReceiverBackend(), TcpReceiverBackend()], FastLinkConfig(lease_s=5), clock=clock
+        [shm_backend, TcpReceiverBackend()], FastLinkConfig(lease_s=5), clock=clock
     )
     yield rx
     rx.cancel("r")  # free what a failing test left behind
@@ -87,6 +100,51 @@ async def test_shm_round_trip_hands_the_relay_a_zero_copy_view(relay):
     assert kv[0, 0, 0, 0, 0].item() == 1.0  # ...is seen by the tensor: no copy was made
     del kv
     got.view.release()
+    relay.release(reservation.transfer_id)
+    # A completed transfer's segment is kept for the next one (no sender writes to it any more).
+    assert segment_exists(reservation.shm_name) and relay.held_regions == 0
+
+
+async def test_a_completed_segment_serves_the_next_transfer_and_the_sender_keeps_its_mapping(
+    relay, shm_backend
+):
+    sender_backend = ShmSenderBackend()
+    names = []
+    for i in range(3):
+        payload = bytes([i + 1]) * LAYOUT.nbytes(TOKENS)
+        reservation = await relay.prepare(_prepare_request())
+        names.append(reservation.shm_name)
+        report = await FastLinkSender([sender_backend]).send(
+            reservation, _header(), BytesSource(payload), relay.complete
+        )
+        assert report.state is TransferState.COMPLETED
+        got = await relay.wait_complete("r", 1)
+        assert bytes(got.view) == payload  # the reused segment holds this transfer's bytes
+        relay.release(reservation.transfer_id)
+    assert names[0] == names[1] == names[2]
+    assert (
+        sender_backend.mapped_bytes == shm_backend.idle_bytes == segment_size(LAYOUT.nbytes(TOKENS))
+    )
+    shm_backend.close()  # the relay unlinks it: the sender's next open drops its mapping too
+    assert not segment_exists(names[0])
+    reservation = await relay.prepare(_prepare_request())
+    writer = await sender_backend.open(reservation, _header())
+    assert reservation.shm_name != names[0] and sender_backend.mapped_bytes == segment_size(
+        reservation.total_bytes
+    )
+    writer.close()
+    relay.cancel("r")
+    assert not segment_exists(reservation.shm_name)  # a cancelled transfer's is never reused
+    sender_backend.close()
+
+
+async def test_without_a_pool_a_released_segment_is_unlinked(clock):
+    relay = FastLinkReceiver([ShmReceiverBackend(pool_bytes=0)], clock=clock)
+    reservation = await relay.prepare(_prepare_request())
+    report = await FastLinkSender([ShmSenderBackend(max_mapped_bytes=0)]).send(
+        reservation, _header(), BytesSource(bytes(reservation.total_bytes)), relay.complete
+    )
+    assert report.state is TransferState.COMPLETED
     relay.release(reservation.transfer_id)
     assert not segment_exists(reservation.shm_name)
 
@@ -148,7 +206,34 @@ async def test_lease_expiry_frees_the_segment_and_refuses_completion(relay, cloc
         await relay.complete(Completion(reservation.transfer_id, _header(), 0))
 
 
-async def test_bytes_damaged_in_the_region_fail_the_crc_check(relay):
+@pytest.fixture
+def verifying(clock, shm_backend):
+    """A relay that checks the region CRC on shm too (``verify_trusted``)."""
+    rx = FastLinkReceiver(
+        [shm_backend], FastLinkConfig(lease_s=5, verify_trusted=True), clock=clock
+    )
+    yield rx
+    rx.cancel("r")
+
+
+async def test_shm_skips_the_region_crc_unless_both_ends_ask_for_it(relay):
+    payload = os.urandom(LAYOUT.nbytes(TOKENS))
+    reservation = await relay.prepare(_prepare_request())
+    report = await FastLinkSender([ShmSenderBackend()]).send(
+        reservation, _header(), BytesSource(payload), relay.complete
+    )
+    assert report.state is TransferState.COMPLETED and report.crc32 == 0  # nothing hashed
+    assert bytes((await relay.wait_complete("r", 1)).view) == payload
+    relay.release(reservation.transfer_id)
+    hashed = await relay.prepare(_prepare_request())
+    report = await FastLinkSender([ShmSenderBackend()], hash_trusted=True).send(
+        hashed, _header(), BytesSource(payload), relay.complete
+    )
+    assert report.state is TransferState.COMPLETED and report.crc32 == zlib.crc32(payload)
+
+
+async def test_bytes_damaged_in_the_region_fail_the_crc_check(verifying):
+    relay = verifying
     payload = os.urandom(LAYOUT.nbytes(TOKENS))
     reservation = await relay.prepare(_prepare_request())
 
@@ -160,7 +245,7 @@ async def test_bytes_damaged_in_the_region_fail_the_crc_check(relay):
         other.close()
         return await relay.complete(completion) is TransferState.COMPLETED
 
-    report = await FastLinkSender([ShmSenderBackend()]).send(
+    report = await FastLinkSender([ShmSenderBackend()], hash_trusted=True).send(
         reservation, _header(), BytesSource(payload), damage_then_complete
     )
     assert report.state is TransferState.FAILED
@@ -170,14 +255,15 @@ async def test_bytes_damaged_in_the_region_fail_the_crc_check(relay):
         await relay.wait_complete("r", 0.01)
 
 
-async def test_a_wrong_crc_from_the_sender_fails_the_transfer(relay):
+async def test_a_wrong_crc_from_the_sender_fails_the_transfer(verifying):
+    relay = verifying
     payload = os.urandom(LAYOUT.nbytes(TOKENS))
     reservation = await relay.prepare(_prepare_request())
 
     async def lie(c):
         return await relay.complete(replace(c, crc32=c.crc32 ^ 1))
 
-    report = await FastLinkSender([ShmSenderBackend()]).send(
+    report = await FastLinkSender([ShmSenderBackend()], hash_trusted=True).send(
         reservation, _header(), BytesSource(payload), lie
     )
     assert report.state is TransferState.FAILED and relay.reserved_bytes == 0

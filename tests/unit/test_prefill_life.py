@@ -222,10 +222,12 @@ async def test_a_sent_link_is_freed_without_waiting_for_the_garbage_collector():
     layout = KvLayout(KvDtype.FLOAT32, num_layers=2, num_kv_heads=2, head_dim=8)
     header = make_header("r", layout, 0, 6, chunk_bytes=512)  # 256 bytes per token
     link = _Link(header)
-    link.feed(torch.ones(4, 2, 2, 2, 8), 0)
-    link.feed(torch.ones(2, 2, 2, 2, 8), 4)
+    link.source.advance(link.fill(torch.ones(4, 2, 2, 2, 8), 0))
+    link.source.advance(link.fill(torch.full((2, 2, 2, 2, 8), 2.0), 4))
     data = await link.source.read(0, header.total_bytes)
     assert data.nbytes == header.total_bytes
+    got = torch.frombuffer(bytearray(data), dtype=torch.float32).view(6, 2, 2, 2, 8)
+    assert got[:4].eq(1).all() and got[4:].eq(2).all()
     del data
     gone = weakref.ref(link)
     gc.disable()

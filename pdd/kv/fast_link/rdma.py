@@ -129,7 +129,7 @@ class RdmaRegion:  # pragma: no cover - needs an RDMA device
     def view(self) -> memoryview:
         return memoryview(self._buffer)[: self._nbytes]
 
-    def close(self) -> None:
+    def close(self, reuse: bool = False) -> None:
         if self._mr is not None:
             self._mr.close()
             self._mr = None

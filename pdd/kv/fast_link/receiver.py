@@ -11,8 +11,11 @@ Life of a transfer here (states from ``state.py``):
 3. ``complete`` (``CompleteTransfer``): WRITTEN; the CRC-32 of the region is
    computed here, over our own memory, and compared with the sender's →
    COMPLETED (waiters of ``wait_complete`` get a zero-copy view of the region)
-   or FAILED (region freed at once);
-4. the consumer (the relay's engine) imports the KV and calls ``release``.
+   or FAILED (region freed at once). On a trusted transport (shm, RDMA: nothing
+   between the sender's copy and our memory can change a byte) the check is
+   skipped unless ``FastLinkConfig.verify_trusted``;
+4. the consumer (the relay's engine) imports the KV and calls ``release``; the
+   region's memory may then serve a later transfer (shm: the segment pool).
 
 A transfer not completed within its lease → EXPIRED by ``expire`` (which
 ``run_sweeper`` calls periodically) and its region is freed; a later
@@ -59,6 +62,10 @@ class FastLinkConfig:
     max_region_bytes: int = 8 << 30
     # Sum of all regions held (reserved or completed and not yet released).
     max_reserved_bytes: int = 32 << 30
+    # Check the region CRC on trusted transports too (``Transport.trusted``); the sender must
+    # hash them as well (``FastLinkSender(hash_trusted=True)``). A debugging aid: it costs two
+    # passes over the region, more than the copy itself.
+    verify_trusted: bool = False
 
     def __post_init__(self) -> None:
         if self.lease_s <= 0:
@@ -245,7 +252,8 @@ class FastLinkReceiver:
             return self._finish(entry, TransferState.FAILED)
         if entry.region is None:
             raise FailedPreconditionError(f"fast-link transfer {entry.transfer_id} has no region")
-        crc = await crc32_async(entry.region.view)
+        verify = self.config.verify_trusted or not entry.transport.trusted
+        crc = await crc32_async(entry.region.view) if verify else completion.crc32
         if crc != completion.crc32:
             log.warning(
                 "fast_link_crc_mismatch",
@@ -281,7 +289,8 @@ class FastLinkReceiver:
         """The consumer is done with a COMPLETED region (or gives up on any transfer)."""
         entry = self._entries.pop(transfer_id, None)
         if entry is not None and entry.region is not None:
-            entry.region.close()
+            # NOTE: only a completed transfer's sender is done writing; any other's may be late.
+            entry.region.close(reuse=entry.state is TransferState.COMPLETED)
 
     def cancel(self, request_id: str) -> int:
         """Drop every transfer of a request; returns how many."""

@@ -90,8 +90,9 @@ class Region(Protocol):
         """The whole region, writable, without a copy."""
         ...
 
-    def close(self) -> None:
-        """Give the memory back (unlink / deregister); idempotent."""
+    def close(self, reuse: bool = False) -> None:
+        """Give the memory back (unlink / deregister); idempotent. ``reuse``: the transfer
+        completed, so no sender writes here any more and the memory may serve another one."""
         ...
 
 
@@ -136,5 +137,5 @@ class MemoryRegion:
             raise ValueError("region: closed")
         return memoryview(self._buffer)
 
-    def close(self) -> None:
+    def close(self, reuse: bool = False) -> None:
         self._buffer = None

@@ -10,6 +10,10 @@ WRITTEN once the transport confirms every byte landed → ``CompleteTransfer``
 with the whole region's CRC-32 → COMPLETED if the relay's own CRC agrees,
 FAILED if not (the caller may prepare again, e.g. over TCP, or give up).
 
+On a trusted transport (``Transport.trusted``: shm, RDMA) nothing is hashed and
+the completion carries CRC 0, unless ``hash_trusted`` (for a relay that verifies
+them: ``FastLinkConfig.verify_trusted``).
+
 A transport error while writing also ends FAILED and raises the domain error.
 """
 
@@ -50,10 +54,11 @@ class SendReport:
 
 
 class FastLinkSender:
-    def __init__(self, backends: Sequence[SenderBackend]) -> None:
+    def __init__(self, backends: Sequence[SenderBackend], *, hash_trusted: bool = False) -> None:
         if not backends:
             raise ValueError("backends: at least one transport is needed")
         self._backends = {b.transport: b for b in backends}
+        self.hash_trusted = hash_trusted
 
     @property
     def transports(self) -> tuple[Transport, ...]:
@@ -79,17 +84,18 @@ class FastLinkSender:
         state = TransferState.REGISTERED
         start = time.monotonic()
         writer = await backend.open(reservation, header)
-        crc = ChunkedCrc()
+        crc = ChunkedCrc() if self.hash_trusted or not reservation.transport.trusted else None
         try:
             state = advance(state, TransferState.WRITING, reservation.transfer_id)
             for index in range(header.num_chunks):
                 offset, length = chunk_span(header, index)
                 data = await source.read(offset, length)
                 await writer.write(index, offset, data)
-                crc.add(data)
+                if crc is not None:
+                    crc.add(data)
             await writer.finish()
             state = advance(state, TransferState.WRITTEN, reservation.transfer_id)
-            value = await crc.value()
+            value = await crc.value() if crc is not None else 0
         except BaseException:
             log.warning(
                 "fast_link_send_failed", transfer_id=reservation.transfer_id, state=state.value

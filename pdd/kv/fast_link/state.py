@@ -27,6 +27,13 @@ class Transport(enum.Enum):
     SHM = "shm"
     TCP = "tcp"
 
+    @property
+    def trusted(self) -> bool:
+        """Whether the bytes' path itself guarantees them: a memcpy within one host's memory,
+        or an RDMA reliable connection (its link-level CRC). Their transfers skip the region
+        CRC unless both ends ask for it; TCP keeps a CRC per chunk and one over the region."""
+        return self is not Transport.TCP
+
 
 class TransferState(enum.Enum):
     PENDING = "pending"
