@@ -301,6 +301,7 @@ async def test_tokens_queued_while_the_stream_is_behind_go_out_in_one_message(ck
         first = await node.push("r1", PROMPT, 0)
         head = await asyncio.wait_for(anext(stream), 60)  # the stream keeps up: one token
         assert isinstance(head, Tokens) and (head.start_position, len(head.token_ids)) == (1, 1)
+
         def done() -> bool:  # finished: released, or kept with every output
             eng = node.engine
             return not eng.holds_request("r1") or len(eng.output_token_ids("r1")) >= n
