@@ -45,6 +45,19 @@ def _fresh_logging() -> Iterator[None]:
         structlog.contextvars.clear_contextvars()
 
 
+@pytest.fixture(autouse=True)
+def _cpus_given_back() -> Iterator[None]:
+    """A test that benchmarks in-process pins the test process (the bench client) to a cluster's
+    CPUs; it must give them back, or later tests run on fewer CPUs than they were collected for."""
+    before = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    yield
+    if before is not None:
+        after = os.sched_getaffinity(0)
+        if after != before:
+            os.sched_setaffinity(0, before)  # NOTE: later tests must not fail for this one
+            pytest.fail(f"the test left this process on CPUs {sorted(after)}, not {sorted(before)}")
+
+
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     if url := os.environ.get("PDD_TEST_REDIS_URL"):

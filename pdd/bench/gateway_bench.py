@@ -260,6 +260,7 @@ def table(windows: Sequence[Window]) -> list[str]:
 
 async def run(cfg: GatewayBenchConfig) -> list[Window]:
     bench = Bench(cfg)
+    own_mask = allowed_cpus()
     await asyncio.to_thread(bench.start)
     pin(os.getpid(), bench.other_cpus)  # NOTE: the clients stay off the gateway's CPU
     windows: list[Window] = []
@@ -273,6 +274,8 @@ async def run(cfg: GatewayBenchConfig) -> list[Window]:
                 windows.append(w)
     finally:
         await asyncio.to_thread(bench.stop)
+        if own_mask:  # NOTE: the caller (a test, the CLI in-process) gets its CPUs back
+            pin(os.getpid(), own_mask)
     return windows
 
 
