@@ -191,9 +191,9 @@ class Soak:
         for p in list(self.stack.processes):
             if not p.alive():
                 continue
-            rss, fds = read_process(p.proc.pid)
+            rss, fds, kinds = read_process(p.proc.pid)
             gauges = await asyncio.to_thread(self._scrape, p.name)
-            self.samples.append(Sample(round(t, 2), p.name, p.proc.pid, rss, fds, gauges))
+            self.samples.append(Sample(round(t, 2), p.name, p.proc.pid, rss, fds, gauges, kinds))
 
     async def _sampler(self, stop: asyncio.Event) -> None:
         while not stop.is_set():

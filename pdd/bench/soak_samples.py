@@ -29,17 +29,39 @@ class Sample:
     open_fds: int
     # Watched gauges (absent for processes without /metrics, e.g. the WAN emulators).
     gauges: Mapping[str, float] = field(default_factory=dict)
+    # Open descriptors by kind (``fd_kind``): what a growth in ``open_fds`` is made of.
+    fd_kinds: Mapping[str, int] = field(default_factory=dict)
 
 
-def read_process(pid: int) -> tuple[int, int]:
-    """(resident bytes, open descriptors) of ``pid`` from /proc; (0, 0) once it is gone."""
+def fd_kind(target: str) -> str:
+    """What an /proc/<pid>/fd link points at, as a kind: socket, pipe, eventfd, epoll, shm
+    (a /dev/shm file or a memfd), file, or the anon inode's own name."""
+    if target.startswith(("socket:", "pipe:")):
+        return target.split(":", 1)[0]
+    if target.startswith("anon_inode:"):
+        return target.split(":", 1)[1].strip("[]") or "anon_inode"
+    if target.startswith(("/dev/shm/", "/memfd:")):
+        return "shm"
+    return "file"
+
+
+def read_process(pid: int) -> tuple[int, int, dict[str, int]]:
+    """(resident bytes, open descriptors, descriptors by kind) of ``pid`` from /proc; (0, 0, {})
+    once it is gone."""
+    kinds: dict[str, int] = {}
     try:
         with open(f"/proc/{pid}/status") as f:
             rss = next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:")), 0)
-        fds = len(os.listdir(f"/proc/{pid}/fd"))
+        names = os.listdir(f"/proc/{pid}/fd")
     except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return 0, 0
-    return rss, fds
+        return 0, 0, {}
+    for name in names:
+        try:
+            kind = fd_kind(os.readlink(f"/proc/{pid}/fd/{name}"))
+        except OSError:  # NOTE: closed between the listing and the read
+            continue
+        kinds[kind] = kinds.get(kind, 0) + 1
+    return rss, len(names), kinds
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -96,6 +118,16 @@ def _judged(
     return out
 
 
+def _kinds_grown(first: Sample, last: Sample) -> str:
+    """The kinds of descriptor that grew between two samples, e.g. `` (socket +9, shm +3)``."""
+    grew = {
+        k: n - first.fd_kinds.get(k, 0)
+        for k, n in last.fd_kinds.items()
+        if n > first.fd_kinds.get(k, 0)
+    }
+    return f" ({', '.join(f'{k} +{d}' for k, d in sorted(grew.items()))})" if grew else ""
+
+
 def verdict(
     samples: Sequence[Sample],
     outcomes: Mapping[str, int],
@@ -145,7 +177,7 @@ def verdict(
             first = _median(s.open_fds for s in ss[:window])
             last = _median(s.open_fds for s in ss[-window:])
             if last > first + fd_slack:
-                fd_grown.append(f"{name} {first:g} -> {last:g}")
+                fd_grown.append(f"{name} {first:g} -> {last:g}{_kinds_grown(ss[0], ss[-1])}")
     checks.append(Check("fds_flat", not fd_grown, ", ".join(fd_grown) or "no growth"))
     # Tasks and holdings: the idle baseline (t < 0) against the idle end (the last sample of each
     # process, taken after the drain), same pid only (a restarted process starts afresh).

@@ -100,6 +100,7 @@ def build(config: RelayServiceConfig) -> ServiceSpec:
             t.cancel()
         await instance.stop()
         await channels.close()
+        fast.close()
 
     def register(server: grpc.aio.Server) -> None:
         pb_grpc.add_RelayServiceServicer_to_server(servicer, server)

@@ -149,6 +149,23 @@ async def test_without_a_pool_a_released_segment_is_unlinked(clock):
     assert not segment_exists(reservation.shm_name)
 
 
+async def test_closing_the_receiver_unlinks_held_and_idle_segments(clock):
+    """A relay shutting down leaves nothing in /dev/shm: neither a segment kept for reuse nor
+    one still reserved for a transfer in flight."""
+    relay = FastLinkReceiver([ShmReceiverBackend()], clock=clock)
+    done = await relay.prepare(_prepare_request("a"))
+    report = await FastLinkSender([ShmSenderBackend(max_mapped_bytes=0)]).send(
+        done, _header("a"), BytesSource(bytes(done.total_bytes)), relay.complete
+    )
+    assert report.state is TransferState.COMPLETED
+    relay.release(done.transfer_id)  # kept for the next transfer
+    pending = await relay.prepare(_prepare_request("b"))
+    assert segment_exists(done.shm_name) and segment_exists(pending.shm_name)
+    relay.close()
+    assert not segment_exists(done.shm_name) and not segment_exists(pending.shm_name)
+    assert relay.held_regions == 0
+
+
 def _child_write(name: str, nbytes: int, payload: bytes) -> None:
     writer = ShmWriter(name, nbytes)
     writer.view[:] = payload

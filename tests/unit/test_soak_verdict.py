@@ -57,3 +57,35 @@ garbage line
         "pdd_asyncio_tasks": 7.0,
         "requests_held": 3.0,
     }
+
+
+def test_descriptor_growth_names_the_kinds_that_grew():
+    """A descriptor leak is reported with what it is made of (sockets, shm mappings, ...)."""
+    ss = [
+        Sample(t, "prefill-0", 1, 100, 20 + t // 10, {}, {"socket": 10 + t // 10, "file": 10})
+        for t in range(0, 120, 10)
+    ]
+    by = {c.name: c for c in verdict(ss, {}, warmup_s=0)}
+    assert not by["fds_flat"].ok and "(socket +11)" in by["fds_flat"].detail, by["fds_flat"].detail
+
+
+def test_fd_kinds_from_proc_links():
+    import os
+
+    from pdd.bench.soak_samples import fd_kind, read_process
+
+    assert [
+        fd_kind(t)
+        for t in (
+            "socket:[123]", "pipe:[9]", "anon_inode:[eventfd]", "anon_inode:[eventpoll]",
+            "/dev/shm/pdd-x", "/memfd:pdd (deleted)", "/tmp/log.txt",
+        )
+    ] == ["socket", "pipe", "eventfd", "eventpoll", "shm", "shm", "file"]  # fmt: skip
+    r, w = os.pipe()
+    try:
+        rss, n, kinds = read_process(os.getpid())
+        assert rss > 0 and n >= sum(kinds.values()) and kinds.get("pipe", 0) >= 2
+    finally:
+        os.close(r)
+        os.close(w)
+    assert read_process(2**22 + 7) == (0, 0, {})

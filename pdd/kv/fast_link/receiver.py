@@ -321,6 +321,16 @@ class FastLinkReceiver:
             self._finish(entry, TransferState.EXPIRED)
         return [e.transfer_id for e in stale]
 
+    def close(self) -> None:
+        """Shutting down: free every region still held and the backends' kept memory (the shm
+        backend's idle segments, which would otherwise stay in /dev/shm until reboot)."""
+        for tid in list(self._entries):
+            self.release(tid)
+        for backend in self._backends.values():
+            close = getattr(backend, "close", None)
+            if close is not None:
+                close()
+
     async def run_sweeper(self, interval_s: float = 1.0) -> None:
         """Expire leases every ``interval_s`` until cancelled (a servicer runs it as a task)."""
         while True:
