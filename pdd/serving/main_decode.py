@@ -437,7 +437,14 @@ class MainDecode:
         def run() -> bool | None:
             if not self.engine.holds_request(rid):
                 return None
-            rolled_back = self.engine.append_tokens(rid, token_ids, start)
+            try:
+                rolled_back = self.engine.append_tokens(rid, token_ids, start)
+            except ValueError as exc:
+                # NOTE: a batch this request's outputs cannot take (ahead of what MainDecode
+                # holds, beyond max_tokens, past a stop): the batch is refused, the request
+                # and its KV stay as they were for the relay's next (right) batch.
+                field = "start_position" if str(exc).startswith("start") else "token_ids"
+                raise FailedPreconditionError(f"{field}: {exc} (handoff of {rid})") from None
             self.engine.resume(rid)
             if expedite:
                 self.engine.expedite(rid)

@@ -317,3 +317,40 @@ async def test_tokens_queued_while_the_stream_is_behind_go_out_in_one_message(ck
         tokens = [first, *head.token_ids, *rest[0].token_ids]
         oracle.assert_greedy_equal(PROMPT, tokens, _single(ckpt, PROMPT, n))
         assert rest[1].md_tokens == n - 1
+
+
+async def test_duplicated_out_of_order_and_foreign_batches_get_clear_answers(ckpt, oracle):
+    """Hostile or replayed handoff batches: one ahead of what MainDecode holds is refused naming
+    ``start_position``; a duplicated batch is acknowledged again and changes nothing; a batch
+    for a P-MD request or for no request is refused; the relay's real batches then still give
+    a single engine's output."""
+    from pdd.core.errors import FailedPreconditionError, NotFoundError
+
+    n = 40
+    ref = _single(ckpt, PROMPT, n)
+    async with Node(ckpt) as node:
+        job = DecodeJob("r5", tuple(PROMPT), _greedy(n), SALT, Pipeline.P_RLD_MD)
+        stream = node.md.decode(job)
+        assert await anext(stream) == Accepted(0)
+        await node.push("r5", PROMPT, 0)
+        rest = asyncio.create_task(_rest(stream))
+        # Out of order: the second batch before the first (MainDecode holds no output yet).
+        with pytest.raises(FailedPreconditionError, match="start_position"):
+            await node.md.handoff(HandoffBatch("r5", 4, tuple(ref[4:8])))
+        first = await node.md.handoff(HandoffBatch("r5", 0, tuple(ref[:4])))
+        again = await node.md.handoff(HandoffBatch("r5", 0, tuple(ref[:4])))
+        assert first.extended_through == again.extended_through == 4
+        pmd = DecodeJob("r6", tuple(PROMPT), _greedy(n), SALT, Pipeline.P_MD)
+        other = node.md.decode(pmd)
+        assert isinstance(await anext(other), Accepted)  # (r5's prompt: a DRC hit)
+        with pytest.raises(FailedPreconditionError, match="only P-RLD-MD requests"):
+            await node.md.handoff(HandoffBatch("r6", 0, tuple(ref[:4])))
+        await other.aclose()
+        with pytest.raises(NotFoundError, match="request_id"):
+            await node.md.handoff(HandoffBatch("nobody", 0, (1, 2)))
+        ack = await node.md.handoff(HandoffBatch("r5", 4, tuple(ref[4:8]), final=True))
+        assert ack.extended_through == 8
+        events = await asyncio.wait_for(rest, 60)
+        start, tokens = _tokens(events)
+        assert start == 8 and events[-1].completion_tokens == n
+        oracle.assert_greedy_equal(PROMPT + ref[:8], tokens, ref[8:])
