@@ -1,15 +1,17 @@
 """``pdd bench burst``: the stack's capacity, then a burst of N× that, and how it degrades.
 
-Life of a run (against a running gateway, e.g. ``pdd up``):
+Life of a run (against a running gateway, e.g. ``pdd up``, or ``--own-stack``: one it starts,
+``burst_stack``):
   1. capacity: ``--concurrency`` clients (16) issue requests back to back for ``--capacity-s``;
      completed/s is the capacity, and the TTFT of those requests the reference distribution;
-  2. burst: seeded Poisson arrivals at ``--factor`` × capacity (5×) for ``--duration-s`` (20 s),
+  2. burst: seeded Poisson arrivals at ``--factor`` × capacity (5×) for ``--duration-s`` (60 s),
      each request with the client deadline ``--deadline-s`` (8 s);
   3. the report: completed/s during the burst against capacity (goodput: completions of the
      burst's requests over the burst's length), how many were refused (RESOURCE_EXHAUSTED) and
      how fast, how many ran into their deadline (hung), other errors, and the TTFT P50/P90 of
-     the accepted requests against those at capacity.
-A benchmark, not a test: it asserts nothing; ``--out`` keeps the numbers as JSON.
+     the accepted requests against those at capacity;
+  4. the verdict (``burst_checks``; with an own stack also: no process died, nothing held once
+     drained); exit status 1 when a check fails. ``--out`` keeps the numbers as JSON.
 """
 
 from __future__ import annotations
@@ -28,9 +30,12 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from pdd.bench.burst_checks import BurstBar, burst_checks
+from pdd.bench.soak_samples import render_checks
 from pdd.gen.gateway.v1 import gateway_service_pb2 as pb
 from pdd.gen.gateway.v1 import gateway_service_pb2_grpc as pb_grpc
 from pdd.server.tls import TlsConfig, open_channel
+from pdd.testbed.stack import check_model
 
 REFUSED, DEADLINE, COMPLETED = "refused", "deadline", "completed"
 
@@ -41,7 +46,7 @@ class BurstConfig:
     concurrency: int = 16
     capacity_s: float = 10.0
     factor: float = 5.0
-    duration_s: float = 20.0
+    duration_s: float = 60.0
     deadline_s: float = 8.0
     max_tokens: int = 96
     # Prompt lengths drawn uniformly from [min, max] tokens; ids from [1, vocab).
@@ -70,6 +75,7 @@ class Outcome:
     start_s: float
     end_s: float
     ttft_s: float | None
+    request_id: str = ""
 
 
 async def _request(stub, prompt: list[int], cfg: BurstConfig, rid: str, t0: float) -> Outcome:
@@ -87,7 +93,7 @@ async def _request(stub, prompt: list[int], cfg: BurstConfig, rid: str, t0: floa
             grpc.StatusCode.RESOURCE_EXHAUSTED: REFUSED,
             grpc.StatusCode.DEADLINE_EXCEEDED: DEADLINE,
         }.get(exc.code(), exc.code().name)
-    return Outcome(status, start - t0, time.monotonic() - t0, ttft)
+    return Outcome(status, start - t0, time.monotonic() - t0, ttft, rid)
 
 
 def _prompt(rng: random.Random, cfg: BurstConfig) -> list[int]:
@@ -126,6 +132,30 @@ def _pct(values: Sequence[float], q: float) -> float | None:
     return round(float(np.percentile(values, q)) * 1000, 1) if values else None
 
 
+def timeline(burst: Sequence[Outcome], bin_s: float = 5.0) -> list[dict]:
+    """Per ``bin_s`` of the burst (by arrival): offered, completed, refused, and the TTFT P50 of
+    the accepted and refusal P50 there — how the gateway's bound settles."""
+    bins: dict[int, list[Outcome]] = {}
+    for o in burst:
+        bins.setdefault(int(o.start_s // bin_s), []).append(o)
+    rows = []
+    for k in sorted(bins):
+        os_ = bins[k]
+        done = [o for o in os_ if o.status == COMPLETED]
+        refused = [o.end_s - o.start_s for o in os_ if o.status == REFUSED]
+        rows.append(
+            {
+                "t_s": k * bin_s,
+                "offered": len(os_),
+                "completed": len(done),
+                "refused": len(refused),
+                "ttft_ms_p50": _pct([o.ttft_s for o in done if o.ttft_s is not None], 50),
+                "refusal_ms_p50": _pct(refused, 50),
+            }
+        )
+    return rows
+
+
 def report(cfg: BurstConfig, cap: list[Outcome], burst: list[Outcome]) -> dict:
     """The run's numbers (times in ms)."""
     cap_done = [o for o in cap if o.status == COMPLETED]
@@ -153,6 +183,8 @@ def report(cfg: BurstConfig, cap: list[Outcome], burst: list[Outcome]) -> dict:
         ),
         "ttft_ms_at_capacity": {"p50": _pct(cap_ttft, 50), "p90": _pct(cap_ttft, 90)},
         "ttft_ms_accepted_in_burst": {"p50": _pct(ttft, 50), "p90": _pct(ttft, 90)},
+        "timeline": timeline(burst),
+        "request_ids": [o.request_id for o in (*cap, *burst)],
     }
 
 
@@ -217,6 +249,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--vocab", type=int, default=d.vocab, help="prompt token ids from [1, vocab)")
     p.add_argument("--seed", type=int, default=d.seed, help="prompts and arrivals")
     p.add_argument("--out", type=Path, default=None, help="write the numbers as JSON")
+    own = p.add_argument_group("own stack (--own-stack: start one, burst it, judge it)")
+    own.add_argument("--own-stack", action="store_true", help="start a stack instead of --gateway")
+    own.add_argument("--model", default="tiny:7,ctx=512", help="the own stack's model")
+    own.add_argument("--log-dir", type=Path, default=Path("pdd-burst/logs"), help="its logs")
+    bar = p.add_argument_group("the verdict's bar")
+    bar.add_argument("--goodput", type=float, default=0.9, help="completed/s ÷ capacity, at least")
+    bar.add_argument("--refusal-s", type=float, default=1.0, help="slowest refusal, at most")
+    bar.add_argument("--ttft-factor", type=float, default=2.0, help="accepted TTFT ÷ capacity's")
     a = p.parse_args(argv)
     try:
         cfg = BurstConfig(
@@ -230,13 +270,29 @@ def main(argv: Sequence[str] | None = None) -> int:
             vocab=a.vocab,
             seed=a.seed,
         )
+        verdict_bar = BurstBar(a.goodput, a.refusal_s, a.ttft_factor)
+        if a.own_stack:
+            # NOTE: here, not at the top: burst_stack builds on this module
+            from pdd.bench.burst_stack import OwnStack, run_own_stack
+
+            own_cfg = OwnStack(model=a.model, log_dir=a.log_dir)
+            check_model(a.model)
     except ValueError as exc:
         p.error(str(exc))
-    result = asyncio.run(run_burst(cfg))
+    if a.own_stack:
+        say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+        result, checks = run_own_stack(cfg, own_cfg, verdict_bar, say=say)
+    else:
+        result = asyncio.run(run_burst(cfg))
+        checks = burst_checks(result, bar=verdict_bar)
     print(_render(result))
+    print(render_checks(checks))
+    result["checks"] = [asdict(c) for c in checks]
+    result["ok"] = all(c.ok for c in checks)
     if a.out is not None:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(result, indent=2) + "\n")
-    return 0
+    return 0 if result["ok"] else 1
 
 
 if __name__ == "__main__":

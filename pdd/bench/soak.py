@@ -26,7 +26,6 @@ import json
 import random
 import sys
 import time
-import urllib.request
 import uuid
 from collections import Counter
 from collections.abc import Sequence
@@ -37,7 +36,14 @@ import grpc
 
 from pdd.bench.engine_probe import EngineProbe
 from pdd.bench.soak_plot import render
-from pdd.bench.soak_samples import Check, Sample, parse_metrics, read_process, verdict
+from pdd.bench.soak_samples import (
+    Check,
+    Sample,
+    read_process,
+    render_checks,
+    scrape_metrics,
+    verdict,
+)
 from pdd.gen.gateway.v1 import gateway_service_pb2 as pb
 from pdd.gen.gateway.v1 import gateway_service_pb2_grpc as pb_grpc
 from pdd.testbed.stack import LinkSettings, Stack, StackConfig
@@ -176,23 +182,13 @@ class Soak:
         self.back: dict[str, float] = {}
         self.t0 = time.monotonic()
 
-    def _scrape(self, name: str) -> dict[str, float]:
-        address = self.stack.metrics.get(name)
-        if not address:
-            return {}
-        try:
-            with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as r:
-                return parse_metrics(r.read().decode())
-        except OSError:
-            return {}
-
     async def sample(self, t_s: float | None = None) -> None:
         t = time.monotonic() - self.t0 if t_s is None else t_s
         for p in list(self.stack.processes):
             if not p.alive():
                 continue
             rss, fds, kinds = read_process(p.proc.pid)
-            gauges = await asyncio.to_thread(self._scrape, p.name)
+            gauges = await asyncio.to_thread(scrape_metrics, self.stack.metrics.get(p.name, ""))
             self.samples.append(Sample(round(t, 2), p.name, p.proc.pid, rss, fds, gauges, kinds))
 
     async def _sampler(self, stop: asyncio.Event) -> None:
@@ -325,11 +321,6 @@ class Soak:
             "ok": all(c.ok for c in checks),
             "samples": [asdict(s) for s in self.samples],
         }
-
-
-def render_checks(checks: Sequence[Check]) -> str:
-    width = max(len(c.name) for c in checks)
-    return "\n".join(f"{c.name:<{width}}  {'ok  ' if c.ok else 'FAIL'}  {c.detail}" for c in checks)
 
 
 def write(

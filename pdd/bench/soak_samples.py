@@ -12,11 +12,19 @@ from __future__ import annotations
 
 import os
 import statistics
+import urllib.request
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 # Gauges read from /metrics; a sample holds each summed over its label sets.
-WATCHED = ("pdd_asyncio_tasks", "pdd_kv_blocks_used", "pdd_fast_link_regions")
+WATCHED = (
+    "pdd_asyncio_tasks",
+    "pdd_kv_blocks_used",
+    "pdd_fast_link_regions",
+    "pdd_requests_in_flight",
+)
+# Gauges that must be 0 once the load is gone (with ``requests_held``).
+HELD_WHEN_IDLE = ("requests_held", "pdd_fast_link_regions", "pdd_requests_in_flight")
 REQUESTS_GAUGE = "pdd_engine_requests"
 
 
@@ -64,6 +72,17 @@ def read_process(pid: int) -> tuple[int, int, dict[str, int]]:
     return rss, len(names), kinds
 
 
+def scrape_metrics(address: str) -> dict[str, float]:
+    """``parse_metrics`` of the /metrics at ``address`` (host:port); {} when it cannot be read."""
+    if not address:
+        return {}
+    try:
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as r:
+            return parse_metrics(r.read().decode())
+    except OSError:
+        return {}
+
+
 def parse_metrics(text: str) -> dict[str, float]:
     """The watched gauges of a Prometheus exposition, each summed over its labels; plus
     ``requests_held``: the engine's running + waiting + paused requests."""
@@ -88,6 +107,12 @@ class Check:
     name: str
     ok: bool
     detail: str
+
+
+def render_checks(checks: Sequence[Check]) -> str:
+    """One line per check: name, ok/FAIL, detail."""
+    width = max((len(c.name) for c in checks), default=0)
+    return "\n".join(f"{c.name:<{width}}  {'ok  ' if c.ok else 'FAIL'}  {c.detail}" for c in checks)
 
 
 def _median(values: Iterable[float]) -> float:
@@ -191,7 +216,7 @@ def verdict(
             before = base.gauges.get("pdd_asyncio_tasks", 0.0)
             if tasks > before + task_slack:
                 task_grown.append(f"{name} {before:g} -> {tasks:g}")
-        for gauge in ("requests_held", "pdd_fast_link_regions"):
+        for gauge in HELD_WHEN_IDLE:
             if last.gauges.get(gauge, 0.0) > 0:
                 held.append(f"{name} {gauge}={last.gauges[gauge]:g}")
     checks.append(Check("tasks_flat", not task_grown, ", ".join(task_grown) or "no growth"))

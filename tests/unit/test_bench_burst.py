@@ -47,3 +47,60 @@ def test_a_bad_flag_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["burst", "--factor", "0"])
     assert exc.value.code == 2 and "factor: must be positive" in capsys.readouterr().err
+
+
+def _report(**over):
+    r = {
+        "capacity_rps": 10.0,
+        "completed_rps": 9.5,
+        "goodput_vs_capacity": 0.95,
+        "refused": 40,
+        "refusal_ms_max": 300.0,
+        "hung_past_deadline": 0,
+        "other_errors": {},
+        "ttft_ms_at_capacity": {"p50": 200.0, "p90": 400.0},
+        "ttft_ms_accepted_in_burst": {"p50": 300.0, "p90": 700.0},
+    }
+    r.update(over)
+    return r
+
+
+def test_the_verdict_passes_a_clean_burst_and_fails_each_way_it_can_go_wrong():
+    from pdd.bench.burst_checks import BurstBar, burst_checks
+
+    ok = burst_checks(_report(), dead=[], held={"relay-0 requests_held": 0})
+    assert [c.name for c in ok] == [
+        "survived", "no_hang", "fast_refusal", "goodput", "ttft_shape", "idle_after",
+    ] and all(c.ok for c in ok), ok  # fmt: skip
+
+    def failed(report, **kw):
+        return {c.name for c in burst_checks(report, **kw) if not c.ok}
+
+    assert failed(_report(), dead=["relay-0"], held={}) == {"survived"}
+    assert failed(_report(hung_past_deadline=3)) == {"no_hang"}
+    assert failed(_report(other_errors={"INTERNAL": 1})) == {"no_hang"}
+    assert failed(_report(refusal_ms_max=1500.0)) == {"fast_refusal"}
+    assert failed(_report(refused=0, refusal_ms_max=None)) == set()
+    assert failed(_report(goodput_vs_capacity=0.6, completed_rps=6.0)) == {"goodput"}
+    assert failed(_report(goodput_vs_capacity=None)) == {"goodput"}
+    slow = {"p50": 250.0, "p90": 900.0}  # P90 2.25 x capacity's
+    assert failed(_report(ttft_ms_accepted_in_burst=slow)) == {"ttft_shape"}
+    assert failed(_report(ttft_ms_accepted_in_burst={"p50": None, "p90": None})) == {"ttft_shape"}
+    assert failed(_report(), held={"main_decode-0 holds_requests": 2}) == {"idle_after"}
+    # Against an external gateway neither survival nor holdings are known: not judged.
+    assert {c.name for c in burst_checks(_report())} == {
+        "no_hang", "fast_refusal", "goodput", "ttft_shape",
+    }  # fmt: skip
+    loose = BurstBar(goodput=0.5, refusal_s=2.0, ttft_factor=3.0)
+    assert failed(_report(goodput_vs_capacity=0.6, refusal_ms_max=1500.0), bar=loose) == set()
+    with pytest.raises(ValueError, match="^goodput:"):
+        BurstBar(goodput=1.5)
+
+
+def test_own_stack_flags_are_checked_before_anything_starts(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--own-stack", "--model", "/no/such/model"])
+    assert exc.value.code == 2 and "model: /no/such/model" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["--own-stack", "--ttft-factor", "0"])
+    assert exc.value.code == 2 and "ttft_factor: must be > 0" in capsys.readouterr().err
