@@ -116,16 +116,32 @@ async def capacity_phase(stub, cfg: BurstConfig, rng: random.Random) -> list[Out
     return out
 
 
-async def burst_phase(stub, cfg: BurstConfig, rate: float, rng: random.Random) -> list[Outcome]:
+async def loop_lag(lags: list[float], stop: asyncio.Event, every_s: float = 0.05) -> None:
+    """How late this process's own event loop wakes (s, appended to ``lags``): the part of every
+    latency the client measures that is the client's, not the stack's."""
+    while not stop.is_set():
+        t = time.monotonic()
+        await asyncio.sleep(every_s)
+        lags.append(max(0.0, time.monotonic() - t - every_s))
+
+
+async def burst_phase(
+    stub, cfg: BurstConfig, rate: float, rng: random.Random, lags: list[float] | None = None
+) -> list[Outcome]:
     """Poisson arrivals at ``rate`` per second for ``duration_s``; every request awaited."""
     t0 = time.monotonic()
     tasks: list[asyncio.Task] = []
+    stop = asyncio.Event()
+    monitor = asyncio.create_task(loop_lag(lags if lags is not None else [], stop))
     at = 0.0
     while (at := at + rng.expovariate(rate)) < cfg.duration_s:
         await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
         prompt = _prompt(rng, cfg)
         tasks.append(asyncio.create_task(_request(stub, prompt, cfg, f"burst-{len(tasks)}", t0)))
-    return list(await asyncio.gather(*tasks))
+    out = list(await asyncio.gather(*tasks))
+    stop.set()
+    await monitor
+    return out
 
 
 def _pct(values: Sequence[float], q: float) -> float | None:
@@ -204,8 +220,15 @@ async def run_burst(cfg: BurstConfig, tls: TlsConfig = TlsConfig()) -> dict:
             f"burst: {rate:.1f} req/s ({cfg.factor:g}x {capacity:.1f}) for {cfg.duration_s:g} s",
             file=sys.stderr,
         )
-        burst = await burst_phase(stub, cfg, rate, rng)
-    return report(cfg, cap, burst)
+        lags: list[float] = []
+        burst = await burst_phase(stub, cfg, rate, rng, lags)
+    out = report(cfg, cap, burst)
+    out["client_loop_lag_ms"] = {
+        "p50": _pct(lags, 50),
+        "p99": _pct(lags, 99),
+        "max": _pct(lags, 100),
+    }
+    return out
 
 
 def _render(r: dict) -> str:

@@ -56,8 +56,11 @@ class SoakConfig:
     out: Path = Path("pdd-soak")
     duration_s: float = 1200.0
     # Samples before this many seconds of load are not judged (the first allocations, the caches
-    # filling); a restarted process gets the same warm-up from its restart on.
-    warmup_s: float = 180.0
+    # filling, the high-water marks of the load's peak concurrency); a restarted process gets the
+    # same warm-up from its restart on. NOTE: 7 min, measured: in a 20-min run MainDecode's RSS,
+    # prefill's kept shm mappings and kvstore's Redis connections grew until ~6 min (the load's
+    # peak) and not by a byte or a descriptor in the 14 min after; with 3 min they were flagged.
+    warmup_s: float = 420.0
     sample_s: float = 10.0
     load: float = 0.7
     concurrency: int = 8

@@ -22,6 +22,7 @@ WATCHED = (
     "pdd_kv_blocks_used",
     "pdd_fast_link_regions",
     "pdd_requests_in_flight",
+    "pdd_gateway_in_flight_limit",
 )
 # Gauges that must be 0 once the load is gone (with ``requests_held``).
 HELD_WHEN_IDLE = ("requests_held", "pdd_fast_link_regions", "pdd_requests_in_flight")

@@ -78,7 +78,7 @@ from pdd.serving.gateway_run import (
     wait_accepted,
 )
 from pdd.serving.instance_view import InstanceView
-from pdd.telemetry.metrics import RELAY_FULL, RequestTracker
+from pdd.telemetry.metrics import IN_FLIGHT_LIMIT, RELAY_FULL, RequestTracker
 from pdd.wire.call import EventStream
 
 log = structlog.get_logger(__name__)
@@ -148,6 +148,7 @@ class Gateway(Recovery):
             else None
         )
         limiter = self.limiter
+        IN_FLIGHT_LIMIT.set_function(lambda: limiter.limit if limiter else max_in_flight)
         self.admission = Admission(
             "gateway",
             lambda: Limits(limiter.limit if limiter else max_in_flight, sys.maxsize),

@@ -840,3 +840,28 @@ async def test_tokens_queued_while_the_client_is_behind_go_out_as_one_event():
     assert (rest[0].start_position, rest[0].token_ids) == (1, tuple(range(21, 28)))
     assert rest[0].stage is Stage.MAIN_DECODE and rest[0].logprobs == tuple(lp[1:])
     assert final.stats.completion_tokens == 8 and final.stats.md_tokens == 7
+
+
+async def test_the_gateway_exports_its_in_flight_bound():
+    """``pdd_gateway_in_flight_limit`` is the adaptive bound now, or ``--max-in-flight`` alone."""
+    from prometheus_client import REGISTRY
+
+    def exported() -> float | None:
+        return REGISTRY.get_sample_value("pdd_gateway_in_flight_limit")
+
+    fixed = Gateway("127.0.0.1:7000", rng=random.Random(7), peers=FakePeers([]), max_in_flight=77)
+    assert exported() == 77
+    await fixed.close()
+    adaptive = Gateway(
+        "127.0.0.1:7000", rng=random.Random(7), peers=FakePeers([]), adaptive_in_flight=True
+    )
+    assert adaptive.limiter is not None and exported() == adaptive.limiter.limit == 32
+    for _ in range(64):  # level latency, the bound in use: it grows
+        adaptive.limiter.sample(0.1, 30)
+    grown = adaptive.limiter.limit
+    assert exported() == grown > 32
+    adaptive.limiter.refused()  # overloaded: the baseline stops learning
+    for _ in range(64):  # latency quadrupled: the bound falls
+        adaptive.limiter.sample(0.4, 30)
+    assert exported() == adaptive.limiter.limit < grown
+    await adaptive.close()
