@@ -276,6 +276,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     own.add_argument("--own-stack", action="store_true", help="start a stack instead of --gateway")
     own.add_argument("--model", default="tiny:7,ctx=512", help="the own stack's model")
     own.add_argument("--log-dir", type=Path, default=Path("pdd-burst/logs"), help="its logs")
+    own.add_argument(
+        "--gateway-flag",
+        action="append",
+        default=[],
+        help="one more flag for its gateway, e.g. --gateway-flag=--admission-wait-s=0 (repeatable)",
+    )
     bar = p.add_argument_group("the verdict's bar")
     bar.add_argument("--goodput", type=float, default=0.9, help="completed/s ÷ capacity, at least")
     bar.add_argument("--refusal-s", type=float, default=1.0, help="slowest refusal, at most")
@@ -298,7 +304,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             # NOTE: here, not at the top: burst_stack builds on this module
             from pdd.bench.burst_stack import OwnStack, run_own_stack
 
-            own_cfg = OwnStack(model=a.model, log_dir=a.log_dir)
+            own_cfg = OwnStack(
+                model=a.model, log_dir=a.log_dir, gateway_flags=tuple(a.gateway_flag)
+            )
             check_model(a.model)
     except ValueError as exc:
         p.error(str(exc))

@@ -34,6 +34,9 @@ class OwnStack:
     # Seconds after the last request ends before the stack is judged idle (leases, deferred frees).
     drain_s: float = 3.0
     engine_flags: tuple[str, ...] = ("--threads", "1")
+    # More gateway flags (e.g. ``--admission-wait-s 0`` or ``--no-adaptive-in-flight``: a side
+    # by side run of the front door's settings).
+    gateway_flags: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.drain_s < 0:
@@ -47,6 +50,7 @@ def stack_config(own: OwnStack) -> StackConfig:
         metrics=True,
         wan=LinkSettings(delay_ms=own.wan_delay_ms),
         engine_flags=own.engine_flags,
+        gateway_flags=own.gateway_flags,
         log_dir=own.log_dir,
         key_prefix=f"burst{uuid.uuid4().hex[:8]}",
     )

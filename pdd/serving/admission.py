@@ -7,6 +7,13 @@ roles: prompt + max_tokens). Beyond either bound it is refused at once with
 another instance or refuse its client, instead of the request queueing without limit inside the
 engine. The request's ``Ticket`` is released when its life ends, however it ends.
 
+The gateway's front door may also let a newcomer that finds it full *wait* a moment for a place
+(``admit_within``): first come first served, each for at most ``wait_s``, then refused. It joins
+the queue only if the places freed recently (the rate of releases) would reach it within
+``wait_s`` — else it is refused at once: under a burst the queue holds what the stack will take
+within ``wait_s`` and the excess is refused without waiting, while a short peak of a load the
+stack carries (Poisson arrivals at 70 % of capacity cluster) is queued for a moment instead.
+
 # NOTE: admission never evicts: an admitted request keeps its place until it ends, whatever
 # arrives after it. Refusals are counted per request (``pdd_admission_refused_total{role}``)
 # but logged once per burst: the first refusal after an admission logs, the rest are silent.
@@ -14,6 +21,9 @@ engine. The request's ``Ticket`` is released when its life ends, however it ends
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -76,6 +86,14 @@ class KvPool(Protocol):
     def config(self) -> _BatchConfig: ...
 
 
+@dataclass(frozen=True)
+class _Waiter:
+    """A request waiting for a place: the future its ticket is handed in, and what it reserves."""
+
+    ticket: asyncio.Future[Ticket]
+    tokens: int
+
+
 class Ticket:
     """One admitted request's reservation; ``release`` is idempotent."""
 
@@ -104,6 +122,9 @@ class Admission:
         self.admitted = 0
         self.reserved_tokens = 0
         self._refusing = False
+        self._waiting: deque[_Waiter] = deque()
+        # When the last places were freed (monotonic s): the rate a waiter's turn comes at.
+        self._released_at: deque[float] = deque(maxlen=32)
 
     @classmethod
     def for_engine(
@@ -129,37 +150,108 @@ class Admission:
 
     def admit(self, request_id: str, tokens: int) -> Ticket:
         """Reserve ``tokens`` for ``request_id``, or raise ``ResourceExhaustedError`` at once."""
-        limits = self.limits
         if tokens < 0:
             raise ValueError(f"tokens: must be >= 0, got {tokens}")
+        if not self._fits(tokens):
+            raise self._refuse(request_id, tokens)
+        return self._take(tokens)
+
+    async def admit_within(self, request_id: str, tokens: int, wait_s: float) -> Ticket:
+        """``admit``, except that a request finding the role full waits up to ``wait_s`` for a
+        place, behind those already waiting (FIFO); refused at once when as many are waiting as
+        the bound admits, or after ``wait_s``. A caller cancelled while waiting takes nothing."""
+        if tokens < 0:
+            raise ValueError(f"tokens: must be >= 0, got {tokens}")
+        self._wake()  # NOTE: an adaptive bound may have grown since the last release
+        # NOTE: nobody overtakes the queue: a newcomer is admitted directly only when it is empty
+        if not self._waiting and self._fits(tokens):
+            return self._take(tokens)
+        if (
+            wait_s <= 0
+            or len(self._waiting) >= self.limits.requests
+            or self._expected_wait_s(len(self._waiting)) > wait_s
+        ):
+            raise self._refuse(request_id, tokens)
+        place: _Waiter = _Waiter(asyncio.get_running_loop().create_future(), tokens)
+        self._waiting.append(place)
+        try:
+            await asyncio.wait((place.ticket,), timeout=wait_s)
+        except asyncio.CancelledError:
+            self._leave(place)
+            raise
+        if not place.ticket.done():
+            self._leave(place)
+            raise self._refuse(request_id, tokens)
+        return place.ticket.result()
+
+    def _leave(self, place: _Waiter) -> None:
+        """A waiter gives up (timed out, or its caller cancelled): out of the queue, and a place
+        granted to it in the same instant is given back (it will never be used)."""
+        if place.ticket.done():
+            place.ticket.result().release()
+        else:
+            place.ticket.cancel()
+            self._waiting.remove(place)
+
+    def _expected_wait_s(self, ahead: int) -> float:
+        """How long a newcomer with ``ahead`` waiters in front of it would wait for a place, at
+        the rate places were freed lately (0: not known yet — it may wait)."""
+        released = self._released_at
+        if not released:
+            return 0.0
+        # NOTE: up to now, not to the last release: a stage that stopped freeing places is slow
+        span = time.monotonic() - released[0]
+        return (ahead + 1) * span / len(released) if span > 0 else 0.0
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for a place (``admit_within``)."""
+        return len(self._waiting)
+
+    def _fits(self, tokens: int) -> bool:
+        limits = self.limits
         # NOTE: a request alone larger than the token bound is still admitted on an idle stage:
         # the engine's own capacity check (KvCapacityError) judges whether it can ever fit.
-        full = self.admitted >= limits.requests or (
-            self.admitted > 0 and self.reserved_tokens + tokens > limits.tokens
+        return self.admitted < limits.requests and (
+            self.admitted == 0 or self.reserved_tokens + tokens <= limits.tokens
         )
-        if full:
-            metrics.ADMISSION_REFUSED.labels(self.role).inc()
-            if not self._refusing:
-                self._refusing = True
-                log.warning(
-                    "admission_refusing",
-                    role=self.role,
-                    request_id=request_id,
-                    admitted=self.admitted,
-                    reserved_tokens=self.reserved_tokens,
-                    max_admitted=limits.requests,
-                    max_admitted_tokens=limits.tokens,
-                )
-            raise ResourceExhaustedError(
-                f"{self.role} is full: {self.admitted} requests admitted (max {limits.requests}), "
-                f"{self.reserved_tokens} + {tokens} KV tokens reserved (max {limits.tokens}); "
-                "retry later"
+
+    def _refuse(self, request_id: str, tokens: int) -> ResourceExhaustedError:
+        """Count (and log, once per burst) a refusal; the error to raise."""
+        limits = self.limits
+        metrics.ADMISSION_REFUSED.labels(self.role).inc()
+        if not self._refusing:
+            self._refusing = True
+            log.warning(
+                "admission_refusing",
+                role=self.role,
+                request_id=request_id,
+                admitted=self.admitted,
+                reserved_tokens=self.reserved_tokens,
+                waiting=len(self._waiting),
+                max_admitted=limits.requests,
+                max_admitted_tokens=limits.tokens,
             )
+        return ResourceExhaustedError(
+            f"{self.role} is full: {self.admitted} requests admitted (max {limits.requests}), "
+            f"{self.reserved_tokens} + {tokens} KV tokens reserved (max {limits.tokens}); "
+            "retry later"
+        )
+
+    def _take(self, tokens: int) -> Ticket:
         self._refusing = False
         self.admitted += 1
         self.reserved_tokens += tokens
         return Ticket(self, tokens)
 
+    def _wake(self) -> None:
+        """Hand freed places to the waiters at the head of the queue, in order."""
+        while self._waiting and self._fits(self._waiting[0].tokens):
+            place = self._waiting.popleft()
+            place.ticket.set_result(self._take(place.tokens))
+
     def _release(self, tokens: int) -> None:
         self.admitted -= 1
         self.reserved_tokens -= tokens
+        self._released_at.append(time.monotonic())
+        self._wake()

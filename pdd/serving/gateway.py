@@ -100,6 +100,7 @@ class Gateway(Recovery):
         kv_deadline_s: float = 0.0,
         max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
         adaptive_in_flight: bool = False,
+        admission_wait_s: float = 0.0,
         kv_bytes_per_token: int = 0,
     ) -> None:
         """``peers``: where the kvstore, prefill, relay and MainDecode clients come from; by
@@ -109,7 +110,8 @@ class Gateway(Recovery):
         after the client has its last token can be finished here (``_ended``).
         ``max_in_flight``: requests generated at once; beyond, RESOURCE_EXHAUSTED at once.
         ``adaptive_in_flight``: the bound follows the latency the stack adds when it queues
-        (``concurrency_limit``), ``max_in_flight`` its ceiling.
+        (``concurrency_limit``), ``max_in_flight`` its ceiling. ``admission_wait_s``: how long a
+        request finding the bound reached waits for a place before it is refused (0: never).
         ``kv_bytes_per_token``: KV bytes one prompt token takes on the WAN (the model's shape ×
         the wire dtype), for the link-aware router's transfer estimate; 0: unknown (θ rule)."""
         self.routing = routing
@@ -147,6 +149,9 @@ class Gateway(Recovery):
             if adaptive_in_flight
             else None
         )
+        if admission_wait_s < 0:
+            raise ValueError(f"admission_wait_s: must be >= 0, got {admission_wait_s}")
+        self.admission_wait_s = admission_wait_s
         limiter = self.limiter
         IN_FLIGHT_LIMIT.set_function(lambda: limiter.limit if limiter else max_in_flight)
         self.admission = Admission(
@@ -216,8 +221,12 @@ class Gateway(Recovery):
         ``ending`` before closing the stream; otherwise a stream closed early counts as cancelled.
         ``deadline_s``: the client's time left (its gRPC deadline), which bounds every stage call
         (with ``stage_timeout_s``)."""
+        wait_s = self.admission_wait_s
+        if deadline_s is not None:
+            wait_s = min(wait_s, deadline_s / 2)  # NOTE: leave the request time to run
         try:
-            ticket = self.admission.admit(job.request_id, 0)  # NOTE: before any work
+            # NOTE: before any work
+            ticket = await self.admission.admit_within(job.request_id, 0, wait_s)
         except ResourceExhaustedError:
             if self.limiter is not None:
                 self.limiter.refused()

@@ -48,6 +48,11 @@ GATEWAY = Settings(
         "off = --max-in-flight alone",
     ),
     Flag(
+        "admission_wait_s",
+        "seconds a request finding the bound reached waits for a place (FIFO, at most as many "
+        "waiting as the bound) before RESOURCE_EXHAUSTED (HTTP 429); 0 = refused at once",
+    ),
+    Flag(
         "wan_kv_value_bytes",
         "bytes of one KV value on the WAN as prefill sends it (its --wan-dtype: 2 bfloat16 or "
         "float16, 1 float8_e4m3); 0 = the model's dtype",

@@ -38,6 +38,10 @@ class GatewayConfig:
     # The bound on requests in flight follows the latency the stack adds when it queues (an
     # adaptive concurrency limit, max_in_flight its ceiling); False: max_in_flight alone.
     adaptive_in_flight: bool = True
+    # How long a request finding the bound reached waits for a place (first come first served,
+    # at most as many waiting as the bound) before it is refused: a short peak of a load the
+    # stack carries is queued, a burst's excess still refused within this (0: refused at once).
+    admission_wait_s: float = 0.25
     # Bytes of one KV value on the WAN (prefill's --wan-dtype); 0: the model's dtype. Sizes the
     # KV delta in the link-aware router's transfer estimate (compression is not counted).
     wan_kv_value_bytes: int = 0
@@ -53,6 +57,8 @@ class GatewayConfig:
             raise ValueError(f"kv_deadline_s: must be >= 0, got {self.kv_deadline_s}")
         if self.max_in_flight < 1:
             raise ValueError(f"max_in_flight: must be >= 1, got {self.max_in_flight}")
+        if self.admission_wait_s < 0:
+            raise ValueError(f"admission_wait_s: must be >= 0, got {self.admission_wait_s}")
         if self.wan_kv_value_bytes < 0:
             raise ValueError(f"wan_kv_value_bytes: must be >= 0, got {self.wan_kv_value_bytes}")
         if self.index_timeout_s <= 0:

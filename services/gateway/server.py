@@ -59,6 +59,7 @@ def build(config: GatewayConfig) -> ServiceSpec:
         kv_deadline_s=config.kv_deadline_s,
         max_in_flight=config.max_in_flight,
         adaptive_in_flight=config.adaptive_in_flight,
+        admission_wait_s=config.admission_wait_s,
         kv_bytes_per_token=config.kv_bytes_per_token(info),
     )
     servicer = GatewayServicer(gateway, info, decode)

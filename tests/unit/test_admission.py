@@ -4,6 +4,8 @@ burst."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from prometheus_client import REGISTRY
 from structlog.testing import capture_logs
@@ -129,3 +131,121 @@ def test_config_rejects_negative_bounds(kwargs, field):
 def test_limits_are_positive(requests, tokens, field):
     with pytest.raises(ValueError, match=f"^{field}:"):
         Limits(requests, tokens)
+
+
+# --- the gateway's short wait for a place (admit_within) -------------------------------------
+
+
+async def test_a_waiter_gets_the_first_freed_place_in_arrival_order():
+    adm = admission(2, 10_000, role="test_wait")
+    held, other = adm.admit("a", 0), adm.admit("a2", 0)
+    first = asyncio.create_task(adm.admit_within("b", 0, wait_s=5.0))
+    second = asyncio.create_task(adm.admit_within("c", 0, wait_s=5.0))
+    await asyncio.sleep(0)
+    assert adm.waiting == 2 and not first.done()
+    # NOTE: a newcomer does not overtake the queue, even at the instant a place frees
+    held.release()
+    b = await first
+    assert adm.admitted == 2 and adm.waiting == 1 and not second.done()
+    b.release()
+    c = await second
+    assert (adm.admitted, adm.waiting) == (2, 0)
+    c.release()
+    other.release()
+    assert adm.admitted == 0
+
+
+async def test_a_waiter_is_refused_after_its_wait_and_counted_once():
+    adm = admission(1, 10_000, role="test_wait_refused")
+    adm.admit("a", 0)
+    before = refused("test_wait_refused")
+    with pytest.raises(ResourceExhaustedError, match="test_wait_refused is full"):
+        await adm.admit_within("b", 0, wait_s=0.05)
+    assert refused("test_wait_refused") == before + 1
+    assert (adm.admitted, adm.waiting) == (1, 0)
+
+
+async def test_the_queue_holds_at_most_as_many_as_the_bound_then_refuses_at_once():
+    adm = admission(2, 10_000, role="test_wait_full")
+    adm.admit("a", 0), adm.admit("b", 0)
+    waiters = [asyncio.create_task(adm.admit_within(f"w{i}", 0, wait_s=5.0)) for i in range(2)]
+    await asyncio.sleep(0)
+    assert adm.waiting == 2
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    with pytest.raises(ResourceExhaustedError):
+        await adm.admit_within("late", 0, wait_s=5.0)
+    assert loop.time() - t0 < 1.0  # refused without waiting (margin for a loaded machine)
+    for w in waiters:
+        w.cancel()
+    await asyncio.gather(*waiters, return_exceptions=True)
+    assert (adm.admitted, adm.waiting) == (2, 0)
+
+
+async def test_a_cancelled_waiter_leaves_the_queue_and_takes_nothing():
+    adm = admission(2, 10_000, role="test_wait_cancel")
+    held, other = adm.admit("a", 0), adm.admit("a2", 0)
+    gone = asyncio.create_task(adm.admit_within("gone", 0, wait_s=5.0))
+    stays = asyncio.create_task(adm.admit_within("stays", 0, wait_s=5.0))
+    await asyncio.sleep(0)
+    gone.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await gone
+    assert adm.waiting == 1
+    held.release()
+    ticket = await stays
+    assert adm.admitted == 2
+    ticket.release()
+    other.release()
+    assert adm.admitted == 0
+
+
+async def test_a_place_granted_to_a_waiter_cancelled_in_the_same_instant_is_given_back():
+    adm = admission(1, 10_000, role="test_wait_race")
+    held = adm.admit("a", 0)
+    waiter = asyncio.create_task(adm.admit_within("w", 0, wait_s=5.0))
+    await asyncio.sleep(0)
+    held.release()  # the place goes to the waiter's future ...
+    waiter.cancel()  # ... and the waiter is cancelled before it runs
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert (adm.admitted, adm.waiting) == (0, 0)
+    adm.admit("next", 0)
+
+
+async def test_a_grown_adaptive_bound_admits_waiters_on_the_next_arrival():
+    bound = {"requests": 1}
+    adm = Admission("test_wait_grow", lambda: Limits(bound["requests"], 10_000), fixed=False)
+    adm.admit("a", 0)
+    waiter = asyncio.create_task(adm.admit_within("w", 0, wait_s=5.0))
+    await asyncio.sleep(0)
+    bound["requests"] = 3
+    newcomer = await adm.admit_within("n", 0, wait_s=5.0)
+    assert adm.admitted == 3 and adm.waiting == 0
+    newcomer.release()
+    (await waiter).release()
+    assert adm.admitted == 1
+
+
+async def test_a_newcomer_the_recent_release_rate_would_not_reach_in_time_is_refused_at_once(
+    monkeypatch,
+):
+    """Places freed at 10/s lately: a newcomer's turn comes 0.1 s per place ahead of it, so with a
+    0.25 s wait the first two in line wait and the third is refused at once (a fake clock)."""
+    now = 1000.0
+    monkeypatch.setattr("pdd.serving.admission.time.monotonic", lambda: now)
+    adm = admission(8, 10_000, role="test_wait_rate")
+    adm._released_at.extend(now - 0.5 + 0.1 * k for k in range(5))  # 5 in the last 0.5 s
+    held = [adm.admit(f"r{i}", 0) for i in range(8)]
+    assert adm._expected_wait_s(0) == pytest.approx(0.1)
+    assert adm._expected_wait_s(2) == pytest.approx(0.3)
+    line = [asyncio.create_task(adm.admit_within(f"w{i}", 0, wait_s=0.25)) for i in range(3)]
+    await asyncio.sleep(0)
+    assert adm.waiting == 2 and not line[0].done() and not line[1].done()
+    with pytest.raises(ResourceExhaustedError, match="test_wait_rate is full"):
+        line[2].result()
+    held[0].release()  # the head of the line gets the place
+    (await line[0]).release()
+    line[1].cancel()
+    await asyncio.gather(line[1], return_exceptions=True)
+    assert adm.waiting == 0 and adm.admitted == 7

@@ -176,6 +176,32 @@ async def test_the_adaptive_bound_admits_up_to_its_limit_and_learns_from_what_ha
     await gateway.close()
 
 
+async def test_a_request_finding_the_bound_reached_waits_for_a_place_then_is_served():
+    """``admission_wait_s``: a newcomer at the bound waits for the request in flight to end
+    instead of being refused; one that would wait past it is refused, having taken nothing."""
+    peers = FakePeers(md=[Accepted(0), HOLD], prefill=[first_token(), TRANSFER])
+    gateway = Gateway(
+        "127.0.0.1:7000", rng=random.Random(7), peers=peers, max_in_flight=1, admission_wait_s=30
+    )
+    held = gateway.generate(job(Pipeline.P_MD))
+    assert (await anext(held)).token_ids == (20,)
+    waiting = asyncio.ensure_future(anext(gateway.generate(job(Pipeline.P_MD))))
+    await asyncio.sleep(0.05)
+    assert not waiting.done() and gateway.admission.waiting == 1
+    # NOTE: the next request's stage calls come from fresh fakes (each fake serves one request)
+    gateway.peers = FakePeers(md=[Accepted(0), HOLD], prefill=[first_token(), TRANSFER])
+    await held.aclose()  # its place goes to the waiter, which now runs
+    assert (await asyncio.wait_for(waiting, 10)).token_ids == (20,)
+    assert gateway.admission.admitted == 1 and gateway.admission.waiting == 0
+    # NOTE: the client's deadline caps the wait (half of it: the request needs time to run)
+    with pytest.raises(ResourceExhaustedError, match="gateway is full"):
+        await anext(gateway.generate(job(Pipeline.P_MD), deadline_s=0.2))
+    assert gateway.admission.admitted == 1 and gateway.admission.waiting == 0
+    with pytest.raises(ValueError, match="^admission_wait_s:"):
+        Gateway("127.0.0.1:7000", peers=FakePeers(md=[]), admission_wait_s=-1)
+    await gateway.close()
+
+
 def test_the_gateways_bound_is_positive():
     with pytest.raises(ValueError, match="^max_in_flight:"):
         Gateway("127.0.0.1:7000", peers=FakePeers(md=[]), max_in_flight=0)
