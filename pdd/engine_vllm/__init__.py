@@ -6,5 +6,7 @@ Loaded only when a service runs with ``--engine vllm`` (the optional extra ``pdd
 KV loaded into vLLM's paged cache), ``kv_store`` (what the engine and its connector share: KV per
 request in the canonical layout), ``paged_kv`` (vLLM's CPU paged layout ↔ canonical tokens, a TP
 rank's head slice), ``cache_events`` (vLLM's KV events → PDD's chained block hashes), ``sampling``
-(PDD's sampling parameters → vLLM's).
+(PDD's sampling parameters → vLLM's), ``logits`` (vLLM's logits processor that draws PDD's token
+for every request that is not plain greedy) over ``row_sampler`` (one request's draw by (seed,
+position), as our engine's, so a handoff keeps seeded output and penalties identical).
 """

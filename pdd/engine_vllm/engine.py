@@ -44,7 +44,7 @@ from pdd.engine.model_config import ModelConfig, parse_dtype
 from pdd.engine.token_rules import check_token_ids, is_stop
 from pdd.engine_vllm import kv_store
 from pdd.engine_vllm.cache_events import CacheMirror, MirrorPublisher
-from pdd.engine_vllm.sampling import to_vllm, unsupported
+from pdd.engine_vllm.sampling import PROCESSOR, seeded, to_vllm, unsupported
 
 # NOTE: vLLM's forward context and its worker-side KV connector are process-wide globals, so two
 # engines in one process (a test's prefill, relay and MainDecode, each on its own engine loop
@@ -90,6 +90,9 @@ class VllmEngine:
             )
         # NOTE: the engine core (scheduler, connector, event publisher) must run in this process.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # NOTE: PDD's logits processor (``logits``) speaks the V1 model runner's interface; where
+        # vLLM would pick its V2 runner (GPUs with Triton) it refuses the processor at start.
+        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
         from vllm import EngineArgs
         from vllm.config import KVEventsConfig, KVTransferConfig
         from vllm.v1.engine.llm_engine import LLMEngine
@@ -120,6 +123,10 @@ class VllmEngine:
                 kv_connector_extra_config={"pdd_store": self._store_name},
             ),
             kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"),
+            # PDD's sampler for what is not plain greedy (``sampling``); it reads each step's
+            # outputs, so vLLM schedules synchronously
+            logits_processors=[PROCESSOR],
+            async_scheduling=False,
         )
         self._llm = LLMEngine.from_engine_args(args)
         self._scheduler = self._llm.engine_core.engine_core.scheduler
@@ -148,7 +155,7 @@ class VllmEngine:
         paused: bool = False,
         keep_after_finish: bool = False,
     ) -> None:
-        sampling = sampling or SamplingParams()
+        sampling = seeded(sampling or SamplingParams())  # NOTE: one seed for every incarnation
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id must be a non-empty string")
         if request_id in self._requests:
@@ -156,6 +163,7 @@ class VllmEngine:
         if (why := unsupported(sampling)) is not None:
             raise ValueError(why)
         prompt = self._check_tokens("prompt_token_ids", prompt_token_ids)
+        self._check_tokens("logit_bias", [t for t, _ in sampling.logit_bias])
         if not prompt:
             raise ValueError("prompt_token_ids must not be empty")
         if len(prompt) + sampling.max_tokens > self.max_model_len:
@@ -403,6 +411,7 @@ class VllmEngine:
             1 if req.finish_when_computed is not None else left,
             self.model_config.eos_token_ids,
             {"pdd_key": req.request_id, "pdd_save": req.keep_after_finish},
+            len(req.prompt),
         )
         prompt = TokensPrompt(prompt_token_ids=req.tokens)
         if req.salt:
