@@ -10,7 +10,9 @@ host through ``docker-proxy`` on the addresses the compose file names (127.0.0.1
 
 Life: ``start()`` launches it and waits until ``docker version`` answers; ``stop()`` sends
 SIGTERM (the daemon stops its containers), waits, SIGKILLs the process group if it must, and
-removes the exec root. A lock on the data root keeps a second daemon off the same cache.
+removes the exec root. A lock on the data root keeps a second daemon off the same cache: the
+second one waits for it up to ``lock_wait_s`` (``make test`` builds the image in the background
+while the compose test's daemon waits its turn), then gives up.
 """
 
 from __future__ import annotations
@@ -30,17 +32,21 @@ from pdd.core.errors import UnavailableError
 
 @dataclass(frozen=True)
 class DockerDaemonConfig:
-    """``data_root``: images and layers (the cache); ``start_timeout_s``: to first answer."""
+    """``data_root``: images and layers (the cache); ``start_timeout_s``: to first answer;
+    ``lock_wait_s``: how long to wait for another daemon on the same data root to stop."""
 
     data_root: Path
     start_timeout_s: float = 60.0
     storage_driver: str = "overlay2"
+    lock_wait_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not str(self.data_root):
             raise ValueError("data_root: must be a folder")
         if self.start_timeout_s <= 0:
             raise ValueError(f"start_timeout_s: must be > 0, got {self.start_timeout_s}")
+        if self.lock_wait_s < 0:
+            raise ValueError(f"lock_wait_s: must be >= 0, got {self.lock_wait_s}")
 
 
 def docker_binaries() -> tuple[str, str]:
@@ -81,12 +87,17 @@ class DockerDaemon:
         root = self.config.data_root
         root.mkdir(parents=True, exist_ok=True)
         self._lock_fd = os.open(root.parent / f"{root.name}.lock", os.O_CREAT | os.O_RDWR, 0o644)
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._lock_fd)
-            self._lock_fd = None
-            raise UnavailableError(f"another private dockerd uses {root}") from None
+        deadline = time.monotonic() + self.config.lock_wait_s
+        while True:
+            try:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    os.close(self._lock_fd)
+                    self._lock_fd = None
+                    raise UnavailableError(f"another private dockerd uses {root}") from None
+                time.sleep(1.0)
         # NOTE: a short path: the daemon's and containerd's unix sockets live under it (108 bytes).
         self._exec_root = Path(tempfile.mkdtemp(prefix="pdd-dockerd-"))
         (self._exec_root / "daemon.json").write_text("{}\n")

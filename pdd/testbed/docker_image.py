@@ -56,9 +56,10 @@ class ImageConfig:
         return self.cache / "build.log"
 
 
-def daemon_config(cache: Path = CACHE) -> DockerDaemonConfig:
-    """The private daemon whose data root is the image cache."""
-    return DockerDaemonConfig(data_root=cache / "data")
+def daemon_config(cache: Path = CACHE, lock_wait_s: float = 0.0) -> DockerDaemonConfig:
+    """The private daemon whose data root is the image cache; ``lock_wait_s``: how long to wait
+    for another build on the same cache (``make test`` starts one in the background)."""
+    return DockerDaemonConfig(data_root=cache / "data", lock_wait_s=lock_wait_s)
 
 
 def build_image(daemon: DockerDaemon, config: ImageConfig) -> dict[str, float]:

@@ -77,7 +77,8 @@ def daemon():
     _require()
     start = time.monotonic()
     try:
-        d = DockerDaemon(daemon_config()).start()
+        # NOTE: `make test` builds the image in the background meanwhile: wait for it to end
+        d = DockerDaemon(daemon_config(lock_wait_s=1800)).start()
     except UnavailableError as exc:
         pytest.fail(str(exc))
     try:
