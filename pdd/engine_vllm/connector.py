@@ -10,10 +10,16 @@ the last token: vLLM must compute one); each step's ``build_connector_meta`` nam
 its block table, the positions to load this step and the positions to save (everything from
 what was saved so far up to what this step computes: a prefix-cache hit is saved too).
 
-Worker side (in each worker, after/before the forward): ``start_load_kv`` writes the planned
-imported positions (this rank's heads) into the paged cache; ``wait_for_save`` copies the
-planned positions out of it into the store. Both are synchronous: on CPU a copy is cheap beside
-the step, and it keeps the blocks' lifetime vLLM's own (``request_finished`` frees at once).
+Worker side (in each worker — this process at TP 1, vLLM's worker processes at TP > 1 — after/
+before the forward): ``start_load_kv`` writes the planned imported positions (this rank's heads)
+into the paged cache; ``wait_for_save`` copies the planned positions out of it into the store.
+The store is reached through the shared-memory segments the plan names (``kv_store``), never by
+lookup, so every rank of a TP group reads and writes its own head slice of the same all-heads
+KV. The paged layout is chosen by the attention backend vLLM selected (``paged_kv.layout_for``);
+an unknown backend is refused when the KV caches are registered. Both moves are synchronous: a
+copy is cheap beside the step, and it keeps the blocks' lifetime vLLM's own
+(``request_finished`` frees at once); vLLM's executor returns a step only when every rank has
+(its KV output aggregator waits for all), so the engine sees each rank's progress.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -29,9 +36,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from pdd.engine_vllm import kv_store, paged_kv
+from pdd.engine_vllm.kv_segment import KvSpec, SegmentRef
 
 if TYPE_CHECKING:
-    import torch
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -48,11 +55,13 @@ class RequestPlan:
     block_ids: tuple[int, ...]
     load: tuple[int, int] | None  # positions to write into the paged cache before the forward
     save: tuple[int, int] | None  # positions to copy out after it
+    load_from: SegmentRef | None = None  # the request's imports
+    save_to: SegmentRef | None = None  # the request's saves
 
 
 @dataclass
 class PddConnectorMetadata(KVConnectorMetadata):
-    store: str  # the KvStore of the engine that scheduled this step
+    spec: KvSpec  # what a token holds in the segments of the engine that scheduled this step
     requests: list[RequestPlan] = field(default_factory=list)
 
 
@@ -72,24 +81,22 @@ class PddConnector(KVConnectorBase_V1):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        self._store_name = self._kv_transfer_config.get_from_extra_config("pdd_store", "")
-        self._store = kv_store.lookup(self._store_name)
         self._block_size = vllm_config.cache_config.block_size
         self._tracked: dict[str, _Tracked] = {}  # scheduler side, by vLLM request id
         self._layers: list[torch.Tensor] = []  # worker side: this step's engine's paged KV
-        self._heads = slice(None)
-        self._rank = 0
-        if role is KVConnectorRole.WORKER:
+        self._layout = paged_kv.PagedLayout.SPLIT_CONTENT
+        self._rank, self._tp_size = 0, 1
+        if role is KVConnectorRole.SCHEDULER:  # NOTE: in the engine's process: the store is here
+            name = self._kv_transfer_config.get_from_extra_config("pdd_store", "")
+            self._store = kv_store.lookup(name)
+        else:
             from vllm.distributed.parallel_state import (
                 get_tensor_model_parallel_rank,
                 get_tensor_model_parallel_world_size,
             )
 
             self._rank = get_tensor_model_parallel_rank()
-            heads = vllm_config.model_config.get_total_num_kv_heads()
-            self._heads = paged_kv.head_slice(
-                heads, self._rank, get_tensor_model_parallel_world_size()
-            )
+            self._tp_size = get_tensor_model_parallel_world_size()
 
     # --- scheduler side ------------------------------------------------------------------------
     def get_num_new_matched_tokens(
@@ -121,7 +128,7 @@ class PddConnector(KVConnectorBase_V1):
         tracked.pending_load = num_external_tokens
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = PddConnectorMetadata(self._store_name)
+        meta = PddConnectorMetadata(self._store.spec)
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             tracked = self._tracked.get(new.req_id)
@@ -157,7 +164,14 @@ class PddConnector(KVConnectorBase_V1):
             if end > tracked.saved_to:
                 save = (tracked.saved_to, end)
                 tracked.saved_to = end
-        return RequestPlan(tracked.key, tuple(tracked.block_ids), load, save)
+        return RequestPlan(
+            tracked.key,
+            tuple(tracked.block_ids),
+            load,
+            save,
+            self._store.import_ref(tracked.key) if load else None,
+            self._store.save_ref(tracked.key) if save else None,
+        )
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -167,23 +181,37 @@ class PddConnector(KVConnectorBase_V1):
 
     # --- worker side ---------------------------------------------------------------------------
     # NOTE: vLLM keeps ONE worker-side connector per process (a module global), shared by every
-    # engine in it; so the paged KV is taken from the forward context of the engine that runs
-    # this step (not from register_kv_caches), and the store from the step's metadata.
+    # engine in it; so the paged KV and its layout are taken from the forward context of the
+    # engine that runs this step (register_kv_caches only checks them at start), and the store's
+    # spec from the step's metadata.
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Refuse, at start, an attention backend whose paged layout the connector does not know.
+
+        NOTE: the layers are looked up in the config this connector was built with: another
+        engine of the same process has layers of the same names on the same platform."""
+        layers = self._vllm_config.compilation_config.static_forward_context
+        mc = self._vllm_config.model_config
+        for name, kv in kv_caches.items():
+            if name in layers and isinstance(kv, torch.Tensor):
+                layout = _layout_of(layers[name])
+                paged_kv.check_layer(kv, layout, mc.get_head_size())
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, PddConnectorMetadata)
-        self._layers = _paged_layers(forward_context)
-        mc = self._vllm_config.model_config
+        self._layers, self._layout = _paged_layers(forward_context)
         for layer in self._layers:
-            paged_kv.check_layout(layer, layer.shape[1], mc.get_head_size())
-        store = kv_store.lookup(meta.store)
+            paged_kv.check_layer(layer, self._layout, meta.spec.head_dim)
+        heads = paged_kv.head_slice(meta.spec.heads, self._rank, self._tp_size)
         for plan in meta.requests:
-            if plan.load is None:
+            if plan.load is None or plan.load_from is None:
                 continue
             start, end = plan.load
-            kv = store.import_slice(plan.key, start, end)[:, :, :, self._heads]
+            kv = kv_store.read_import(meta.spec, plan.load_from, start, end, heads)
+            if kv is None:
+                continue  # NOTE: released meanwhile (the request was aborted)
             slot_ids = paged_kv.slots(plan.block_ids, self._block_size, start, end)
-            paged_kv.write_tokens(self._layers, slot_ids, kv)
+            paged_kv.write_tokens(self._layers, slot_ids, kv, self._layout)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # NOTE: start_load_kv wrote every layer already
@@ -196,25 +224,40 @@ class PddConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, PddConnectorMetadata)
-        store = kv_store.lookup(meta.store)
+        heads = paged_kv.head_slice(meta.spec.heads, self._rank, self._tp_size)
         for plan in meta.requests:
-            if plan.save is None:
+            if plan.save is None or plan.save_to is None:
                 continue
             start, end = plan.save
             slot_ids = paged_kv.slots(plan.block_ids, self._block_size, start, end)
-            kv = paged_kv.read_tokens(self._layers, slot_ids)
-            store.save(plan.key, start, kv, self._heads, self._rank)
+            kv = paged_kv.read_tokens(self._layers, slot_ids, self._layout)
+            kv_store.write_save(meta.spec, plan.save_to, start, kv, heads, self._rank)
 
 
-def _paged_layers(forward_context: ForwardContext) -> list[torch.Tensor]:
-    """The running engine's paged KV per attention layer, in model order (``...layers.<i>...``)."""
+def _layout_of(layer: Any) -> paged_kv.PagedLayout:
+    """The paged layout of an attention layer's backend (and, on CPU, of its kernel)."""
+    backend = layer.get_attn_backend().get_name()
+    return paged_kv.layout_for(backend, getattr(layer, "isa", None))
+
+
+def _paged_layers(
+    forward_context: ForwardContext,
+) -> tuple[list[torch.Tensor], paged_kv.PagedLayout]:
+    """The running engine's paged KV per attention layer, in model order (``...layers.<i>...``),
+    and their layout (one for all)."""
 
     def index(name: str) -> int:
         match = re.search(r"\.(\d+)\.", name)
         return int(match.group(1)) if match else -1
 
-    named = [
-        (n, getattr(m, "kv_cache", None)) for n, m in forward_context.no_compile_layers.items()
-    ]
-    ordered = sorted(named, key=lambda item: index(item[0]))
-    return [kv for _, kv in ordered if kv is not None and kv.dim() == 4]
+    layers, layouts = [], set()
+    for name in sorted(forward_context.no_compile_layers, key=index):
+        module = forward_context.no_compile_layers[name]
+        kv = getattr(module, "kv_cache", None)
+        if not isinstance(kv, torch.Tensor) or kv.dim() != 4:
+            continue
+        layers.append(kv)
+        layouts.add(_layout_of(module))
+    if len(layouts) > 1:
+        raise NotImplementedError(f"paged KV in several layouts at once: {layouts}")
+    return layers, layouts.pop() if layouts else paged_kv.PagedLayout.SPLIT_CONTENT

@@ -15,6 +15,8 @@ far, so that:
   ``StepOutput`` with no token, as our engine does;
 - imported KV (``import_kv``) waits in the ``KvStore``; ``PddConnector`` loads what vLLM's prefix
   cache lacks of it when the incarnation is scheduled;
+- tensor parallelism (``tensor_parallel_size``): vLLM's workers run in processes of their own;
+  the store is in shared memory and each rank's worker loads and saves its own heads of it;
 - ``keep_after_finish`` (prefill) = the connector saves the request's KV as vLLM computes it, and
   ``export_kv`` reads that copy (vLLM frees its blocks at once);
 - cache events come from vLLM's KV events (``cache_events.CacheMirror``).
@@ -44,6 +46,7 @@ from pdd.engine.model_config import ModelConfig, parse_dtype
 from pdd.engine.token_rules import check_token_ids, is_stop
 from pdd.engine_vllm import kv_store
 from pdd.engine_vllm.cache_events import CacheMirror, MirrorPublisher
+from pdd.engine_vllm.kv_segment import KvSpec
 from pdd.engine_vllm.sampling import PROCESSOR, seeded, to_vllm, unsupported
 
 # NOTE: vLLM's forward context and its worker-side KV connector are process-wide globals, so two
@@ -82,12 +85,8 @@ class VllmEngine:
         *,
         tensor_parallel_size: int = 1,
     ) -> None:
-        if tensor_parallel_size != 1:
-            # NOTE: the KV store is shared with the connector in this process; TP > 1 runs vLLM's
-            # workers in other processes, which would need the store in shared memory.
-            raise ValueError(
-                f"tensor_parallel_size: only 1 is supported, got {tensor_parallel_size}"
-            )
+        if tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
         # NOTE: the engine core (scheduler, connector, event publisher) must run in this process.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         # NOTE: PDD's logits processor (``logits``) speaks the V1 model runner's interface; where
@@ -104,7 +103,9 @@ class VllmEngine:
         )
         self.dtype = parse_dtype(config.dtype or self.model_config.torch_dtype)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
-        self._store = kv_store.KvStore()
+        mc = self.model_config
+        spec = KvSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
+        self._store = kv_store.KvStore(spec, tensor_parallel_size)
         self._store_name = kv_store.register(self._store)
         args = EngineArgs(
             model=str(model_dir),
@@ -116,6 +117,7 @@ class VllmEngine:
             enable_prefix_caching=config.enable_prefix_caching,
             kv_cache_memory_bytes=config.kv_cache_bytes,
             seed=0,
+            tensor_parallel_size=tensor_parallel_size,
             kv_transfer_config=KVTransferConfig(
                 kv_connector="PddConnector",
                 kv_connector_module_path="pdd.engine_vllm.connector",
@@ -128,7 +130,11 @@ class VllmEngine:
             logits_processors=[PROCESSOR],
             async_scheduling=False,
         )
-        self._llm = LLMEngine.from_engine_args(args)
+        try:
+            self._llm = LLMEngine.from_engine_args(args)
+        except BaseException:
+            kv_store.unregister(self._store_name)
+            raise
         self._scheduler = self._llm.engine_core.engine_core.scheduler
         cache = self._llm.vllm_config.cache_config
         self.block_size = cache.block_size
@@ -140,10 +146,15 @@ class VllmEngine:
         self._by_incarnation: dict[str, _Request] = {}
         self._steps = 0
         self._generate_ids = 0
+        self._shut_down = False
 
     def shutdown(self) -> None:
+        if self._shut_down:
+            return
+        self._shut_down = True
         kv_store.unregister(self._store_name)
         self._llm.engine_core.shutdown()
+        self._store.close()  # NOTE: after the workers: no step maps a segment any more
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(
@@ -176,11 +187,9 @@ class VllmEngine:
             raise KvCapacityError(request_id, need, self.num_blocks)
         req = _Request(request_id, prompt, sampling, salt, keep_after_finish, paused)
         req.hit = self._mirror.match_len(prompt, salt)
+        if keep_after_finish:  # NOTE: first: a full /dev/shm refuses the request here
+            self._store.start_save(request_id, len(prompt) + 1)
         self._requests[request_id] = req
-        if keep_after_finish:
-            mc = self.model_config
-            shape = (mc.num_layers, 2, len(prompt) + 1, mc.num_kv_heads, mc.head_dim)
-            self._store.start_save(request_id, shape, self.dtype)
         if not paused:
             self._launch(req)
 
@@ -363,7 +372,8 @@ class VllmEngine:
                 f"payload ends at token {d.start_token + d.num_tokens} beyond the request's "
                 f"{len(req.tokens)} known tokens"
             )
-        self._store.put_import(request_id, d.start_token, payload.to_tensor(self.dtype))
+        # NOTE: copied into shared memory (and the model's dtype) at once: no copy of our own
+        self._store.put_import(request_id, d.start_token, payload.to_tensor())
 
     # ---- introspection ----------------------------------------------------------------------------
     def num_cached_tokens(self, request_id: str) -> int:
