@@ -35,6 +35,10 @@ INSTANCE = Settings(
     Flag(
         "engine_kind", "the engine: pdd (ours) | vllm (needs pip install pdd[vllm])", name="engine"
     ),
+    Flag(
+        "tensor_parallel_size",
+        "vLLM's tensor-parallel degree (--engine vllm; its workers are processes of their own)",
+    ),
     title="instance",
 )
 ENGINE = Settings(

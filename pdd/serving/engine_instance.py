@@ -72,12 +72,21 @@ class InstanceConfig:
     threads: int = 0
     # The role's bounded admission (requests, reserved KV tokens); beyond it: RESOURCE_EXHAUSTED.
     admission: AdmissionConfig = AdmissionConfig()
+    # vLLM's tensor-parallel degree (its workers are processes of their own); our engine: 1.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.lease_ttl_ms < 300:
             raise ValueError(f"lease_ttl_ms: must be >= 300, got {self.lease_ttl_ms}")
         if self.threads < 0:
             raise ValueError(f"threads: must be >= 0, got {self.threads}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size: must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.engine_kind is not EngineKind.VLLM:
+            raise ValueError(
+                "tensor_parallel_size: only the vLLM engine (--engine vllm) runs tensor-parallel, "
+                f"got {self.tensor_parallel_size} with --engine {self.engine_kind.value}"
+            )
 
 
 class EngineInstance:
@@ -120,7 +129,12 @@ class EngineInstance:
             # NOTE: imported only on this choice: vLLM is an optional extra (pdd[vllm]).
             from pdd.engine_vllm.engine import VllmEngine
 
-            return VllmEngine(hf_model_dir(cfg.model), cfg.engine, self._on_cache_event)
+            return VllmEngine(
+                hf_model_dir(cfg.model),
+                cfg.engine,
+                self._on_cache_event,
+                tensor_parallel_size=cfg.tensor_parallel_size,
+            )
         return Engine(load_model(cfg.model), cfg.engine, self._on_cache_event)
 
     async def register(self, port: int) -> None:
