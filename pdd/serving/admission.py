@@ -11,7 +11,8 @@ The gateway's front door may also let a newcomer that finds it full *wait* a mom
 (``admit_within``): first come first served, each for at most ``wait_s``, then refused. It joins
 the queue only if the places freed recently (the rate of releases) would reach it within
 ``wait_s`` — else it is refused at once: under a burst the queue holds what the stack will take
-within ``wait_s`` and the excess is refused without waiting, while a short peak of a load the
+within ``wait_s`` and the excess is refused without waiting (and once a waiter has run out of
+time, nobody queues for a while: the line is not moving), while a short peak of a load the
 stack carries (Poisson arrivals at 70 % of capacity cluster) is queued for a moment instead.
 
 # NOTE: admission never evicts: an admitted request keeps its place until it ends, whatever
@@ -22,6 +23,7 @@ stack carries (Poisson arrivals at 70 % of capacity cluster) is queued for a mom
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -34,6 +36,12 @@ from pdd.core.errors import ResourceExhaustedError
 from pdd.telemetry import metrics
 
 log = structlog.get_logger(__name__)
+
+# The clock of the waits' bookkeeping (a name of its own: tests set a fake one).
+_now = time.monotonic
+
+# After a waiter ran out of time, newcomers are refused at once for this many of its waits.
+_DRY_SPELL = 4.0
 
 # Requests one gateway generates at once unless told (--max-in-flight).
 DEFAULT_MAX_IN_FLIGHT = 1024
@@ -125,6 +133,8 @@ class Admission:
         self._waiting: deque[_Waiter] = deque()
         # When the last places were freed (monotonic s): the rate a waiter's turn comes at.
         self._released_at: deque[float] = deque(maxlen=32)
+        # When a waiter last ran out of time (monotonic s).
+        self._timed_out_at = -math.inf
 
     @classmethod
     def for_engine(
@@ -166,9 +176,12 @@ class Admission:
         # NOTE: nobody overtakes the queue: a newcomer is admitted directly only when it is empty
         if not self._waiting and self._fits(tokens):
             return self._take(tokens)
+        # NOTE: a waiter that ran out of time lately says the line is not moving (overload, not
+        # a peak): until ``wait_s`` × _DRY_SPELL after it, nobody joins — refused at once.
         if (
             wait_s <= 0
             or len(self._waiting) >= self.limits.requests
+            or _now() - self._timed_out_at < wait_s * _DRY_SPELL
             or self._expected_wait_s(len(self._waiting)) > wait_s
         ):
             raise self._refuse(request_id, tokens)
@@ -181,6 +194,7 @@ class Admission:
             raise
         if not place.ticket.done():
             self._leave(place)
+            self._timed_out_at = _now()
             raise self._refuse(request_id, tokens)
         return place.ticket.result()
 
@@ -200,7 +214,7 @@ class Admission:
         if not released:
             return 0.0
         # NOTE: up to now, not to the last release: a stage that stopped freeing places is slow
-        span = time.monotonic() - released[0]
+        span = _now() - released[0]
         return (ahead + 1) * span / len(released) if span > 0 else 0.0
 
     @property
@@ -253,5 +267,5 @@ class Admission:
     def _release(self, tokens: int) -> None:
         self.admitted -= 1
         self.reserved_tokens -= tokens
-        self._released_at.append(time.monotonic())
+        self._released_at.append(_now())
         self._wake()

@@ -49,8 +49,8 @@ GATEWAY = Settings(
     ),
     Flag(
         "admission_wait_s",
-        "seconds a request finding the bound reached waits for a place (FIFO, at most as many "
-        "waiting as the bound) before RESOURCE_EXHAUSTED (HTTP 429); 0 = refused at once",
+        "seconds a request finding the bound reached may wait for a place (FIFO, while the line "
+        "moves) before RESOURCE_EXHAUSTED (HTTP 429); 0 = refused at once",
     ),
     Flag(
         "wan_kv_value_bytes",

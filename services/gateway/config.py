@@ -38,10 +38,11 @@ class GatewayConfig:
     # The bound on requests in flight follows the latency the stack adds when it queues (an
     # adaptive concurrency limit, max_in_flight its ceiling); False: max_in_flight alone.
     adaptive_in_flight: bool = True
-    # How long a request finding the bound reached waits for a place (first come first served,
-    # at most as many waiting as the bound) before it is refused: a short peak of a load the
-    # stack carries is queued, a burst's excess still refused within this (0: refused at once).
-    admission_wait_s: float = 0.25
+    # How long a request finding the bound reached may wait for a place (first come first
+    # served, while the line moves) before it is refused; 0: refused at once. NOTE: off by
+    # default — measured under a 5x burst, waiting raised the refusals' and the accepted
+    # requests' latency and lowered goodput (docs/operations.md).
+    admission_wait_s: float = 0.0
     # Bytes of one KV value on the WAN (prefill's --wan-dtype); 0: the model's dtype. Sizes the
     # KV delta in the link-aware router's transfer estimate (compression is not counted).
     wan_kv_value_bytes: int = 0

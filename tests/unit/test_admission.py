@@ -233,7 +233,7 @@ async def test_a_newcomer_the_recent_release_rate_would_not_reach_in_time_is_ref
     """Places freed at 10/s lately: a newcomer's turn comes 0.1 s per place ahead of it, so with a
     0.25 s wait the first two in line wait and the third is refused at once (a fake clock)."""
     now = 1000.0
-    monkeypatch.setattr("pdd.serving.admission.time.monotonic", lambda: now)
+    monkeypatch.setattr("pdd.serving.admission._now", lambda: now)
     adm = admission(8, 10_000, role="test_wait_rate")
     adm._released_at.extend(now - 0.5 + 0.1 * k for k in range(5))  # 5 in the last 0.5 s
     held = [adm.admit(f"r{i}", 0) for i in range(8)]
@@ -249,3 +249,29 @@ async def test_a_newcomer_the_recent_release_rate_would_not_reach_in_time_is_ref
     line[1].cancel()
     await asyncio.gather(line[1], return_exceptions=True)
     assert adm.waiting == 0 and adm.admitted == 7
+
+
+async def test_after_a_waiter_ran_out_of_time_newcomers_are_refused_at_once_for_a_while(
+    monkeypatch,
+):
+    """A waiter timing out says the line is not moving (overload, not a peak): for 4 of its
+    waits nobody queues, then waiting is allowed again (a fake clock)."""
+    clock = {"now": 1000.0}
+    monkeypatch.setattr("pdd.serving.admission._now", lambda: clock["now"])
+    adm = admission(1, 10_000, role="test_wait_dry")
+    held = adm.admit("a", 0)
+    with pytest.raises(ResourceExhaustedError):
+        await adm.admit_within("w", 0, wait_s=0.01)  # runs out of time
+    clock["now"] += 0.03  # within 4 x 0.01 s of the time-out
+    newcomer = asyncio.create_task(adm.admit_within("n", 0, wait_s=0.01))
+    await asyncio.sleep(0)
+    assert newcomer.done() and adm.waiting == 0  # refused without joining the line
+    with pytest.raises(ResourceExhaustedError):
+        newcomer.result()
+    clock["now"] += 0.02  # the dry spell is over: a newcomer may wait again
+    later = asyncio.create_task(adm.admit_within("l", 0, wait_s=0.01))
+    await asyncio.sleep(0)
+    assert adm.waiting == 1
+    held.release()
+    (await later).release()
+    assert adm.admitted == 0
