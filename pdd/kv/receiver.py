@@ -4,9 +4,12 @@ Life of a transfer on MainDecode:
 
 1. ``PushKv`` stream opens; its first item is the header → ``open`` creates a
    ``Reassembler`` (or finds the one a broken stream left: same header =
-   resume, a different one is rejected);
-2. chunks go to ``accept`` (duplicates ignored, bad CRC → stays missing);
-3. the commit (``commit``) carries the first sampled token(s);
+   resume, a different one is rejected). A new transfer's header first passes the
+   consumer's ``check`` (MainDecode: it must be the KV a request there waits for);
+2. chunks go to ``accept``: one that contradicts the header (index, offset, size) is
+   refused, a resend included; then duplicates are ignored, bad CRC → stays missing;
+3. the commit (``commit``, the check's too) carries the first sampled token(s) and
+   ends the stream: anything after it is refused;
 4. once every chunk is in *and* the commit arrived, the payload is delivered
    exactly once: ``on_complete`` is called and every ``wait_complete`` waiter
    (``Decode`` waiting for its KV, the relay's ``WaitKvReady``) wakes up;
@@ -33,11 +36,23 @@ import structlog
 
 from pdd.core.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
 from pdd.kv.chunking import DEFAULT_MAX_TOTAL_BYTES, ChunkVerdict, Reassembler
-from pdd.kv.transfer import Chunk, Commit, PushItem, TransferHeader, TransferStatus
+from pdd.kv.transfer import (
+    Chunk,
+    Commit,
+    Compression,
+    PushItem,
+    TransferHeader,
+    TransferStatus,
+    chunk_span,
+)
 from pdd.kv.waiters import Waiters
 
 log = structlog.get_logger(__name__)
 _DONE_REMEMBERED = 4096
+
+# The consumer's say on a new transfer's header and on each commit: raises a domain error
+# (``pdd.core.errors``) to refuse it.
+PushCheck = Callable[[TransferHeader | Commit], None]
 
 
 @dataclass(frozen=True)
@@ -85,10 +100,12 @@ class KvReceiver:
         *,
         on_complete: Callable[[ReceivedKv], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        check: PushCheck | None = None,
     ) -> None:
         self.config = config
         self._on_complete = on_complete
         self._clock = clock
+        self.check = check
         self._transfers: dict[str, _Transfer] = {}
         self._done: OrderedDict[str, TransferHeader] = OrderedDict()
         self._waiters: Waiters[ReceivedKv] = Waiters("KV transfer")
@@ -109,6 +126,8 @@ class KvReceiver:
             return self.status(rid)
         if self._done.get(rid) == header:
             return self.status(rid)
+        if self.check is not None:
+            self.check(header)
         self.expire()
         if self.inflight_bytes + header.total_bytes > self.config.max_inflight_bytes:
             raise ResourceExhaustedError(
@@ -122,9 +141,11 @@ class KvReceiver:
     def accept(self, chunk: Chunk) -> ChunkVerdict:
         t = self._transfers.get(chunk.request_id)
         if t is None:
-            if chunk.request_id in self._done:
+            if (done := self._done.get(chunk.request_id)) is not None:
+                _check_shape(done, chunk)
                 return ChunkVerdict.DUPLICATE
             raise FailedPreconditionError(f"KV chunk for {chunk.request_id} before its header")
+        _check_shape(t.header, chunk)
         t.touched_at = self._clock()
         if t.delivered is not None:
             return ChunkVerdict.DUPLICATE
@@ -141,7 +162,9 @@ class KvReceiver:
                 return self.status(commit.request_id)
             raise FailedPreconditionError(f"KV commit for {commit.request_id} before its header")
         t.touched_at = self._clock()
-        if t.commit is None:
+        if t.commit is None and t.delivered is None:
+            if self.check is not None:
+                self.check(commit)
             t.commit = commit
         self._maybe_deliver(t)
         return self.status(commit.request_id)
@@ -149,7 +172,10 @@ class KvReceiver:
     async def receive(self, items: AsyncIterable[PushItem]) -> TransferStatus:
         """One ``PushKv`` stream: header, chunks (any order), commit. Returns the final status."""
         rid: str | None = None
+        committed = False
         async for item in items:
+            if committed:
+                raise InvalidArgumentError(_field(item), "follows the commit, which ends a push")
             if rid is None:
                 if not isinstance(item, TransferHeader):
                     raise InvalidArgumentError(
@@ -161,13 +187,14 @@ class KvReceiver:
                 raise InvalidArgumentError("header", "a push carries one header")
             elif item.request_id != rid:
                 raise InvalidArgumentError(
-                    f"{type(item).__name__.lower()}.request_id",
+                    f"{_field(item)}.request_id",
                     f"{item.request_id!r} does not match the header's {rid!r}",
                 )
             elif isinstance(item, Chunk):
                 self.accept(item)
             else:
                 self.commit(item)
+                committed = True
         if rid is None:
             raise InvalidArgumentError("header", "the push was empty")
         return self.status(rid)
@@ -258,3 +285,27 @@ class KvReceiver:
                 self._on_complete(t.delivered)
             except Exception:  # noqa: BLE001 — the consumer's failure must not fail the sender's stream
                 log.exception("kv_on_complete_failed", request_id=t.header.request_id)
+
+
+def _field(item: PushItem) -> str:
+    """The name of a push item's message field (``PushKvRequest.item``)."""
+    return "header" if isinstance(item, TransferHeader) else type(item).__name__.lower()
+
+
+def _check_shape(header: TransferHeader, chunk: Chunk) -> None:
+    """Refuse a chunk that contradicts its header: index, offset, or (uncompressed) size.
+
+    NOTE: before the duplicate check, so a malformed resend is refused as such instead of being
+    ignored as a duplicate (the ``Reassembler`` checks a new chunk the same way).
+    """
+    if not 0 <= chunk.index < header.num_chunks:
+        raise InvalidArgumentError("chunk.index", f"{chunk.index} outside [0, {header.num_chunks})")
+    offset, length = chunk_span(header, chunk.index)
+    if chunk.offset != offset:
+        raise InvalidArgumentError(
+            "chunk.offset", f"chunk {chunk.index} starts at {offset}, got {chunk.offset}"
+        )
+    if header.compression is Compression.NONE and len(chunk.data) != length:
+        raise InvalidArgumentError(
+            "chunk.data", f"chunk {chunk.index} spans {length} bytes, got {len(chunk.data)}"
+        )

@@ -5,7 +5,9 @@ Life of a request (one ``decode`` generator per request, opened by the gateway):
      (the engine's radix cache of prompts *and* outputs); the hit is locked
      and reported — prefill pushes KV only from there on;
   2. receive KV: the pushed delta is reassembled by the ``KvReceiver``
-     (chunks in any order, duplicates ignored, checksums checked) and imported;
+     (chunks in any order, duplicates ignored, checksums checked) and imported; a push that
+     is not the KV the request waits for is refused (``main_decode_guard``, as are handoff
+     batches that leave a gap or rewrite an output already handed over);
   3. P-MD: prefill's first token is appended and decoding starts at once;
      P-RLD-MD: the relay hands over with ``handoff`` — token IDs only. Each
      batch is *extended* in one forward pass (``append_tokens``); MainDecode
@@ -63,10 +65,12 @@ from pdd.engine.engine import StepOutput
 from pdd.engine.protocol import EngineBackend
 from pdd.engine.sampling import Logprob
 from pdd.kv.receiver import KvReceiver, ReceivedKv
+from pdd.kv.transfer import Commit, TransferHeader
 from pdd.serving.admission import Admission, AdmissionConfig
 from pdd.serving.engine_instance import EngineInstance
 from pdd.serving.kv_bridge import import_range
 from pdd.serving.mailbox import StepFailed
+from pdd.serving.main_decode_guard import check_handoff, check_push
 from pdd.serving.main_decode_life import DecodeLife, EmitFrom, Extended, Failed
 from pdd.telemetry import metrics
 
@@ -96,6 +100,8 @@ class MainDecode:
         self.kv_timeout_s = kv_timeout_s
         self._requests: dict[str, DecodeLife] = {}
         self.admission = Admission.for_engine("main_decode", admission, lambda: self.engine)
+        # NOTE: a push is refused unless it is the KV a request here waits for.
+        receiver.check = self._check_push
 
     @property
     def runner(self):
@@ -174,6 +180,7 @@ class MainDecode:
         cached = await self.runner.call(admit)
         state.outputs.update(enumerate(resume))
         state.produced = len(resume) - 1
+        state.cached_tokens, state.handed = cached, len(resume)
         metrics.PREFIX_QUERIES.labels("main_decode").inc(len(job.prompt_token_ids))
         metrics.PREFIX_HITS.labels("main_decode").inc(cached)
         log.info(
@@ -287,6 +294,9 @@ class MainDecode:
 
     # --- the KV delta ---------------------------------------------------------------------------
 
+    def _check_push(self, item: TransferHeader | Commit) -> None:
+        check_push(self._requests.get(item.request_id), item, self.engine.model_config)
+
     async def _receive_kv(self, state: DecodeLife) -> None:
         try:
             kv = await self.receiver.wait_complete(state.job.request_id, self.kv_timeout_s)
@@ -353,15 +363,17 @@ class MainDecode:
     async def handoff(self, batch: HandoffBatch) -> HandoffAck:
         """Extend one handoff batch (see ``_extend_handoff``) and acknowledge it."""
         t0 = time.perf_counter()
-        through, computed = await self._extend_handoff(
-            batch.request_id, batch.start_position, list(batch.token_ids), final=batch.final
-        )
+        state = await self._handoff_state(batch.request_id)
+        async with state.handoff_lock:
+            through, computed = await self._extend_handoff(
+                state, batch.start_position, list(batch.token_ids), final=batch.final
+            )
         return HandoffAck(
             through, computed, (time.perf_counter() - t0) * 1000, self.decode_interval_s * 1000
         )
 
     async def _extend_handoff(
-        self, request_id: str, start: int, token_ids: list[int], *, final: bool
+        self, state: DecodeLife, start: int, token_ids: list[int], *, final: bool
     ) -> tuple[int, int]:
         """Extend ``token_ids`` at output ``start``.
 
@@ -371,18 +383,22 @@ class MainDecode:
         already computed costs no engine step: the final one then lets MainDecode
         speak at once instead of after an extend step.
         """
-        state = await self._handoff_state(request_id)
+        request_id = state.job.request_id
         target = start + len(token_ids)
+        if check_handoff(state, start, token_ids):
+            return target, max(target, state.produced + 1)  # a retransmit after the final batch
         agrees = state.agrees(start, token_ids)
         if state.finished:
             # NOTE: MainDecode ran ahead to the end during catch-up; it must agree with the relay.
             if not agrees:
                 raise FailedPreconditionError(
-                    f"handoff tokens disagree with {request_id}'s finished outputs"
+                    f"token_ids: disagree with {request_id}'s finished outputs"
                 )
         elif not (agrees and state.produced >= target):
             await self._extend(state, start, token_ids, final=final)
+        state.handed = max(state.handed, target)
         if final:
+            state.handoff_end = target
             state.queue.put_nowait(EmitFrom(target))
         return target, max(target, state.produced + 1)
 
@@ -418,7 +434,7 @@ class MainDecode:
             # NOTE: MainDecode finished ahead while this round was on its way: its outputs stand
             # and must agree with the relay's, or the stream would mix two paths.
             raise FailedPreconditionError(
-                f"handoff tokens disagree with {state.job.request_id}'s finished outputs"
+                f"token_ids: disagree with {state.job.request_id}'s finished outputs"
             )
         state.extend_s += time.perf_counter() - t0
 

@@ -70,6 +70,16 @@ class DecodeLife:
     wan_bytes: int = 0
     extend_s: float = 0.0
     closed: asyncio.Event = field(default_factory=asyncio.Event)
+    # Prompt tokens found (and locked) in the DRC at admission; None until admitted. A push
+    # starts here (``main_decode_guard``).
+    cached_tokens: int | None = None
+    # Outputs fixed by the handoff so far (or resumed from): never rewritten by a later batch.
+    handed: int = 0
+    # Where the final handoff batch ended (MainDecode speaks from there); None before it.
+    handoff_end: int | None = None
+    # NOTE: one handoff batch of a request at a time, whichever stream it came on: an extension
+    # waits for the engine, and another batch in between would act on half-applied outputs.
+    handoff_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def agrees(self, start: int, token_ids: Sequence[int]) -> bool:
         """Whether the outputs from ``start`` are ``token_ids`` already."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 
 from pdd.core.errors import InvalidArgumentError, field_prefix
 from pdd.core.instance import InstanceRef, Role
@@ -46,15 +47,46 @@ def instance_ref_to_pb(ref: InstanceRef) -> common_pb2.InstanceRef:
     )
 
 
+# NOTE: what an instance's identity may hold, checked wherever one comes in from the wire: ids and
+# cluster names become Redis keys (kvstore's hash tags: no braces) and metric labels; an address is
+# a host (name, IPv4, or [IPv6]) and a port to dial. Lengths are bounded: every prediction answers
+# every instance's record, so one bloated record would swell every routing answer.
+_INSTANCE_ID = re.compile(r"[A-Za-z0-9._:@-]{1,128}")
+_CLUSTER = re.compile(r"[A-Za-z0-9._-]{1,64}")
+_ADDRESS = re.compile(r"([A-Za-z0-9._-]{1,253}|\[[0-9A-Fa-f:.]{2,45}\]):([0-9]{1,5})")
+
+
+def instance_id_from(value: str, field: str = "instance_id") -> str:
+    """An instance id from the wire, validated (the one rule for every RPC that names one)."""
+    if not value:
+        raise InvalidArgumentError(field, "must not be empty")
+    if not _INSTANCE_ID.fullmatch(value):
+        raise InvalidArgumentError(
+            field, f"must be 1-128 letters, digits or . _ : @ -; got {value[:64]!r}"
+        )
+    return value
+
+
+def cluster_from(value: str, field: str = "cluster") -> str:
+    """A cluster name from the wire, validated."""
+    if not _CLUSTER.fullmatch(value):
+        raise InvalidArgumentError(
+            field, f"must be 1-64 letters, digits or . _ -; got {value[:64]!r}"
+        )
+    return value
+
+
 def instance_ref_from_pb(msg: common_pb2.InstanceRef, field: str = "ref") -> InstanceRef:
-    if not msg.instance_id:
-        raise InvalidArgumentError(f"{field}.instance_id", "must not be empty")
-    host, sep, port = msg.address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise InvalidArgumentError(f"{field}.address", f"expected host:port, got {msg.address!r}")
+    instance_id_from(msg.instance_id, f"{field}.instance_id")
+    address = _ADDRESS.fullmatch(msg.address)
+    if address is None or not 0 < int(address.group(2)) < 65536:
+        raise InvalidArgumentError(
+            f"{field}.address", f"expected host:port, got {msg.address[:300]!r}"
+        )
     role = role_from_pb(msg.role, f"{field}.role")
     assert role is not None
-    return InstanceRef(msg.instance_id, msg.address, role, msg.cluster or "main")
+    cluster = cluster_from(msg.cluster, f"{field}.cluster") if msg.cluster else "main"
+    return InstanceRef(msg.instance_id, msg.address, role, cluster)
 
 
 # --- sampling -------------------------------------------------------------

@@ -110,14 +110,29 @@ def handoff_batch_to_pb(batch: HandoffBatch) -> pb.TokenHandoffRequest:
     )
 
 
-def handoff_batch_from_pb(msg: pb.TokenHandoffRequest, index: int) -> HandoffBatch:
-    """The ``index``-th batch of a handoff stream, validated."""
+def handoff_batch_from_pb(
+    msg: pb.TokenHandoffRequest, index: int, vocab: int, stream_request_id: str = ""
+) -> HandoffBatch:
+    """The ``index``-th batch of a handoff stream, validated: its tokens inside the vocabulary,
+    its request the stream's (``stream_request_id``, its first batch's; a stream hands over one
+    request)."""
     if not msg.request_id:
         raise InvalidArgumentError(f"handoff[{index}].request_id", "must not be empty")
+    if stream_request_id and msg.request_id != stream_request_id:
+        raise InvalidArgumentError(
+            f"handoff[{index}].request_id",
+            f"{msg.request_id!r} is not the stream's request {stream_request_id!r}",
+        )
     if not msg.token_ids and not msg.final:
         raise InvalidArgumentError(
             f"handoff[{index}].token_ids", "must not be empty in a non-final batch"
         )
+    for i, t in enumerate(msg.token_ids):
+        if t >= vocab:
+            raise InvalidArgumentError(
+                f"handoff[{index}].token_ids[{i}]",
+                f"token id {t} is outside the vocabulary ({vocab})",
+            )
     return HandoffBatch(
         msg.request_id,
         msg.start_position,

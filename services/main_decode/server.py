@@ -45,9 +45,11 @@ class MainDecodeServicer(pb_grpc.MainDecodeServiceServicer):
         return conv.kv_readiness_to_pb(readiness)
 
     async def TokenHandoff(self, request_iterator, context):
-        index = 0
+        index, request_id = 0, ""
         async for msg in request_iterator:
-            ack = await self.md.handoff(conv.handoff_batch_from_pb(msg, index))
+            batch = conv.handoff_batch_from_pb(msg, index, self.vocab, request_id)
+            request_id = batch.request_id
+            ack = await self.md.handoff(batch)
             index += 1
             yield conv.handoff_ack_to_pb(ack)
 
