@@ -1,22 +1,37 @@
-"""PredictHits latency through ``PrefixStore.predict`` on a real Redis: the per-block reference
-(the index as it was: every block of every instance tested) and the O(log blocks) search, side
-by side in one run.
+"""PredictHits latency on a real Redis, measured four ways side by side in one run, and where the
+time goes.
 
     pdd bench index [--redis-url URL] [--instances 8,64] [--prompt-tokens 65536] [--block 16]
 
 Each instance registers and holds, by cache events, a random leading part of some of
-``--prompts`` long prompts (so the searches land anywhere in the chain). Each prediction is for
-one of those prompts, picked at random, hashing included, timed end to end (the registry read,
-the hashing and the index lookups); reference and fast calls alternate so both see the same
-noise, and every answer pair must agree. Without ``--redis-url`` a throw-away redis-server is
-started (as kvstore's embedded one).
+``--prompts`` long prompts (so the searches land anywhere in the chain). Each iteration predicts
+one of those prompts, picked at random, hashing included, once per mode (their order rotating, so
+all see the same noise):
+
+  ``reference``  ``PrefixStore.predict(reference=True)``: the per-block count (every block of every
+                 instance tested), the first ``--reference-iterations`` iterations only;
+  ``store``      ``PrefixStore.predict`` on the tokens as kvstore's converter hands them over;
+  ``proto``      what kvstore's servicer does: request message → ``predict`` → response message;
+  ``grpc``       a ``PredictHits`` call to kvstore running as its own process (``--no-grpc``: not).
+
+Every answer must equal the others of its iteration (and the reference's). The ``store`` calls
+also say where their time went (``PredictCost``): hashing, listing the registry, the Lua call's
+round trip and, of it, the time inside Redis (``INFO commandstats``, a mean), and the bench
+process's own CPU time (the rest of a call's wall time is waiting: for Redis, or for a CPU);
+the ``grpc`` row, kvstore's CPU time per call (``/proc``); and every count, how busy all CPUs
+were meanwhile (ours and anything else on the host: on a shared machine, the tail's cause).
+The same prompts come back unchanged, so the runs kvstore remembers are right (the best case for
+``live_predict.RunMemory``); ``--no-guesses`` measures the search without them.
+Without ``--redis-url`` a throw-away redis-server is started (as kvstore's embedded one).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
+import os
 import random
 import statistics
 import sys
@@ -24,14 +39,25 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
+import grpc
 from redis.asyncio import Redis
 
+from pdd.bench.cpu import machine_cpu_s, process_cpu_s
 from pdd.core.block_hash import ROOT_HASH, chain_hashes
 from pdd.core.cache_event import CacheEvent
 from pdd.core.instance import Instance, InstanceRef, Role
+from pdd.gen.kvstore.v1 import kvstore_service_pb2 as pb
+from pdd.gen.kvstore.v1 import kvstore_service_pb2_grpc as pb_grpc
+from pdd.prefix_index.live_predict import PredictCost
 from pdd.prefix_index.redis_server import start_redis
 from pdd.prefix_index.store import PrefixStore
+from pdd.testbed.launcher import Process, start_module
+from pdd.wire import kvstore as conv
+
+MODES = ("reference", "store", "proto", "grpc")
+PHASES = ("hashing", "registry", "index", "in_redis", "own_cpu")
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -58,48 +84,165 @@ async def _populate(
     return ids
 
 
-async def _measure(args: argparse.Namespace, url: str) -> list[dict]:
+async def _script_stats(redis: Redis) -> tuple[int, int]:
+    """(EVALSHA calls, their microseconds inside Redis) so far."""
+    st = (await redis.info("commandstats")).get("cmdstat_evalsha", {})
+    return int(st.get("calls", 0)), int(st.get("usec", 0))
+
+
+def _kvstore(url: str, prefix: str) -> Process:
+    args = ["--port", "0", "--redis-url", url, "--key-prefix", prefix, "--log-level", "warning"]
+    return start_module("kvstore", "services.kvstore", args)
+
+
+async def _measure_count(
+    args: argparse.Namespace, url: str, n: int, prompts: list[list[int]], rng: random.Random
+) -> list[dict[str, Any]]:
+    redis = Redis.from_url(url)
+    prefix = f"bench{uuid.uuid4().hex[:8]}"
+    store = PrefixStore(redis, prefix, guesses=args.guesses)
+    kvstore: Process | None = None
+    channel: grpc.aio.Channel | None = None
+    try:
+        ids = await _populate(store, n, prompts, args.block, rng)
+        # NOTE: what is alive now is out of the collector's way, as in every service (bootstrap).
+        gc.freeze()
+        # The tokens as each door hands them over: a message for kvstore, its converted form.
+        msgs = [pb.PredictHitsRequest(prompt_token_ids=p) for p in prompts]
+        tokens = [conv.predict_from_pb(m)["prompt"] for m in msgs]
+        modes = [m for m in MODES if m != "grpc" or args.grpc]
+        if args.grpc:
+            kvstore = _kvstore(url, prefix)
+            channel = grpc.aio.insecure_channel(kvstore.address)
+            stub = pb_grpc.KvstoreServiceStub(channel)
+        times: dict[str, list[float]] = {m: [] for m in modes}
+        phases: dict[str, list[float]] = {p: [] for p in PHASES}
+        refreshes = 0
+        guessed: list[float] = []
+
+        async def run(mode: str, which: int) -> dict[str, int]:
+            nonlocal refreshes
+            if mode == "reference":
+                hits = await store.predict(prompts[which], reference=True)
+            elif mode == "store":
+                cost, cpu0 = PredictCost(), time.process_time()
+                hits = await store.predict(tokens[which], cost=cost)
+                phases["own_cpu"].append(time.process_time() - cpu0)
+                phases["hashing"].append(cost.hashing)
+                phases["registry"].append(cost.registry)
+                phases["index"].append(cost.index)
+                refreshes += cost.refreshes
+                guessed.append(cost.guessed / n)
+            elif mode == "proto":
+                hits = await store.predict(**conv.predict_from_pb(msgs[which]))
+                resp = pb.PredictHitsResponse(hits=[conv.hit_to_pb(h) for h in hits])
+                return {h.instance.ref.instance_id: h.cached_tokens for h in resp.hits}
+            else:
+                resp = await stub.PredictHits(msgs[which], timeout=10)
+                return {h.instance.ref.instance_id: h.cached_tokens for h in resp.hits}
+            return {h.instance.ref.instance_id: h.cached_tokens for h in hits}
+
+        # NOTE: the first call lists the registry (both kvstores'): not what is measured.
+        await run("store", 0)
+        if args.grpc:
+            await run("grpc", 0)
+        for xs in (*phases.values(), guessed):
+            xs.clear()
+        refreshes = 0
+        calls0, usec0 = await _script_stats(redis)
+        machine0 = machine_cpu_s()
+        kv0 = process_cpu_s(kvstore.proc.pid) if kvstore is not None else None
+        for it in range(args.iterations):
+            which = rng.randrange(len(prompts))
+            now = [m for m in modes if m != "reference" or it < args.reference_iterations]
+            now = now[it % len(now) :] + now[: it % len(now)]
+            answers = {}
+            for mode in now:
+                t0 = time.perf_counter()
+                answers[mode] = await run(mode, which)
+                times[mode].append((time.perf_counter() - t0) * 1e3)
+            if len({json.dumps(a, sort_keys=True) for a in answers.values()}) != 1:
+                raise AssertionError(f"the modes disagree at {n} instances: {answers}")
+        calls1, usec1 = await _script_stats(redis)
+        machine1 = machine_cpu_s()
+        kv1 = process_cpu_s(kvstore.proc.pid) if kvstore is not None else None
+        fast_calls = sum(len(times[m]) for m in modes if m != "reference")
+        # NOTE: every fast mode runs the same script once per call (the view held: no refresh).
+        in_redis = (usec1 - usec0) / max(1, calls1 - calls0) / 1e3
+        rows = []
+        for mode, xs in times.items():
+            row = {
+                "instances": n,
+                "mode": mode,
+                "calls": len(xs),
+                "p50_ms": round(statistics.median(xs), 2),
+                "p90_ms": round(_pct(xs, 0.90), 2),
+                "p99_ms": round(_pct(xs, 0.99), 2),
+                "mean_ms": round(statistics.fmean(xs), 2),
+            }
+            if machine0 is not None and machine1 is not None:
+                busy, total = (b - a for a, b in zip(machine0, machine1))
+                row["machine_busy"] = round(busy / max(total, 1e-9), 2)
+            if mode == "grpc" and kv0 is not None and kv1 is not None:
+                row["kvstore_cpu_ms"] = round((kv1 - kv0) / len(xs) * 1e3, 2)
+            if mode == "store":
+                for p in PHASES:
+                    ms = in_redis if p == "in_redis" else statistics.fmean(phases[p]) * 1e3
+                    row[f"{p}_ms"] = round(ms, 3)
+                row["refreshes"] = refreshes
+                row["guessed_share"] = round(statistics.fmean(guessed), 3)
+                row["script_calls_per_call"] = round((calls1 - calls0) / max(1, fast_calls), 2)
+            rows.append(row)
+        await redis.delete(*(k for i in ids for k in store.registry.index_keys(i)))
+        for iid in ids:
+            await store.deregister(iid)
+        return rows
+    finally:
+        gc.unfreeze()
+        if channel is not None:
+            await channel.close()
+        if kvstore is not None:
+            kvstore.stop()
+        await redis.aclose()
+
+
+async def _measure(args: argparse.Namespace, url: str) -> list[dict[str, Any]]:
     rng = random.Random(args.seed)
     prompts = [
         [rng.randrange(150_000) for _ in range(args.prompt_tokens)] for _ in range(args.prompts)
     ]
     rows = []
     for n in args.instances:
-        redis = Redis.from_url(url)
-        store = PrefixStore(redis, f"bench{uuid.uuid4().hex[:8]}")
-        try:
-            ids = await _populate(store, n, prompts, args.block, rng)
-            times: dict[str, list[float]] = {"reference": [], "log search": []}
-            for it in range(args.iterations):
-                prompt = rng.choice(prompts)
-                answers = []
-                modes = ["log search"]
-                if it < args.reference_iterations:
-                    modes.insert(it % 2, "reference")
-                for mode in modes:
-                    t0 = time.perf_counter()
-                    hits = await store.predict(prompt, reference=mode == "reference")
-                    times[mode].append((time.perf_counter() - t0) * 1e3)
-                    answers.append({h.instance.ref.instance_id: h.cached_tokens for h in hits})
-                if len(answers) == 2 and answers[0] != answers[1]:
-                    raise AssertionError(f"reference and log search disagree at {n} instances")
-            for mode, xs in times.items():
-                rows.append(
-                    {
-                        "instances": n,
-                        "mode": mode,
-                        "calls": len(xs),
-                        "p50_ms": round(statistics.median(xs), 2),
-                        "p99_ms": round(_pct(xs, 0.99), 2),
-                        "mean_ms": round(statistics.fmean(xs), 2),
-                    }
-                )
-            await redis.delete(*(k for i in ids for k in store.registry.index_keys(i)))
-            for iid in ids:
-                await store.deregister(iid)
-        finally:
-            await redis.aclose()
+        rows += await _measure_count(args, url, n, prompts, rng)
     return rows
+
+
+def _print(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+    blocks = args.prompt_tokens // args.block
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(
+        f"PredictHits: {args.prompt_tokens}-token prompt, block {args.block} ({blocks} chained "
+        f"hashes), hashing included; load average {load}, {os.cpu_count()} CPUs"
+    )
+    head = f"{'instances':>9}  {'mode':<10} {'calls':>5}"
+    print(head + "".join(f"{h:>9}" for h in ("P50 ms", "P90 ms", "P99 ms", "mean ms")))
+    for r in rows:
+        cells = "".join(f"{r[k]:>9.2f}" for k in ("p50_ms", "p90_ms", "p99_ms", "mean_ms"))
+        extra = f"   kvstore CPU {r['kvstore_cpu_ms']:.2f} ms/call" if "kvstore_cpu_ms" in r else ""
+        print(f"{r['instances']:>9}  {r['mode']:<10} {r['calls']:>5}{cells}{extra}")
+    busy = {r["instances"]: r["machine_busy"] for r in rows if "machine_busy" in r}
+    if busy:
+        shares = ", ".join(f"{n} instances {b:.0%}" for n, b in busy.items())
+        print(f"all CPUs busy while measuring (ours and anything else): {shares}")
+    print(
+        "where a store call's time goes (means, ms): hashing, registry (listing it again), index "
+        "(the Lua call's round trip), in Redis (of it), own CPU (the rest of wall: waiting)"
+    )
+    print(f"{'instances':>9}" + "".join(f"{p:>10}" for p in (*PHASES, "total")))
+    for r in rows:
+        if r["mode"] == "store":
+            cells = "".join(f"{r[p + '_ms']:>10.3f}" for p in PHASES)
+            print(f"{r['instances']:>9}{cells}{r['mean_ms']:>10.3f}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,14 +256,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=65536)
     ap.add_argument("--block", type=int, default=16)
     ap.add_argument("--prompts", type=int, default=4, help="distinct long prompts held")
-    ap.add_argument("--iterations", type=int, default=300, help="fast predictions per count")
+    ap.add_argument("--iterations", type=int, default=300, help="predictions per count and mode")
     ap.add_argument(
         "--reference-iterations", type=int, default=30, help="reference predictions per count"
+    )
+    ap.add_argument(
+        "--grpc",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also call PredictHits on kvstore as its own process",
+    )
+    ap.add_argument(
+        "--guesses",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="searches start from remembered runs, as kvstore's do (--no-guesses: not; no grpc)",
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="also write the rows to this file")
     args = ap.parse_args(argv)
     args.instances = [int(x) for x in args.instances.split(",") if x]
+    args.grpc = args.grpc and args.guesses  # NOTE: kvstore, as a service, always guesses
     if args.iterations < args.reference_iterations:
         ap.error("--iterations: must be >= --reference-iterations")
     proc = None
@@ -133,17 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         if proc is not None:
             proc.terminate()
             proc.wait(timeout=10)
-    blocks = args.prompt_tokens // args.block
-    print(
-        f"PredictHits via PrefixStore.predict: {args.prompt_tokens}-token prompt, block "
-        f"{args.block} ({blocks} chained hashes), hashing included"
-    )
-    print(f"{'instances':>9}  {'mode':<14} {'calls':>5} {'P50 ms':>8} {'P99 ms':>8} {'mean ms':>8}")
-    for r in rows:
-        print(
-            f"{r['instances']:>9}  {r['mode']:<14} {r['calls']:>5} {r['p50_ms']:>8.2f} "
-            f"{r['p99_ms']:>8.2f} {r['mean_ms']:>8.2f}"
-        )
+    _print(args, rows)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
     return 0

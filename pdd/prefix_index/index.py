@@ -16,10 +16,11 @@ NOTE (the invariant that makes predictions O(log blocks)): each instance's block
 "stored" block whose parent is absent is not added (an orphan: its prefix was evicted or an event
 was lost), and evicting a block removes everything below it (``p:kids``). So along one prompt's
 chain, presence is monotone (held block i ⇒ held blocks < i) and the leading hit is found by a
-search over the chain (4-ary: 3 probes a round) — in one Lua call that probes every instance
-(``_PREDICT``), O(log blocks) lookups each. A middle block evicted by force therefore never lets the index over-count:
-the blocks after it go with it (an engine's radix cache cannot match past a missing block
-either). ``cached_tokens_reference`` is the obviously-correct per-block count, kept for tests.
+search over the chain (4-ary: 3 probes a round, ``SEARCH_LUA``) — in one Lua call that probes
+every instance (``_PREDICT`` here; kvstore's, which reads the registry in the same call, is
+``live_predict``), O(log blocks) lookups each. A middle block evicted by force therefore never
+lets the index over-count: the blocks after it go with it (an engine's radix cache cannot match
+past a missing block either). ``cached_tokens_reference`` is the obviously-correct per-block count, kept for tests.
 
 Events carry per-instance sequence numbers (``first_seq`` of a batch; 0 = unsequenced): a batch
 past the next expected one is a gap — nothing of it is applied, and the instance is asked for
@@ -119,51 +120,64 @@ end
 return {applied, 0}
 """
 
-# KEYS: each instance's block set. ARGV: C, chain_1..chain_C (concatenated 8-byte hashes), then
-# per key the (1-based) chain it is probed with. Returns the leading blocks held, per key.
+# The search, shared by every predict script: ``leading(key, chain, g)`` is the count of leading
+# blocks of ``chain`` (concatenated 8-byte hashes) held in the set ``key``; ``g`` (0: none) a
+# guess of it, from an earlier answer (``live_predict``), that only picks where to probe first.
 # NOTE: a 4-ary search (3 probes in one SMISMEMBER per round: 4,096 blocks take 6 rounds). Each
 # redis.call from Lua costs ~1.5 us plus ~0.5 us per argument, so 3 probes a round is the cheapest
-# (measured at 64 instances, 4,096 blocks: ~0.9 ms in Redis for all of them; 32 probes a round
-# cost ~2.5x that, 15 ~2.3x, 7 ~1.2x). ``lo``: blocks known held; ``hi``: at most
-# held (the set's size bounds it, the set being prefix-closed). The first miss in a round bounds
-# ``hi``, so even a (never expected) hole is not counted past.
-_PREDICT = """
+# (measured at 64 instances, 4,096 blocks: ~0.6 ms in Redis for all of them; 32 probes a round
+# cost ~2.5x that, 15 ~2.3x, 7 ~1.2x). The first call probes the first and the last block, and
+# around the guess (blocks g and g + 1): an instance holding none of the prompt, all of it, or
+# exactly g blocks of it is answered by that call alone (~0.2 ms for 64 instances when every
+# guess is right). ``lo``: blocks known held; ``hi``: at most held. Probes are taken in order and
+# the first miss bounds ``hi``: the set being prefix-closed (module NOTE), presence is monotone
+# along the chain, so any probe positions find the same leading run — a wrong guess costs
+# rounds, never a wrong count.
+SEARCH_LUA = """
+local function leading(key, chain, g)
+  local n = #chain / 8
+  if n == 0 then return 0 end
+  local lo, hi = 0, n
+  local pos = {1}
+  if g > 1 and g < n then pos[2] = g end
+  if g > 0 and g + 1 < n then pos[#pos + 1] = g + 1 end
+  if n > 1 then pos[#pos + 1] = n end
+  while lo < hi do
+    local probe = {}
+    for j = 1, #pos do probe[j] = string.sub(chain, pos[j] * 8 - 7, pos[j] * 8) end
+    local got = redis.call('SMISMEMBER', key, unpack(probe))
+    local next_lo, next_hi = lo, hi
+    for j = 1, #pos do
+      if got[j] == 1 then
+        next_lo = pos[j]
+      else
+        next_hi = pos[j] - 1
+        break
+      end
+    end
+    lo, hi = next_lo, next_hi
+    local span = hi - lo
+    local m = math.min(3, span)
+    pos = {}
+    for j = 1, m do pos[j] = lo + math.floor(j * span / m) end
+  end
+  return lo
+end
+"""
+
+# KEYS: each instance's block set. ARGV: C, chain_1..chain_C, then per key the (1-based) chain
+# it is probed with. Returns the leading blocks held, per key.
+_PREDICT = (
+    SEARCH_LUA
+    + """
 local c = tonumber(ARGV[1])
-local K = 3
 local out = {}
 for k = 1, #KEYS do
-  local key = KEYS[k]
-  local chain = ARGV[1 + tonumber(ARGV[1 + c + k])]
-  local hi = math.min(#chain / 8, redis.call('SCARD', key))
-  local lo = 0
-  if hi > 0 and redis.call('SISMEMBER', key, string.sub(chain, 1, 8)) == 1 then
-    lo = 1
-    while lo < hi do
-      local span = hi - lo
-      local n = math.min(K, span)
-      local pos, probe = {}, {}
-      for j = 1, n do
-        local p = lo + math.floor(j * span / n)
-        pos[j] = p
-        probe[j] = string.sub(chain, p * 8 - 7, p * 8)
-      end
-      local got = redis.call('SMISMEMBER', key, unpack(probe))
-      local next_lo, next_hi = lo, hi
-      for j = 1, n do
-        if got[j] == 1 then
-          next_lo = pos[j]
-        else
-          next_hi = pos[j] - 1
-          break
-        end
-      end
-      lo, hi = next_lo, next_hi
-    end
-  end
-  out[k] = lo
+  out[k] = leading(KEYS[k], ARGV[1 + tonumber(ARGV[1 + c + k])], 0)
 end
 return out
 """
+)
 
 
 def _member(h: int) -> bytes:
@@ -210,7 +224,9 @@ class PrefixIndex:
         """Leading tokens of ``prompt`` each instance holds (a multiple of its block size).
 
         O(log blocks) set lookups per instance, run inside Redis: one call for every instance
-        (a Redis Cluster: one per instance, concurrently, each in its instance's slot).
+        (a Redis Cluster: one per instance, concurrently, each in its instance's slot). kvstore
+        predicts with ``live_predict`` (the registry read in the same call); this serves its
+        fallback and the tests.
         """
         if not instances:
             return {}
@@ -246,8 +262,7 @@ class PrefixIndex:
         """The slow, obviously-correct answer (the index before the O(log blocks) search): hash block by
         block with the definition, test every block of every instance, count the leading ones.
 
-        O(blocks × instances) lookups; the tests and ``pdd bench index`` hold ``cached_tokens``
-        to it.
+        O(blocks × instances) lookups; the tests and ``pdd bench index`` hold the searches to it.
         """
         chains: dict[int, list[bytes]] = {}
         for inst in instances:

@@ -1,10 +1,11 @@
 """The kvstore's domain: instance registry + prefix index over one Redis.
 
 Life of a prediction: the gateway sends a prompt's token ids (and cache
-salt) → the live instances are read from the registry (filtered by id/role)
-→ each instance's chained block hashes are tested against its block set →
-per instance, the leading tokens it holds and the hit rate (a binary search over the chain in
-Redis, O(log blocks) lookups per instance: ``index``).
+salt) → the prompt's chained block hashes, per block size of the registered instances →
+one Lua call that reads the live instances (filtered by id/role) and searches each one's block
+set → per instance, the leading tokens it holds and the hit rate (a 4-ary search over the chain
+in Redis, O(log blocks) lookups per instance: ``index``; the registry read and the search in one
+atomic call, the instances to pass it from a view kvstore keeps: ``live_predict``).
 
 Every call fails fast with ``UnavailableError`` when Redis is unreachable (``redis_outage``); the
 client's socket timeouts (kvstore's ``redis_timeout_s``) bound how long "fast" is.
@@ -12,6 +13,7 @@ client's socket timeouts (kvstore's ``redis_timeout_s``) bound how long "fast" i
 
 from __future__ import annotations
 
+import builtins
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -22,6 +24,7 @@ from pdd.core.cache_event import CacheEvent, PublishResult
 from pdd.core.errors import InvalidArgumentError, NotFoundError
 from pdd.core.instance import Instance, InstanceLoad, Role
 from pdd.prefix_index.index import PrefixIndex
+from pdd.prefix_index.live_predict import LivePredictor, PredictCost
 from pdd.prefix_index.redis_outage import redis_address, redis_outage
 from pdd.prefix_index.registry import InstanceRegistry
 
@@ -34,15 +37,22 @@ class Hit:
 
 
 class PrefixStore:
-    def __init__(self, redis: Redis | RedisCluster, prefix: str = "pdd") -> None:
+    def __init__(
+        self, redis: Redis | RedisCluster, prefix: str = "pdd", *, guesses: bool = True
+    ) -> None:
+        """``guesses``: searches start from remembered runs (``live_predict.RunMemory``)."""
         self.redis = redis
         self.registry = InstanceRegistry(redis, prefix)
         self.index = PrefixIndex(redis, self.registry)
+        self.predictor = LivePredictor(redis, self.registry, self.index, guesses=guesses)
         self._where = redis_address(redis)
 
     async def register(self, inst: Instance, ttl_ms: int, *, reset_index: bool = False) -> None:
         with redis_outage(self._where):
             await self.registry.register(inst, ttl_ms, reset_index=reset_index)
+        # NOTE: the predictor would find its view stale by itself (it checks every call); told,
+        # it lists the registry at once instead of after a wasted call.
+        self.predictor.forget()
 
     async def heartbeat(self, instance_id: str, load: InstanceLoad) -> bool:
         with redis_outage(self._where):
@@ -50,7 +60,9 @@ class PrefixStore:
 
     async def deregister(self, instance_id: str) -> bool:
         with redis_outage(self._where):
-            return await self.registry.deregister(instance_id)
+            gone = await self.registry.deregister(instance_id)
+        self.predictor.forget()
+        return gone
 
     async def list(self, role: Role | None = None) -> list[Instance]:
         with redis_outage(self._where):
@@ -83,16 +95,23 @@ class PrefixStore:
         instance_ids: Sequence[str] = (),
         role: Role | None = None,
         reference: bool = False,
-    ) -> list[Hit]:
-        """``reference``: count with the slow per-block reference (tests, ``pdd bench index``)."""
+        cost: PredictCost | None = None,
+    ) -> builtins.list[Hit]:  # NOTE: ``list`` here is the method above
+        """``reference``: count with the slow per-block reference (tests, ``pdd bench index``).
+        ``cost``: filled in with where the time went (``pdd bench index``)."""
         if not prompt:
             raise InvalidArgumentError("prompt_token_ids", "must not be empty")
         with redis_outage(self._where):
-            live = await self.registry.list(role)
-            if instance_ids:
-                wanted = set(instance_ids)
-                live = [i for i in live if i.ref.instance_id in wanted]
-            count = self.index.cached_tokens_reference if reference else self.index.cached_tokens
-            cached = await count(prompt, salt, live)
+            if reference:
+                live = await self.registry.list(role)
+                if instance_ids:
+                    wanted = set(instance_ids)
+                    live = [i for i in live if i.ref.instance_id in wanted]
+                cached = await self.index.cached_tokens_reference(prompt, salt, live)
+                held = [(i, cached[i.ref.instance_id]) for i in live]
+            else:
+                held = await self.predictor.predict(
+                    prompt, salt, instance_ids=instance_ids, role=role, cost=cost
+                )
         n = len(prompt)
-        return [Hit(i, cached[i.ref.instance_id], cached[i.ref.instance_id] / n) for i in live]
+        return [Hit(i, tokens, tokens / n) for i, tokens in held]

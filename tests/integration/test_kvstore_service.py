@@ -194,3 +194,81 @@ async def test_events_for_an_unregistered_instance_are_not_found(stub):
         )
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
     assert "ghost" in err.value.details()
+
+
+async def test_a_kvstore_never_predicts_an_instance_another_kvstore_deregistered(
+    stub, redis_url, key_prefix
+):
+    """Two kvstores on one Redis (replicas): each keeps its own view of the registry, and an
+    instance deregistered through one is never in the other's next answer."""
+    s, _ = stub
+    config = KvstoreConfig(
+        server=ServerConfig(port=0, grace_s=0.5), redis_url=redis_url, key_prefix=key_prefix
+    )
+    other = GrpcServer(config.server, build(config))
+    port = await other.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        s2 = pb_grpc.KvstoreServiceStub(channel)
+        prompt = list(range(8))
+        for iid in ("md-0", "md-1"):
+            await _register(s, iid, common_pb2.ROLE_MAIN_DECODE)
+            await s.PublishCacheEvents(
+                pb.PublishCacheEventsRequest(
+                    instance_id=iid,
+                    events=[
+                        pb.CacheEvent(
+                            kind=pb.CACHE_EVENT_KIND_STORED, block_hashes=chain_hashes(prompt, 4)
+                        )
+                    ],
+                )
+            )
+        resp = await s.PredictHits(pb.PredictHitsRequest(prompt_token_ids=prompt))
+        assert {h.instance.ref.instance_id: h.cached_tokens for h in resp.hits} == {
+            "md-0": 8,
+            "md-1": 8,
+        }
+        await s2.DeregisterInstance(pb.DeregisterInstanceRequest(instance_id="md-1"))
+        resp = await s.PredictHits(pb.PredictHitsRequest(prompt_token_ids=prompt))
+        assert [(h.instance.ref.instance_id, h.cached_tokens) for h in resp.hits] == [("md-0", 8)]
+    finally:
+        await channel.close()
+        await other.stop()
+
+
+async def test_token_ids_cover_the_whole_uint32_range(stub):
+    """The request's token ids reach the hash as sent, up to 2**32 - 1 (no int32 wrap)."""
+    s, _ = stub
+    await _register(s, "md-0", common_pb2.ROLE_MAIN_DECODE)
+    prompt = [0, 1, 2**31 - 1, 2**31, 2**32 - 1, 7, 150_000, 2**32 - 2] * 512  # 1,024 blocks
+    await s.PublishCacheEvents(
+        pb.PublishCacheEventsRequest(
+            instance_id="md-0",
+            events=[
+                pb.CacheEvent(
+                    kind=pb.CACHE_EVENT_KIND_STORED, block_hashes=chain_hashes(prompt, 4)[:1000]
+                )
+            ],
+        )
+    )
+    resp = await s.PredictHits(pb.PredictHitsRequest(prompt_token_ids=prompt))
+    assert [h.cached_tokens for h in resp.hits] == [4000]
+
+
+async def test_each_answer_carries_the_load_of_the_last_heartbeat(stub):
+    """Records are read with every prediction, and each answer's instance message is its record
+    now (built once per record version, never kept past a change)."""
+    s, _ = stub
+    await _register(s, "md-0", common_pb2.ROLE_MAIN_DECODE)
+    prompt = list(range(8))
+    for running in (0, 0, 5, 5, 2):
+        if running:
+            load = pb.InstanceLoad(running_requests=running, kv_blocks_total=100)
+            assert (await s.Heartbeat(pb.HeartbeatRequest(instance_id="md-0", load=load))).known
+        resp = await s.PredictHits(pb.PredictHitsRequest(prompt_token_ids=prompt))
+        [hit] = resp.hits
+        assert (hit.instance.ref.instance_id, hit.instance.load.running_requests) == (
+            "md-0",
+            running,
+        )
+        assert hit.instance.block_size == 4 and hit.instance.model == "tiny"

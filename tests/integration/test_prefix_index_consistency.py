@@ -1,8 +1,11 @@
 """The prefix index on a real Redis: the O(log blocks) prediction agrees with the per-block
-reference and with a model of what each instance's radix cache can match, on random holdings;
+reference and with a model of what each instance's radix cache can match, on random holdings
+(predicted between the changes too, so the searches start from stale remembered runs);
 a block evicted from the middle of a chain takes the blocks after it along (never over-counted);
 cache events are sequenced (a gap asks for a resync, a retried batch is not applied twice), and
-membership answers kvstore's resync request with a snapshot at once."""
+membership answers kvstore's resync request with a snapshot at once. The registry view kvstore
+keeps never answers an instance deregistered or lapsed, even by another kvstore, and follows
+re-registrations, new instances and heartbeats."""
 
 from __future__ import annotations
 
@@ -16,7 +19,8 @@ from redis.asyncio import Redis
 
 from pdd.core.block_hash import ROOT_HASH, chain_hashes
 from pdd.core.cache_event import CacheEvent
-from pdd.core.instance import Instance, InstanceRef, Role
+from pdd.core.instance import Instance, InstanceLoad, InstanceRef, Role
+from pdd.prefix_index.live_predict import PredictCost
 from pdd.prefix_index.store import PrefixStore
 from pdd.serving.membership import Membership
 
@@ -107,17 +111,8 @@ def test_binary_search_agrees_with_the_reference_and_the_model(redis_url, ops, q
             for inst in insts:
                 await store.register(inst, 60_000, reset_index=True)
             models = [CacheModel() for _ in insts]
-            for op, k, tokens, at in ops:
-                blocks = len(tokens) // BS
-                if op == "store":
-                    ev = _stored(tokens, min(at, blocks - 1) if at % 2 else 0)
-                else:
-                    block = blocks - 1 if op == "evict_leaf" else min(at, blocks - 1)
-                    ev = _evicted(tokens, block)
-                models[k].apply(ev)
-                await store.publish(insts[k].ref.instance_id, [ev])
-            # NOTE: the prompts the events were about are where holes and orphans show.
-            for q in [tokens for _, _, tokens, _ in ops] + queries:
+
+            async def agree(q: list[int]) -> None:
                 fast = {
                     h.instance.ref.instance_id: h.cached_tokens
                     for h in await store.predict(q, SALT)
@@ -128,6 +123,23 @@ def test_binary_search_agrees_with_the_reference_and_the_model(redis_url, ops, q
                 }
                 want = {i.ref.instance_id: m.leading(q) for i, m in zip(insts, models)}
                 assert fast == ref == want, (q, fast, ref, want)
+                # The plain search too (listed instances, no guess): the predictor's fallback.
+                assert await store.index.cached_tokens(q, SALT, insts) == want
+
+            for op, k, tokens, at in ops:
+                blocks = len(tokens) // BS
+                if op == "store":
+                    ev = _stored(tokens, min(at, blocks - 1) if at % 2 else 0)
+                else:
+                    block = blocks - 1 if op == "evict_leaf" else min(at, blocks - 1)
+                    ev = _evicted(tokens, block)
+                models[k].apply(ev)
+                await store.publish(insts[k].ref.instance_id, [ev])
+                # NOTE: remembered from the answer before the change: the next search's guess.
+                await agree(tokens)
+            # NOTE: the prompts the events were about are where holes and orphans show.
+            for q in [tokens for _, _, tokens, _ in ops] + queries:
+                await agree(q)
         finally:
             await store.redis.aclose()
 
@@ -253,4 +265,170 @@ async def test_predict_with_no_prompt_blocks_counts_nothing(redis_url, instances
         await store.register(_inst(f"i{k}", 8), 60_000)
     hits = await store.predict([1, 2, 3])
     assert [h.cached_tokens for h in hits] == [0] * instances
+    await store.redis.aclose()
+
+
+async def test_a_remembered_run_that_went_stale_only_moves_where_the_search_starts(redis_url):
+    store = await _store(redis_url)
+    prompt = list(range(40))  # 20 blocks of 2
+    await store.register(_inst("md-0"), 60_000, reset_index=True)
+    await store.publish("md-0", [_stored(prompt)])
+
+    async def held(q: list[int]) -> tuple[int, int]:
+        cost = PredictCost()
+        [hit] = await store.predict(q, SALT, cost=cost)
+        [ref] = await store.predict(q, SALT, reference=True)
+        assert hit.cached_tokens == ref.cached_tokens
+        return hit.cached_tokens, cost.guessed
+
+    assert await held(prompt) == (40, 0)  # nothing remembered yet
+    assert await held(prompt) == (40, 1)  # the run of 20 blocks, right
+    await store.publish("md-0", [_evicted(prompt, 7)])
+    assert await held(prompt) == (14, 1)  # 20 guessed, 7 held
+    await store.publish("md-0", [_stored(prompt, start_block=7)])
+    assert await held(prompt) == (40, 1)  # 7 guessed, 20 held
+    longer = prompt + list(range(100, 120))  # the prompt, then 10 blocks nobody holds
+    assert await held(longer) == (40, 1)
+    other = prompt[:10] + list(range(200, 230))  # shares 5 blocks: no remembered run fits
+    assert await held(other) == (10, 0)
+    await store.redis.aclose()
+
+
+async def _two_kvstores(redis_url: str) -> tuple[PrefixStore, PrefixStore]:
+    """Two stores on one Redis and one prefix: kvstore replicas, each with its own view."""
+    prefix = f"t{uuid.uuid4().hex[:12]}"
+    return PrefixStore(Redis.from_url(redis_url), prefix), PrefixStore(
+        Redis.from_url(redis_url), prefix
+    )
+
+
+async def _answer(store: PrefixStore, prompt: list[int], **kw) -> dict[str, int]:
+    hits = await store.predict(prompt, SALT, **kw)
+    return {h.instance.ref.instance_id: h.cached_tokens for h in hits}
+
+
+async def test_the_view_never_answers_an_instance_gone_behind_its_back(redis_url):
+    """Deregistered by another kvstore, lapsed, or the whole registry gone (Redis restarted):
+    the next answer of a kvstore whose view still lists the instance leaves it out."""
+    a, b = await _two_kvstores(redis_url)
+    prompt = list(range(20))
+    for iid in ("md-0", "md-1"):
+        await b.register(_inst(iid), 60_000, reset_index=True)
+        await b.publish(iid, [_stored(prompt)])
+    await b.register(_inst("md-2"), 1500, reset_index=True)  # a short lease, never renewed
+    assert await _answer(a, prompt) == {"md-0": 20, "md-1": 20, "md-2": 0}
+    await b.deregister("md-1")
+    costs = [PredictCost(), PredictCost()]
+    assert await _answer(a, prompt, cost=costs[0]) == {"md-0": 20, "md-2": 0}
+    assert await _answer(a, prompt, cost=costs[1]) == {"md-0": 20, "md-2": 0}
+    assert [c.refreshes for c in costs] == [1, 0]  # the id set changed: listed again, once
+    await asyncio.sleep(1.6)  # md-2's lease lapses inside Redis: nobody writes anything
+    costs = [PredictCost(), PredictCost()]
+    assert await _answer(a, prompt, cost=costs[0]) == {"md-0": 20}
+    assert await _answer(a, prompt, cost=costs[1]) == {"md-0": 20}
+    # Its record was found gone in the call; the id, still listed, is pruned by the next listing.
+    assert [c.refreshes for c in costs] == [0, 1]
+    assert not await a.heartbeat("md-2", InstanceLoad())  # and a late heartbeat does not revive it
+    assert await _answer(a, prompt) == {"md-0": 20}
+    for iid in await a.redis.keys(f"{a.registry.ids_key.partition(':')[0]}:*"):
+        await a.redis.delete(iid)
+    assert await _answer(a, prompt) == {}
+    await a.redis.aclose()
+    await b.redis.aclose()
+
+
+async def test_the_view_follows_registrations_heartbeats_and_new_block_sizes(redis_url):
+    a, b = await _two_kvstores(redis_url)
+    prompt = list(range(32))
+    await b.register(_inst("md-0"), 60_000, reset_index=True)
+    await b.publish("md-0", [_stored(prompt)])
+    assert await _answer(a, prompt) == {"md-0": 32}
+    # A heartbeat's load is in the next answer, without listing the registry again.
+    assert await b.heartbeat("md-0", InstanceLoad(running_requests=7))
+    cost = PredictCost()
+    [hit] = await a.predict(prompt, SALT, cost=cost)
+    assert (hit.instance.load.running_requests, cost.refreshes) == (7, 0)
+    # A new instance is answered at once.
+    await b.register(_inst("md-1", 8), 60_000, reset_index=True)
+    await b.publish("md-1", [_stored(prompt[:16], bs=8)])
+    assert await _answer(a, prompt) == {"md-0": 32, "md-1": 16}
+    # Re-registered as a prefill of block size 4: searched with its new chain, filtered by role.
+    await b.register(
+        Instance(InstanceRef("md-0", "127.0.0.1:1", Role.PREFILL), 4, "m"), 60_000, reset_index=True
+    )
+    await b.publish("md-0", [_stored(prompt[:24], bs=4)])
+    assert await _answer(a, prompt) == {"md-0": 24, "md-1": 16}
+    assert await _answer(a, prompt, role=Role.MAIN_DECODE) == {"md-1": 16}
+    assert await _answer(a, prompt, role=Role.PREFILL) == {"md-0": 24}
+    assert await _answer(a, prompt, instance_ids=["md-1", "ghost"]) == {"md-1": 16}
+    await a.redis.aclose()
+    await b.redis.aclose()
+
+
+async def test_predictions_stay_exact_while_other_instances_come_and_go(redis_url):
+    a, b = await _two_kvstores(redis_url)
+    prompt = list(range(40))
+    for k in range(3):
+        await b.register(_inst(f"md-{k}"), 60_000, reset_index=True)
+        await b.publish(f"md-{k}", [_stored(prompt[: 10 * (k + 1)])])
+    stable = {"md-0": 10, "md-1": 20, "md-2": 30}
+    done = asyncio.Event()
+
+    async def churn() -> None:
+        k = 0
+        while not done.is_set():
+            await b.register(_inst(f"churn-{k % 3}"), 60_000, reset_index=True)
+            await b.deregister(f"churn-{(k + 1) % 3}")
+            k += 1
+
+    task = asyncio.create_task(churn())
+    refreshes = 0
+    try:
+        for _ in range(60):
+            cost = PredictCost()
+            got = await _answer(a, prompt, cost=cost)
+            refreshes += cost.refreshes
+            assert {i: n for i, n in got.items() if i in stable} == stable
+            assert all(n == 0 for i, n in got.items() if i not in stable), got
+    finally:
+        done.set()
+        await task
+    assert refreshes > 0
+    for k in range(3):
+        await b.deregister(f"churn-{k}")
+    assert await _answer(a, prompt) == stable
+    await a.redis.aclose()
+    await b.redis.aclose()
+
+
+async def test_a_registry_no_view_can_match_is_listed_then_searched(redis_url):
+    """A record filed under another id's key (written by hand: the API cannot) makes every view
+    stale; after a few tries the answer is the plain one, list then search."""
+    store = await _store(redis_url)
+    prompt = list(range(20))
+    await store.register(_inst("md-0"), 60_000, reset_index=True)
+    await store.publish("md-0", [_stored(prompt)])
+    raw = await store.redis.get(store.registry.instance_key("md-0"))
+    await store.redis.sadd(store.registry.ids_key, "alias")
+    await store.redis.set(store.registry.instance_key("alias"), raw.replace(b"md-0", b"other"))
+    cost = PredictCost()
+    hits = await store.predict(prompt, SALT, cost=cost)
+    assert [(h.instance.ref.instance_id, h.cached_tokens) for h in hits] == [
+        ("other", 0),
+        ("md-0", 20),
+    ]
+    assert cost.refreshes == 3
+    await store.redis.aclose()
+
+
+async def test_an_instance_unlisted_by_a_racing_list_is_listed_again_by_its_heartbeat(redis_url):
+    store = await _store(redis_url)
+    prompt = list(range(8))
+    await store.register(_inst("md-0"), 60_000, reset_index=True)
+    await store.publish("md-0", [_stored(prompt)])
+    # What a ``list`` that ran between a registration's two writes would do: prune the id.
+    await store.redis.srem(store.registry.ids_key, "md-0")
+    assert await _answer(store, prompt) == {}
+    assert await store.heartbeat("md-0", InstanceLoad())
+    assert await _answer(store, prompt) == {"md-0": 8}
     await store.redis.aclose()

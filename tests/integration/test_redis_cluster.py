@@ -151,3 +151,23 @@ async def test_the_index_runs_on_a_three_node_redis_cluster(client, cluster_url,
     await client.deregister("md-5")
     hits = {h.instance.ref.instance_id: h.cached_tokens for h in await client.predict(prompt)}
     assert "md-5" not in hits and hits["md-11"] == 44
+
+    # A second kvstore on the cluster (a replica, its own view): what it deregisters, and a
+    # prefix evicted meanwhile, are in the first one's next answer (searched from remembered runs).
+    config = KvstoreConfig(
+        server=ServerConfig(port=0, grace_s=0.5), redis_url=cluster_url, key_prefix=key_prefix
+    )
+    other = GrpcServer(config.server, build(config))
+    port = await other.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        replica = KvstoreClient(channel)
+        await replica.deregister("md-7")
+        chain = chain_hashes(prompt, 4)
+        await replica.publish("md-11", [CacheEvent("evicted", (chain[6],), chain[5], "", 4)])
+        hits = {h.instance.ref.instance_id: h.cached_tokens for h in await client.predict(prompt)}
+        want = {iid: 4 * k for k, iid in enumerate(ids) if iid not in ("md-5", "md-7")}
+        assert hits == {**want, "md-11": 24}
+    finally:
+        await channel.close()
+        await other.stop()
