@@ -35,6 +35,11 @@ KVSTORE = Settings(
     ),
     Flag("key_prefix", "namespace of every key"),
     Flag("redis_timeout_s", "socket timeout of each Redis call; past it: UNAVAILABLE"),
+    Flag(
+        "redis_connections",
+        "connections to Redis, opened at start and kept; calls beyond them wait for one "
+        "(a Redis Cluster: per node, on demand)",
+    ),
     title="kvstore",
 )
 

@@ -23,6 +23,10 @@ class KvstoreConfig:
     # Socket (and connect) timeout of every Redis call: how long kvstore waits on a Redis that
     # went away before answering UNAVAILABLE (the gateway then routes from its last known list).
     redis_timeout_s: float = 1.0
+    # Connections to Redis, all opened at start and kept: calls beyond them wait (up to
+    # redis_timeout_s) for one, so a burst of predictions cannot open sockets without bound and
+    # the descriptor count is flat from the start. A Redis Cluster: per node, opened on demand.
+    redis_connections: int = 16
 
     def __post_init__(self) -> None:
         if not self.redis_url.startswith(CLUSTER_SCHEMES + ("redis://", "rediss://", "unix://")):
@@ -34,3 +38,5 @@ class KvstoreConfig:
             raise ValueError(f"key_prefix: must be non-empty without ':', got {self.key_prefix!r}")
         if self.redis_timeout_s <= 0:
             raise ValueError(f"redis_timeout_s: must be positive, got {self.redis_timeout_s}")
+        if self.redis_connections < 1:
+            raise ValueError(f"redis_connections: must be >= 1, got {self.redis_connections}")
