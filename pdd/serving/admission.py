@@ -167,9 +167,11 @@ class Admission:
         return self._take(tokens)
 
     async def admit_within(self, request_id: str, tokens: int, wait_s: float) -> Ticket:
-        """``admit``, except that a request finding the role full waits up to ``wait_s`` for a
-        place, behind those already waiting (FIFO); refused at once when as many are waiting as
-        the bound admits, or after ``wait_s``. A caller cancelled while waiting takes nothing."""
+        """``admit``, except that a request finding the role full may wait up to ``wait_s`` for a
+        place, behind those already waiting (FIFO). Refused at once when as many are waiting as
+        the bound admits, when a waiter ran out of time lately, or when the recent release rate
+        would not reach it in ``wait_s``; refused after ``wait_s`` otherwise. A caller cancelled
+        while waiting takes nothing."""
         if tokens < 0:
             raise ValueError(f"tokens: must be >= 0, got {tokens}")
         self._wake()  # NOTE: an adaptive bound may have grown since the last release

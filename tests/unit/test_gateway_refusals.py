@@ -185,8 +185,14 @@ async def test_a_request_finding_the_bound_reached_waits_for_a_place_then_is_ser
     )
     held = gateway.generate(job(Pipeline.P_MD))
     assert (await anext(held)).token_ids == (20,)
-    waiting = asyncio.ensure_future(anext(gateway.generate(job(Pipeline.P_MD))))
-    await asyncio.sleep(0.05)
+    second = gateway.generate(job(Pipeline.P_MD))
+    waiting = asyncio.ensure_future(anext(second))
+
+    async def queued() -> None:
+        while gateway.admission.waiting == 0:
+            await asyncio.sleep(0)
+
+    await asyncio.wait_for(queued(), 10)  # it reached the line, and stays in it
     assert not waiting.done() and gateway.admission.waiting == 1
     # NOTE: the next request's stage calls come from fresh fakes (each fake serves one request)
     gateway.peers = FakePeers(md=[Accepted(0), HOLD], prefill=[first_token(), TRANSFER])
@@ -197,6 +203,8 @@ async def test_a_request_finding_the_bound_reached_waits_for_a_place_then_is_ser
     with pytest.raises(ResourceExhaustedError, match="gateway is full"):
         await anext(gateway.generate(job(Pipeline.P_MD), deadline_s=0.2))
     assert gateway.admission.admitted == 1 and gateway.admission.waiting == 0
+    await second.aclose()  # the waiter that got the place gives it back when it ends
+    assert gateway.admission.admitted == 0
     with pytest.raises(ValueError, match="^admission_wait_s:"):
         Gateway("127.0.0.1:7000", peers=FakePeers(md=[]), admission_wait_s=-1)
     await gateway.close()
