@@ -293,14 +293,18 @@ def test_a_resume_is_validated_where_the_job_is_made():
 
 async def test_tokens_queued_while_the_stream_is_behind_go_out_in_one_message(ckpt, oracle):
     """A reader slower than the engine's steps: what piled up meanwhile is one ``Tokens``."""
-    n = 10
+    n = 40
     async with Node(ckpt) as node:
         job = DecodeJob("r1", tuple(PROMPT), _greedy(n), SALT, Pipeline.P_MD)
         stream = node.md.decode(job)
         assert await anext(stream) == Accepted(0)
         first = await node.push("r1", PROMPT, 0)
-        head = await asyncio.wait_for(anext(stream), 60)  # the stream keeps up: one token
-        assert isinstance(head, Tokens) and (head.start_position, len(head.token_ids)) == (1, 1)
+        # The reader's first read: on a quiet machine one token, on a loaded one a few the
+        # engine made before the reader woke; either way fewer than all of them.
+        head = await asyncio.wait_for(anext(stream), 60)
+        assert isinstance(head, Tokens) and head.start_position == 1
+        k = len(head.token_ids)
+        assert 1 <= k < n - 1, k
 
         def done() -> bool:  # finished: released, or kept with every output
             eng = node.engine
@@ -313,7 +317,7 @@ async def test_tokens_queued_while_the_stream_is_behind_go_out_in_one_message(ck
         await asyncio.sleep(0.3)  # NOTE: margin for the loop to route the last step's output
         rest = await asyncio.wait_for(_rest(stream), 60)
         assert [type(ev) for ev in rest] == [Tokens, Finished], rest
-        assert rest[0].start_position == 2 and len(rest[0].token_ids) == n - 2
+        assert rest[0].start_position == 1 + k and len(rest[0].token_ids) == n - 1 - k
         tokens = [first, *head.token_ids, *rest[0].token_ids]
         oracle.assert_greedy_equal(PROMPT, tokens, _single(ckpt, PROMPT, n))
         assert rest[1].md_tokens == n - 1
