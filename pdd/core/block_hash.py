@@ -15,9 +15,11 @@ from __future__ import annotations
 import hashlib
 import struct
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 from pdd.core import block_hash_native
+from pdd.core.errors import FailedPreconditionError
 
 # NOTE: the root "parent" of the first block; any fixed value works as long as
 # every process uses the same one.
@@ -94,3 +96,51 @@ def chain_hashes_reference(tokens: Sequence[int], block_size: int, salt: str = "
         parent = block_hash(parent, tokens[start : start + block_size], salt)
         hashes.append(parent)
     return hashes
+
+
+@dataclass(frozen=True)
+class PromptChains:
+    """A prompt as the prefix index searches it: its length in tokens and its chained hashes
+    (``chain_hash_bytes``, salted) at some block sizes — hashed where the prompt is, so kvstore
+    gets 8 bytes a block instead of 64 (block 16) and hashes nothing.
+
+    ``len()`` is the prompt's length in tokens, as for the token ids it stands for.
+    """
+
+    tokens: int
+    chains: Mapping[int, bytes]  # block size → its chain
+
+    def __post_init__(self) -> None:
+        if self.tokens < 0:
+            raise ValueError(f"tokens: must be >= 0, got {self.tokens}")
+        for block_size, chain in self.chains.items():
+            if block_size <= 0 or len(chain) != 8 * (self.tokens // block_size):
+                raise ValueError(
+                    f"chains[{block_size}]: {len(chain)} bytes, expected 8 per full block of a "
+                    f"{self.tokens}-token prompt"
+                )
+
+    @classmethod
+    def of(cls, tokens: Sequence[int], block_sizes: Iterable[int], salt: str = "") -> PromptChains:
+        packed = (
+            tokens if isinstance(tokens, array) and tokens.typecode == "I" else array("I", tokens)
+        )
+        chains = {bs: chain_hash_bytes(packed, bs, salt) for bs in sorted(set(block_sizes))}
+        return cls(len(packed), chains)
+
+    def __len__(self) -> int:
+        return self.tokens
+
+
+def prompt_chain(prompt: Sequence[int] | PromptChains, block_size: int, salt: str = "") -> bytes:
+    """``prompt``'s chain at ``block_size``: hashed from its tokens, or as its chains give it
+    (none there: ``FailedPreconditionError``, the caller must send the tokens)."""
+    if not isinstance(prompt, PromptChains):
+        return chain_hash_bytes(prompt, block_size, salt)
+    chain = prompt.chains.get(block_size)
+    if chain is None:
+        raise FailedPreconditionError(
+            f"prompt_chains: none for block size {block_size} (an instance has it); send the "
+            "prompt's token ids"
+        )
+    return chain

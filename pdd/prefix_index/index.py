@@ -35,7 +35,7 @@ from collections.abc import Iterable, Sequence
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
-from pdd.core.block_hash import ROOT_HASH, chain_hash_bytes, chain_hashes_reference
+from pdd.core.block_hash import ROOT_HASH, PromptChains, chain_hashes_reference, prompt_chain
 from pdd.core.cache_event import CacheEvent, PublishResult
 from pdd.core.instance import Instance
 from pdd.prefix_index.registry import InstanceRegistry
@@ -219,7 +219,7 @@ class PrefixIndex:
         return PublishResult(int(applied), bool(resync))
 
     async def cached_tokens(
-        self, prompt: Sequence[int], salt: str, instances: Sequence[Instance]
+        self, prompt: Sequence[int] | PromptChains, salt: str, instances: Sequence[Instance]
     ) -> dict[str, int]:
         """Leading tokens of ``prompt`` each instance holds (a multiple of its block size).
 
@@ -233,7 +233,7 @@ class PrefixIndex:
         chains: dict[int, bytes] = {}
         for inst in instances:
             if inst.block_size not in chains:
-                chains[inst.block_size] = chain_hash_bytes(prompt, inst.block_size, salt)
+                chains[inst.block_size] = prompt_chain(prompt, inst.block_size, salt)
         order = list(chains)
         chain_args = [chains[bs] for bs in order]
         if self._cluster:

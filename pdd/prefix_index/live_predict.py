@@ -1,15 +1,15 @@
 """Predictions over the live instances in one Redis call, with a registry view kept by kvstore.
 
-Life of a prediction (``PrefixStore.predict`` → ``LivePredictor.predict``): the view (the
-registered instances as last listed) says which keys to pass and which block sizes to hash for →
-the prompt's chained hashes, once per block size → one Lua call (``_PREDICT_LIVE``) that, in one
-atomic step, (1) checks the registry's id set is exactly the view's ids, (2) reads each probed
-instance's record (none: not live, left out of the answer) and (3) searches its block set
-(``index.SEARCH_LUA``) → per instance, its record as it is now and the leading blocks it holds.
-A view found stale — an id added or removed, a record re-registered with another role or block
-size — is listed again from the registry and the call made again; after ``_ATTEMPTS`` stale
-answers in a row (a registry churning faster than a round trip) the answer is the plain one:
-list, then search the listed instances (``PrefixIndex.cached_tokens``).
+Life of a prediction (``PrefixStore.predict`` → ``LivePredictor.predict``): the view (the registered
+instances as last listed) says which keys to pass and which block sizes to hash for → the prompt's
+chained hashes, once per block size (as the gateway sent them, else from the tokens) → one Lua call
+(``_PREDICT_LIVE``) that, in one atomic step, (1) checks the registry's id set is exactly the view's
+ids, (2) reads each probed instance's record (none: not live, left out of the answer) and (3)
+searches its block set (``index.SEARCH_LUA``) → per instance, its record as it is now and the
+leading blocks it holds. A view found stale — an id added or removed, a record re-registered with
+another role or block size — is listed again from the registry and the call made again; after
+``_ATTEMPTS`` stale answers in a row (a registry churning faster than a round trip) the answer is
+the plain one: list, then search the listed instances (``PrefixIndex.cached_tokens``).
 
 NOTE (why a cached view never predicts a deregistered or lapsed instance): the view is never
 trusted for who is live, nor for any field answered. It only names the keys of the call; the
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
-from pdd.core.block_hash import chain_hash_bytes
+from pdd.core.block_hash import PromptChains, prompt_chain
 from pdd.core.instance import Instance, Role
 from pdd.prefix_index.index import SEARCH_LUA, PrefixIndex
 from pdd.prefix_index.registry import InstanceRegistry, decode_record
@@ -167,7 +167,7 @@ class LivePredictor:
 
     async def predict(
         self,
-        prompt: Sequence[int],
+        prompt: Sequence[int] | PromptChains,
         salt: str,
         *,
         instance_ids: Sequence[str] = (),
@@ -175,7 +175,7 @@ class LivePredictor:
         cost: PredictCost | None = None,
     ) -> list[tuple[Instance, int]]:
         """Each live instance (of ``role``, among ``instance_ids`` when given), sorted by id, with
-        the leading tokens of ``prompt`` it holds."""
+        the leading tokens of ``prompt`` (token ids, or chains hashed by the caller) it holds."""
         cost = cost if cost is not None else PredictCost()
         wanted = set(instance_ids)
         chains: dict[int, bytes] = {}
@@ -193,7 +193,7 @@ class LivePredictor:
             t0 = time.perf_counter()
             for inst, search in zip(probed, searched):
                 if search and inst.block_size not in chains:
-                    chains[inst.block_size] = chain_hash_bytes(prompt, inst.block_size, salt)
+                    chains[inst.block_size] = prompt_chain(prompt, inst.block_size, salt)
             cost.hashing += time.perf_counter() - t0
             guesses = [0] * len(probed)
             if self._runs is not None:

@@ -1,7 +1,7 @@
 """The kvstore's domain: instance registry + prefix index over one Redis.
 
-Life of a prediction: the gateway sends a prompt's token ids (and cache
-salt) → the prompt's chained block hashes, per block size of the registered instances →
+Life of a prediction: the gateway sends a prompt's chained block hashes, per block size of the
+instances it knows (or, knowing none, its token ids and cache salt, hashed here) →
 one Lua call that reads the live instances (filtered by id/role) and searches each one's block
 set → per instance, the leading tokens it holds and the hit rate (a 4-ary search over the chain
 in Redis, O(log blocks) lookups per instance: ``index``; the registry read and the search in one
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
+from pdd.core.block_hash import PromptChains
 from pdd.core.cache_event import CacheEvent, PublishResult
 from pdd.core.errors import InvalidArgumentError, NotFoundError
 from pdd.core.instance import Instance, InstanceLoad, Role
@@ -89,7 +90,7 @@ class PrefixStore:
 
     async def predict(
         self,
-        prompt: Sequence[int],
+        prompt: Sequence[int] | PromptChains,
         salt: str = "",
         *,
         instance_ids: Sequence[str] = (),
@@ -97,12 +98,16 @@ class PrefixStore:
         reference: bool = False,
         cost: PredictCost | None = None,
     ) -> builtins.list[Hit]:  # NOTE: ``list`` here is the method above
-        """``reference``: count with the slow per-block reference (tests, ``pdd bench index``).
-        ``cost``: filled in with where the time went (``pdd bench index``)."""
+        """``prompt``: its token ids, or its chains as the caller hashed them (an instance of a
+        block size without one: ``FailedPreconditionError``).
+        ``reference``: count with the slow per-block reference, from token ids (tests, ``pdd
+        bench index``). ``cost``: filled in with where the time went (``pdd bench index``)."""
         if not prompt:
             raise InvalidArgumentError("prompt_token_ids", "must not be empty")
         with redis_outage(self._where):
             if reference:
+                if isinstance(prompt, PromptChains):
+                    raise TypeError("reference: counts from the prompt's token ids, not its chains")
                 live = await self.registry.list(role)
                 if instance_ids:
                     wanted = set(instance_ids)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Protocol
 
 import structlog
@@ -49,7 +49,9 @@ class Index(Protocol):
     """What the view asks of kvstore (``pdd.wire.kvstore_client.KvstoreClient``; tests: fakes)."""
 
     async def list(self, role: Role | None = None) -> list[Instance]: ...
-    async def predict(self, prompt: Sequence[int], salt: str = "") -> list[Hit]: ...
+    async def predict(
+        self, prompt: Sequence[int], salt: str = "", *, block_sizes: Collection[int] = ()
+    ) -> list[Hit]: ...
 
 
 class InstanceView:
@@ -83,9 +85,11 @@ class InstanceView:
         return list(self._instances)
 
     async def predict(self, prompt: Sequence[int], salt: str = "") -> list[Hit]:
-        """kvstore's predicted hits, else the fallback (module docstring)."""
+        """kvstore's predicted hits, else the fallback (module docstring). The prompt goes
+        hashed at the block sizes of the instances known (kvstore then hashes none of it)."""
+        block_sizes = {i.block_size for i in self._instances}
         try:
-            hits = await self._kvstore().predict(prompt, salt)
+            hits = await self._kvstore().predict(prompt, salt, block_sizes=block_sizes)
         except PeerError as exc:
             if exc.code not in INDEX_DOWN_CODES or not self._instances:
                 raise

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import sys
 from array import array
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
+from pdd.core.block_hash import PromptChains
 from pdd.core.cache_event import CacheEvent
 from pdd.core.errors import InvalidArgumentError
 from pdd.core.instance import Instance, InstanceLoad
@@ -27,6 +29,9 @@ MAX_BLOCK_SIZE = 4096
 MAX_TTL_MS = 24 * 3600 * 1000
 MAX_MODEL_CHARS = 1024
 MAX_LINKS = 64
+MAX_PROMPT_CHAINS = 16
+
+_BIG_ENDIAN = sys.byteorder == "big"
 
 _KIND_TO_PB = {
     "stored": pb.CACHE_EVENT_KIND_STORED,
@@ -175,11 +180,112 @@ def token_ids_from_pb(field: Iterable[int]) -> array[int]:
     return tokens
 
 
+def token_ids_to_packed(prompt: Sequence[int]) -> bytes:
+    """Token ids as ``prompt_token_ids_packed``: 4 little-endian bytes each, in order.
+
+    NOTE: one ``array("I")`` from the gateway's tuple (~0.3 ms for 64K tokens) and one copy out,
+    where filling the repeated field costs ~1.1 ms and serializing its varints another ~0.4 ms.
+    """
+    if isinstance(prompt, array) and prompt.typecode == "I":
+        tokens = prompt
+    else:
+        try:
+            tokens = array("I", prompt)
+        except OverflowError:
+            raise InvalidArgumentError(
+                "prompt_token_ids", "every token id must be in [0, 2**32)"
+            ) from None
+    if _BIG_ENDIAN:  # pragma: no cover — every supported platform is little-endian
+        tokens = array("I", tokens)
+        tokens.byteswap()
+    return tokens.tobytes()
+
+
+def token_ids_from_packed(data: bytes, field: str = "prompt_token_ids_packed") -> array[int]:
+    """``prompt_token_ids_packed`` as ``array("I")`` (one copy): what the hash is fed."""
+    if len(data) % 4:
+        raise InvalidArgumentError(field, f"{len(data)} bytes are not whole 4-byte token ids")
+    tokens = array("I")
+    tokens.frombytes(data)
+    if _BIG_ENDIAN:  # pragma: no cover
+        tokens.byteswap()
+    return tokens
+
+
+def predict_to_pb(prompt: Sequence[int] | PromptChains, salt: str = "") -> pb.PredictHitsRequest:
+    """The gateway's request: the prompt as its chains when it was hashed, else its token ids
+    packed (``token_ids_to_packed``)."""
+    if isinstance(prompt, PromptChains):
+        chains = [
+            pb.PromptChain(block_size=bs, block_hashes_packed=chain)
+            for bs, chain in prompt.chains.items()
+        ]
+        return pb.PredictHitsRequest(
+            prompt_chains=chains, prompt_tokens=prompt.tokens, cache_salt=salt
+        )
+    return pb.PredictHitsRequest(
+        prompt_token_ids_packed=token_ids_to_packed(prompt), cache_salt=salt
+    )
+
+
+def _chains_from_pb(msg: pb.PredictHitsRequest) -> PromptChains:
+    n = msg.prompt_tokens
+    if n == 0:
+        raise InvalidArgumentError("prompt_tokens", "must be positive with prompt_chains")
+    if len(msg.prompt_chains) > MAX_PROMPT_CHAINS:
+        raise InvalidArgumentError(
+            "prompt_chains", f"{len(msg.prompt_chains)} exceed {MAX_PROMPT_CHAINS}"
+        )
+    chains: dict[int, bytes] = {}
+    for i, chain in enumerate(msg.prompt_chains):
+        bs, hashes = chain.block_size, chain.block_hashes_packed
+        if not 0 < bs <= MAX_BLOCK_SIZE:
+            raise InvalidArgumentError(
+                f"prompt_chains[{i}].block_size", f"must be in [1, {MAX_BLOCK_SIZE}]"
+            )
+        if bs in chains:
+            raise InvalidArgumentError(f"prompt_chains[{i}].block_size", f"{bs} is repeated")
+        if len(hashes) != 8 * (n // bs):
+            raise InvalidArgumentError(
+                f"prompt_chains[{i}].block_hashes_packed",
+                f"{len(hashes)} bytes; a {n}-token prompt has {n // bs} full blocks of {bs} "
+                "tokens, 8 bytes each",
+            )
+        chains[bs] = hashes
+    return PromptChains(n, chains)
+
+
 def predict_from_pb(msg: pb.PredictHitsRequest) -> dict[str, Any]:
-    if not msg.prompt_token_ids:
-        raise InvalidArgumentError("prompt_token_ids", "must not be empty")
+    """``PrefixStore.predict``'s arguments. The prompt comes in exactly one of its three forms
+    (the repeated field: older clients)."""
+    packed = msg.prompt_token_ids_packed  # NOTE: read once: each read copies the bytes out
+    forms = [
+        name
+        for name, present in (
+            ("prompt_token_ids", len(msg.prompt_token_ids) > 0),
+            ("prompt_token_ids_packed", len(packed) > 0),
+            ("prompt_chains", len(msg.prompt_chains) > 0),
+        )
+        if present
+    ]
+    if not forms:
+        raise InvalidArgumentError(
+            "prompt_token_ids",
+            "must not be empty (nor prompt_token_ids_packed or prompt_chains, sent instead)",
+        )
+    if len(forms) > 1:
+        raise InvalidArgumentError(forms[1], f"set together with {forms[0]}: send exactly one")
+    if msg.prompt_tokens and forms != ["prompt_chains"]:
+        raise InvalidArgumentError("prompt_tokens", "goes with prompt_chains only")
+    prompt: array[int] | PromptChains
+    if forms[0] == "prompt_chains":
+        prompt = _chains_from_pb(msg)
+    elif forms[0] == "prompt_token_ids_packed":
+        prompt = token_ids_from_packed(packed)
+    else:
+        prompt = token_ids_from_pb(msg.prompt_token_ids)
     return dict(
-        prompt=token_ids_from_pb(msg.prompt_token_ids),
+        prompt=prompt,
         salt=msg.cache_salt,
         instance_ids=list(msg.instance_ids),
         role=role_from_pb(msg.role, "role", optional=True),
@@ -196,9 +302,28 @@ def instance_from_pb(msg: pb.InstanceInfo, field: str = "instance") -> Instance:
     )
 
 
+# NOTE: the other end of ``_INFO_SEEN``: every PredictHits names each live instance, mostly as
+# the same bytes as last time (a record changes with a heartbeat), so the Instance converted —
+# and validated — from those bytes is kept: 64 hits, 0.36 → 0.06 ms. Keyed by the bytes, the
+# whole of what the conversion reads; an Instance is frozen, so sharing it is safe.
+_INSTANCE_SEEN: dict[bytes, Instance] = {}
+_INSTANCE_SEEN_MAX = 4096
+
+
+def _instance_seen(msg: pb.InstanceInfo, field: str) -> Instance:
+    key = msg.SerializeToString()
+    inst = _INSTANCE_SEEN.get(key)
+    if inst is None:
+        inst = instance_from_pb(msg, field)
+        if len(_INSTANCE_SEEN) >= _INSTANCE_SEEN_MAX:
+            _INSTANCE_SEEN.clear()
+        _INSTANCE_SEEN[key] = inst
+    return inst
+
+
 def hit_from_pb(msg: pb.InstanceHit, index: int) -> Hit:
     return Hit(
-        instance_from_pb(msg.instance, f"hits[{index}].instance"), msg.cached_tokens, msg.hit_rate
+        _instance_seen(msg.instance, f"hits[{index}].instance"), msg.cached_tokens, msg.hit_rate
     )
 
 

@@ -4,11 +4,13 @@ the gateway lists instances and asks for predicted hits."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import grpc
 
+from pdd.core.block_hash import PromptChains
 from pdd.core.cache_event import CacheEvent, PublishResult
+from pdd.core.errors import PeerError
 from pdd.core.instance import Instance, InstanceLoad, Role
 from pdd.gen.kvstore.v1 import kvstore_service_pb2 as pb
 from pdd.gen.kvstore.v1 import kvstore_service_pb2_grpc as pb_grpc
@@ -62,9 +64,26 @@ class KvstoreClient:
         resp = await unary(PEER, self._stub.PublishCacheEvents(msg, timeout=self.timeout_s))
         return PublishResult(resp.applied, resp.resync)
 
-    async def predict(self, prompt: Sequence[int], salt: str = "") -> list[Hit]:
-        """Every live instance with how many leading tokens of ``prompt`` it is predicted to hold."""
-        msg = pb.PredictHitsRequest(prompt_token_ids=list(prompt), cache_salt=salt)
+    async def predict(
+        self, prompt: Sequence[int], salt: str = "", *, block_sizes: Collection[int] = ()
+    ) -> list[Hit]:
+        """Every live instance with how many leading tokens of ``prompt`` it is predicted to hold.
+
+        ``block_sizes``: those of the instances the caller knows. The prompt then goes hashed at
+        each (``PromptChains``: 8 bytes a block where its token ids are 64 at block 16, and
+        kvstore hashes nothing), and once more as token ids when kvstore has an instance of
+        another block size (it answers FAILED_PRECONDITION). Without them, as token ids (packed).
+        """
+        if block_sizes:
+            try:
+                return await self._predict(PromptChains.of(prompt, block_sizes, salt), salt)
+            except PeerError as exc:
+                if exc.code != "FAILED_PRECONDITION":
+                    raise
+        return await self._predict(prompt, salt)
+
+    async def _predict(self, prompt: Sequence[int] | PromptChains, salt: str) -> list[Hit]:
+        msg = conv.predict_to_pb(prompt, salt)
         call = self._stub.PredictHits(msg, timeout=self.timeout_s, metadata=outgoing_metadata())
         resp = await unary(PEER, call)
         return [conv.hit_from_pb(h, i) for i, h in enumerate(resp.hits)]

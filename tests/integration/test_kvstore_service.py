@@ -8,12 +8,14 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pdd.core.block_hash import chain_hashes
+from pdd.core.block_hash import PromptChains, chain_hashes
 from pdd.gen.common.v1 import common_pb2
 from pdd.gen.kvstore.v1 import kvstore_service_pb2 as pb
 from pdd.gen.kvstore.v1 import kvstore_service_pb2_grpc as pb_grpc
 from pdd.server.bootstrap import GrpcServer
 from pdd.server.config import ServerConfig
+from pdd.wire import kvstore as kv_conv
+from pdd.wire.kvstore_client import KvstoreClient
 from services.kvstore.config import KvstoreConfig
 from services.kvstore.server import build
 
@@ -272,3 +274,90 @@ async def test_each_answer_carries_the_load_of_the_last_heartbeat(stub):
             running,
         )
         assert hit.instance.block_size == 4 and hit.instance.model == "tiny"
+
+
+async def test_the_prompt_in_each_of_its_forms_gets_the_same_answer(stub):
+    """The repeated field (older clients), the packed token ids and the gateway's chains: one
+    answer. Chains lacking a live instance's block size fail FAILED_PRECONDITION, and the typed
+    client then sends the token ids."""
+    s, channel = stub
+    await _register(s, "p-0", common_pb2.ROLE_PREFILL, block_size=4)
+    await _register(s, "md-0", common_pb2.ROLE_MAIN_DECODE, block_size=8)
+    prompt = list(range(7, 7 + 43))  # 43 tokens: a partial tail block at both sizes
+    for iid, bs, held in (("p-0", 4, 6), ("md-0", 8, 3)):
+        await s.PublishCacheEvents(
+            pb.PublishCacheEventsRequest(
+                instance_id=iid,
+                events=[
+                    pb.CacheEvent(
+                        kind=pb.CACHE_EVENT_KIND_STORED,
+                        block_hashes=chain_hashes(prompt, bs, "t")[:held],
+                        cache_salt="t",
+                    )
+                ],
+            )
+        )
+    want = {"p-0": 24, "md-0": 24}
+    chains = PromptChains.of(prompt, (4, 8), "t")
+    forms = [
+        pb.PredictHitsRequest(prompt_token_ids=prompt, cache_salt="t"),
+        kv_conv.predict_to_pb(prompt, "t"),
+        kv_conv.predict_to_pb(chains, "t"),
+    ]
+    assert [len(f.prompt_token_ids_packed) for f in forms] == [0, 4 * 43, 0]
+    for msg in forms:
+        resp = await s.PredictHits(msg)
+        assert {h.instance.ref.instance_id: h.cached_tokens for h in resp.hits} == want
+        assert {round(h.hit_rate, 4) for h in resp.hits} == {round(24 / 43, 4)}
+
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await s.PredictHits(kv_conv.predict_to_pb(PromptChains.of(prompt, (4,), "t"), "t"))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "block size 8" in err.value.details()
+    # Only prefill searched: the chain at 4 is enough.
+    resp = await s.PredictHits(
+        pb.PredictHitsRequest(
+            prompt_chains=[pb.PromptChain(block_size=4, block_hashes_packed=chains.chains[4])],
+            prompt_tokens=43,
+            role=common_pb2.ROLE_PREFILL,
+        )
+    )
+    assert [(h.instance.ref.instance_id, h.cached_tokens) for h in resp.hits] == [("p-0", 24)]
+
+    client = KvstoreClient(channel)
+    for sizes in ((), (4, 8), (4,), (16,)):
+        hits = await client.predict(tuple(prompt), "t", block_sizes=sizes)
+        assert {h.instance.ref.instance_id: h.cached_tokens for h in hits} == want, sizes
+
+
+@pytest.mark.parametrize(
+    ("request_", "field"),
+    [
+        (
+            pb.PredictHitsRequest(prompt_token_ids=[1], prompt_token_ids_packed=b"\0" * 4),
+            "prompt_token_ids_packed",
+        ),
+        (pb.PredictHitsRequest(prompt_token_ids_packed=b"\0" * 6), "prompt_token_ids_packed"),
+        (pb.PredictHitsRequest(prompt_token_ids=[1], prompt_tokens=1), "prompt_tokens"),
+        (
+            pb.PredictHitsRequest(
+                prompt_chains=[pb.PromptChain(block_size=4, block_hashes_packed=b"\0" * 8)]
+            ),
+            "prompt_tokens",
+        ),
+        (
+            pb.PredictHitsRequest(
+                prompt_chains=[pb.PromptChain(block_size=4, block_hashes_packed=b"\0" * 8)],
+                prompt_tokens=9,
+            ),
+            "prompt_chains[0].block_hashes_packed",
+        ),
+    ],
+)
+async def test_a_malformed_prompt_is_invalid_argument_naming_its_field(stub, request_, field):
+    s, _ = stub
+    await _register(s, "p-0", common_pb2.ROLE_PREFILL, block_size=4)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await s.PredictHits(request_)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith(field + ":"), err.value.details()

@@ -17,8 +17,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from redis.asyncio import Redis
 
-from pdd.core.block_hash import ROOT_HASH, chain_hashes
+from pdd.core.block_hash import ROOT_HASH, PromptChains, chain_hashes
 from pdd.core.cache_event import CacheEvent
+from pdd.core.errors import FailedPreconditionError
 from pdd.core.instance import Instance, InstanceLoad, InstanceRef, Role
 from pdd.prefix_index.live_predict import PredictCost
 from pdd.prefix_index.store import PrefixStore
@@ -123,8 +124,16 @@ def test_binary_search_agrees_with_the_reference_and_the_model(redis_url, ops, q
                 }
                 want = {i.ref.instance_id: m.leading(q) for i, m in zip(insts, models)}
                 assert fast == ref == want, (q, fast, ref, want)
+                # The prompt hashed by the caller (as the gateway sends it): the same answer.
+                chains = PromptChains.of(q, [BS], SALT)
+                hashed = {
+                    h.instance.ref.instance_id: (h.cached_tokens, h.hit_rate)
+                    for h in await store.predict(chains, SALT)
+                }
+                assert hashed == {i: (n, n / len(q)) for i, n in want.items()}, (q, hashed)
                 # The plain search too (listed instances, no guess): the predictor's fallback.
                 assert await store.index.cached_tokens(q, SALT, insts) == want
+                assert await store.index.cached_tokens(chains, SALT, insts) == want
 
             for op, k, tokens, at in ops:
                 blocks = len(tokens) // BS
@@ -179,6 +188,11 @@ async def test_instances_with_other_block_sizes_are_probed_with_their_own_chain(
     await store.publish("bs8", [_stored(prompt[:48], bs=8)])
     hits = {h.instance.ref.instance_id: h.cached_tokens for h in await store.predict(prompt, SALT)}
     assert hits == {"bs2": 30, "bs8": 48, "cold": 0}
+    hashed = await store.predict(PromptChains.of(prompt, (8, 2), SALT), SALT)
+    assert {h.instance.ref.instance_id: h.cached_tokens for h in hashed} == hits
+    # A chain short of one live block size: the caller must send the tokens.
+    with pytest.raises(FailedPreconditionError, match="block size 8"):
+        await store.predict(PromptChains.of(prompt, (2,), SALT), SALT)
     await store.redis.aclose()
 
 

@@ -1,6 +1,14 @@
 import pytest
 
-from pdd.core.block_hash import ROOT_HASH, block_hash, chain_hashes
+from pdd.core.block_hash import (
+    ROOT_HASH,
+    PromptChains,
+    block_hash,
+    chain_hash_bytes,
+    chain_hashes,
+    prompt_chain,
+)
+from pdd.core.errors import FailedPreconditionError
 
 
 def test_chain_covers_full_blocks_only():
@@ -34,3 +42,16 @@ def test_hash_is_stable_and_64_bit():
 def test_bad_block_size():
     with pytest.raises(ValueError, match="block_size"):
         chain_hashes([1, 2], 0)
+
+
+def test_prompt_chains_are_the_chains_of_the_tokens_and_say_what_they_lack():
+    tokens = list(range(1000, 1037))
+    p = PromptChains.of(tuple(tokens), [8, 4, 8], "s")
+    assert (len(p), sorted(p.chains)) == (37, [4, 8])
+    for bs in (4, 8):
+        assert prompt_chain(p, bs, "s") == chain_hash_bytes(tokens, bs, "s")
+        assert prompt_chain(tokens, bs, "s") == chain_hash_bytes(tokens, bs, "s")
+    with pytest.raises(FailedPreconditionError, match="block size 16"):
+        prompt_chain(p, 16, "s")
+    with pytest.raises(ValueError, match=r"chains\[4\]"):
+        PromptChains(37, {4: p.chains[4][:-8]})

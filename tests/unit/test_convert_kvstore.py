@@ -1,12 +1,18 @@
 """Round trips of the kvstore and common converters, and their validation."""
 
+import dataclasses
+import random
+import struct
+
 import pytest
 
+from pdd.core.block_hash import PromptChains
 from pdd.core.cache_event import CacheEvent
 from pdd.core.errors import InvalidArgumentError
 from pdd.core.instance import Instance, InstanceLoad, InstanceRef, Role
 from pdd.gen.common.v1 import common_pb2
 from pdd.gen.kvstore.v1 import kvstore_service_pb2 as pb
+from pdd.prefix_index.store import Hit
 from pdd.wire import kvstore as conv
 from pdd.wire.common import instance_ref_from_pb, instance_ref_to_pb, role_from_pb
 
@@ -103,3 +109,108 @@ def test_predict_validation():
     with pytest.raises(InvalidArgumentError, match="role"):
         conv.predict_from_pb(pb.PredictHitsRequest(prompt_token_ids=[1], role=99))
     assert role_from_pb(common_pb2.ROLE_UNSPECIFIED, optional=True) is None
+
+
+def _wire(msg):
+    return type(msg).FromString(msg.SerializeToString())
+
+
+def test_token_ids_packed_round_trip():
+    rng = random.Random(7)
+    tokens = [0, 2**32 - 1, *(rng.randrange(2**32) for _ in range(300))]
+    packed = conv.token_ids_to_packed(tuple(tokens))
+    assert packed == struct.pack(f"<{len(tokens)}I", *tokens)  # the wire's format, pinned
+    assert conv.token_ids_from_packed(packed).tolist() == tokens
+    got = conv.predict_from_pb(_wire(conv.predict_to_pb(tokens, "salt")))
+    assert (got["prompt"].tolist(), got["salt"], got["instance_ids"], got["role"]) == (
+        tokens,
+        "salt",
+        [],
+        None,
+    )
+    # The repeated field (older clients): the same tokens.
+    old = conv.predict_from_pb(_wire(pb.PredictHitsRequest(prompt_token_ids=tokens)))
+    assert old["prompt"].tolist() == tokens
+    with pytest.raises(InvalidArgumentError, match="prompt_token_ids"):
+        conv.token_ids_to_packed([1, -1])
+    with pytest.raises(InvalidArgumentError, match="prompt_token_ids_packed"):
+        conv.token_ids_from_packed(b"\0" * 5)
+
+
+def test_prompt_chains_round_trip():
+    tokens = list(range(50, 150))  # 100 tokens: partial tail blocks at 16 and 32
+    chains = PromptChains.of(tokens, (16, 32, 128), "t")
+    got = conv.predict_from_pb(_wire(conv.predict_to_pb(chains, "t")))
+    assert got["prompt"] == chains and len(got["prompt"]) == 100
+    assert got["prompt"].chains[128] == b""  # no full block: an empty chain, still one
+    assert got["salt"] == "t"
+
+
+@pytest.mark.parametrize(
+    ("msg", "field"),
+    [
+        (pb.PredictHitsRequest(), "prompt_token_ids"),
+        (
+            pb.PredictHitsRequest(prompt_token_ids=[1], prompt_token_ids_packed=b"\1\0\0\0"),
+            "prompt_token_ids_packed",
+        ),
+        (
+            pb.PredictHitsRequest(
+                prompt_token_ids_packed=b"\1\0\0\0",
+                prompt_chains=[pb.PromptChain(block_size=1, block_hashes_packed=b"\0" * 8)],
+                prompt_tokens=1,
+            ),
+            "prompt_chains",
+        ),
+        (pb.PredictHitsRequest(prompt_token_ids_packed=b"\1\0\0"), "prompt_token_ids_packed"),
+        (
+            pb.PredictHitsRequest(prompt_token_ids_packed=b"\1\0\0\0", prompt_tokens=1),
+            "prompt_tokens",
+        ),
+        (pb.PredictHitsRequest(prompt_chains=[pb.PromptChain(block_size=4)]), "prompt_tokens"),
+        (
+            pb.PredictHitsRequest(prompt_chains=[pb.PromptChain(block_size=0)], prompt_tokens=3),
+            "prompt_chains[0].block_size",
+        ),
+        (
+            pb.PredictHitsRequest(
+                prompt_chains=[pb.PromptChain(block_size=4), pb.PromptChain(block_size=4)],
+                prompt_tokens=3,
+            ),
+            "prompt_chains[1].block_size",
+        ),
+        (
+            pb.PredictHitsRequest(
+                prompt_chains=[pb.PromptChain(block_size=4, block_hashes_packed=b"\0" * 8)],
+                prompt_tokens=12,
+            ),
+            "prompt_chains[0].block_hashes_packed",
+        ),
+        (
+            pb.PredictHitsRequest(
+                prompt_chains=[pb.PromptChain(block_size=bs) for bs in range(100, 100 + 17)],
+                prompt_tokens=3,
+            ),
+            "prompt_chains",
+        ),
+    ],
+)
+def test_predict_prompt_validation_names_the_field(msg, field):
+    with pytest.raises(InvalidArgumentError) as err:
+        conv.predict_from_pb(msg)
+    assert err.value.field == field
+
+
+def test_hits_from_the_same_bytes_are_the_same_instance_and_still_validated():
+    inst = Instance(InstanceRef("md-0", "127.0.0.1:1", Role.MAIN_DECODE), 16, "m", InstanceLoad())
+    first = conv.hit_from_pb(_wire(conv.hit_to_pb(Hit(inst, 32, 0.5))), 0)
+    again = conv.hit_from_pb(_wire(conv.hit_to_pb(Hit(inst, 16, 0.25))), 0)
+    assert first == Hit(inst, 32, 0.5) and again == Hit(inst, 16, 0.25)
+    assert again.instance is first.instance
+    busier = dataclasses.replace(inst, load=InstanceLoad(running_requests=3))
+    assert conv.hit_from_pb(conv.hit_to_pb(Hit(busier, 0, 0.0)), 0).instance == busier
+    bad = conv.hit_to_pb(Hit(inst, 0, 0.0))
+    bad.instance.ref.address = "nohost"
+    for _ in range(2):
+        with pytest.raises(InvalidArgumentError, match=r"hits\[3\]\.instance\.ref\.address"):
+            conv.hit_from_pb(bad, 3)

@@ -52,7 +52,7 @@ class FakeIndex:
         self._answer()
         return [h.instance for h in self.hits]
 
-    async def predict(self, prompt, salt: str = "") -> list[Hit]:
+    async def predict(self, prompt, salt: str = "", *, block_sizes=()) -> list[Hit]:
         self._answer()
         return self.hits
 

@@ -128,7 +128,7 @@ class FakeKvstore:
     async def list(self, role=None) -> list[Instance]:
         return [h.instance for h in self.hits]
 
-    async def predict(self, prompt, salt: str = "") -> list[Hit]:
+    async def predict(self, prompt, salt: str = "", *, block_sizes=()) -> list[Hit]:
         return self.hits
 
 

@@ -151,17 +151,31 @@ class PublishCacheEventsResponse(_message.Message):
     resync: bool
     def __init__(self, applied: _Optional[int] = ..., resync: _Optional[bool] = ...) -> None: ...
 
+class PromptChain(_message.Message):
+    __slots__ = ("block_size", "block_hashes_packed")
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_PACKED_FIELD_NUMBER: _ClassVar[int]
+    block_size: int
+    block_hashes_packed: bytes
+    def __init__(self, block_size: _Optional[int] = ..., block_hashes_packed: _Optional[bytes] = ...) -> None: ...
+
 class PredictHitsRequest(_message.Message):
-    __slots__ = ("prompt_token_ids", "cache_salt", "instance_ids", "role")
+    __slots__ = ("prompt_token_ids", "prompt_token_ids_packed", "prompt_chains", "prompt_tokens", "cache_salt", "instance_ids", "role")
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_PACKED_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_CHAINS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_IDS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    prompt_token_ids_packed: bytes
+    prompt_chains: _containers.RepeatedCompositeFieldContainer[PromptChain]
+    prompt_tokens: int
     cache_salt: str
     instance_ids: _containers.RepeatedScalarFieldContainer[str]
     role: _common_pb2.Role
-    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., instance_ids: _Optional[_Iterable[str]] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ...) -> None: ...
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_token_ids_packed: _Optional[bytes] = ..., prompt_chains: _Optional[_Iterable[_Union[PromptChain, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ..., cache_salt: _Optional[str] = ..., instance_ids: _Optional[_Iterable[str]] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ...) -> None: ...
 
 class InstanceHit(_message.Message):
     __slots__ = ("instance", "cached_tokens", "hit_rate")
