@@ -4,8 +4,10 @@ A real engine on these cores cannot produce tokens fast enough to load a gateway
 gateway is fed by the token-flood stage (``services.token_flood``: a MainDecode that streams as
 fast as it can). Life of a run: Redis, kvstore, the flood stage and the gateway start as their
 own processes, the gateway pinned to one CPU and everything else to the others; then, for each
-``--tokens-per-message`` (the flood stage restarted with it) and each door (gRPC ``Generate``,
-HTTP ``/v1/completions`` streaming), ``--concurrency`` clients each keep one request in flight
+``--tokens-per-message`` (the flood stage restarted with it), each way the gateway reads
+MainDecode (``--streams``: one shared ``DecodeMany`` stream, or a ``Decode`` call per request;
+the gateway restarted with it) and each door (gRPC ``Generate``, HTTP ``/v1/completions``
+streaming), ``--concurrency`` clients each keep one request in flight
 (pipeline MD forced, ``--output-len`` tokens) for ``--seconds``, checking every token's id and
 position. The gateway's own CPU time over the window (``/proc``) divided by the tokens it
 streamed is its CPU per token; its inverse is the tokens per second one gateway core carries,
@@ -31,6 +33,9 @@ from pdd.testbed.flood_tokens import token_at
 from pdd.testbed.launcher import Process, free_port, start_module
 
 DOORS = ("grpc", "http")
+# How the gateway reads MainDecode: one shared DecodeMany stream per instance (each engine step's
+# tokens for every request in one message), or a Decode call per request (a message per token).
+STREAMS = ("shared", "each")
 TARGET_TOK_S = 50_000  # issue 19: one gateway core carries at least this many tokens/s
 PROMPT = tuple(range(1, 9))
 
@@ -42,6 +47,7 @@ class GatewayBenchConfig:
     seconds: float = 10.0
     tokens_per_message: tuple[int, ...] = (1, 4, 16)
     doors: tuple[str, ...] = DOORS
+    streams: tuple[str, ...] = STREAMS
     # The gateway's --model (its tokenizer detokenizes every token); a tiny random Llama's spec.
     model: str = "tiny:3,ctx=4096,layers=1,hidden=64,inter=128"
     vocab_size: int = 256
@@ -60,6 +66,11 @@ class GatewayBenchConfig:
         bad = [d for d in self.doors if d not in DOORS]
         if not self.doors or bad:
             raise ValueError(f"doors: choose from {', '.join(DOORS)}, got {','.join(self.doors)}")
+        bad = [d for d in self.streams if d not in STREAMS]
+        if not self.streams or bad:
+            raise ValueError(
+                f"streams: choose from {', '.join(STREAMS)}, got {','.join(self.streams)}"
+            )
 
 
 @dataclass
@@ -68,6 +79,7 @@ class Window:
 
     door: str
     tokens_per_message: int
+    streams: str = "shared"
     tokens: int = 0
     messages: int = 0
     requests: int = 0
@@ -115,9 +127,20 @@ class Bench:
         self.redis, url = start_redis(self.log_dir, redis_binary())
         kv = self._start("kvstore", "services.kvstore", ["--redis-url", url])
         self.kvstore = kv.address
-        gateway_args = ["--kvstore", self.kvstore, "--model", self.cfg.model]
-        gateway_args += ["--http-port", str(self.http_port)]
-        self.gateway = self._start("gateway", "services.gateway", gateway_args, self.gateway_cpus)
+
+    def gateway_with(self, streams: str) -> None:
+        """(Re)start the gateway reading MainDecode as ``streams`` says."""
+        if self.gateway is not None:
+            self.gateway.stop()
+            self.procs.remove(self.gateway)
+        args = ["--kvstore", self.kvstore, "--model", self.cfg.model]
+        args += ["--http-port", str(self.http_port)]
+        # NOTE: the bench measures the cost of a streamed token, not admission: every client in.
+        args += ["--no-adaptive-in-flight", "--max-in-flight", str(self.cfg.concurrency)]
+        args += ["--shared-decode-stream" if streams == "shared" else "--no-shared-decode-stream"]
+        self.gateway = self._start(
+            f"gateway-{streams}", "services.gateway", args, self.gateway_cpus
+        )
 
     def _start(
         self, name: str, module: str, args: list[str], cpus: set[int] | None = None
@@ -228,10 +251,10 @@ async def _http_client(bench: Bench, w: Window, until: float) -> None:
                 w.errors.append(f"a request streamed {got} of {cfg.output_len} tokens")
 
 
-async def window(bench: Bench, door: str, tokens_per_message: int) -> Window:
+async def window(bench: Bench, door: str, tokens_per_message: int, streams: str) -> Window:
     """``concurrency`` clients for ``seconds``; the gateway's CPU over exactly that window."""
     assert bench.gateway is not None
-    w = Window(door, tokens_per_message)
+    w = Window(door, tokens_per_message, streams)
     client = _grpc_client if door == "grpc" else _http_client
     pid = bench.gateway.proc.pid
     cpu0, t0 = process_cpu_s(pid), time.perf_counter()
@@ -245,13 +268,14 @@ async def window(bench: Bench, door: str, tokens_per_message: int) -> Window:
 
 def table(windows: Sequence[Window]) -> list[str]:
     lines = [
-        f"{'door':5} {'tok/msg':>7} {'tokens':>8} {'tok/s':>8} {'gw busy':>7} "
+        f"{'door':5} {'streams':7} {'tok/msg':>7} {'tokens':>8} {'tok/s':>8} {'gw busy':>7} "
         f"{'gw µs/tok':>9} {'tok/s per gw core':>17} {'x target':>8} errors"
     ]
     for w in windows:
         per_core = w.tokens_per_core_s
         lines.append(
-            f"{w.door:5} {w.tokens_per_message:>7} {w.tokens:>8} {w.tokens / w.wall_s:>8.0f} "
+            f"{w.door:5} {w.streams:7} {w.tokens_per_message:>7} {w.tokens:>8} "
+            f"{w.tokens / w.wall_s:>8.0f} "
             f"{w.busy:>7.0%} {w.cpu_us_per_token or 0:>9.1f} {per_core or 0:>17.0f} "
             f"{(per_core or 0) / TARGET_TOK_S:>8.2f} {len(w.errors)}"
         )
@@ -267,11 +291,14 @@ async def run(cfg: GatewayBenchConfig) -> list[Window]:
     try:
         for k in cfg.tokens_per_message:
             await asyncio.to_thread(bench.flood_with, k)
-            for door in cfg.doors:
-                await window(bench, door, k)  # NOTE: warm-up (connections, caches): not counted
-                w = await window(bench, door, k)
-                print(table([w])[-1], flush=True)
-                windows.append(w)
+            for streams in cfg.streams:  # NOTE: side by side, on the same flood stage
+                await asyncio.to_thread(bench.gateway_with, streams)
+                for door in cfg.doors:
+                    # NOTE: warm-up (connections, caches): not counted
+                    await window(bench, door, k, streams)
+                    w = await window(bench, door, k, streams)
+                    print(table([w])[-1], flush=True)
+                    windows.append(w)
     finally:
         await asyncio.to_thread(bench.stop)
         if own_mask:  # NOTE: the caller (a test, the CLI in-process) gets its CPUs back
@@ -287,6 +314,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=d.seconds)
     ap.add_argument("--tokens-per-message", default=",".join(map(str, d.tokens_per_message)))
     ap.add_argument("--doors", default=",".join(d.doors))
+    ap.add_argument(
+        "--streams",
+        default=",".join(d.streams),
+        help="how the gateway reads MainDecode: shared (one DecodeMany stream), each (a Decode "
+        "call per request)",
+    )
     ap.add_argument("--model", default=d.model)
     ap.add_argument("--json", type=Path, help="also write every window here")
     args = ap.parse_args(argv)
@@ -301,6 +334,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             seconds=args.seconds,
             tokens_per_message=per_message,
             doors=tuple(x for x in args.doors.split(",") if x),
+            streams=tuple(x for x in args.streams.split(",") if x),
             model=args.model,
         )
     except ValueError as exc:

@@ -7,7 +7,7 @@ model, ...) → the server starts (TLS as ``config.tls`` says) → ``serving(por
 runs (register with kvstore) → health turns SERVING and one line ``PDD_LISTENING <service>
 <host:port>`` is printed on stdout (launchers parse it when port 0 was asked),
 after what is alive was frozen out of garbage collection (``gc_pauses``)
-→ SIGTERM/SIGINT: health turns NOT_SERVING, in-flight calls get ``grace_s``
+→ SIGTERM/SIGINT: health turns NOT_SERVING, ``draining()`` runs, in-flight calls get ``grace_s``
 to finish, the domain's ``stop()`` runs, the process exits 0.
 """
 
@@ -54,6 +54,9 @@ class ServiceSpec:
     stop: Hook = field(default=_noop)
     # Runs once the server accepts calls, with the bound port (e.g. register with kvstore).
     serving: Callable[[int], Awaitable[None]] | None = None
+    # Runs on SIGTERM before in-flight calls get their grace: end what would otherwise hold
+    # the server open for all of it (MainDecode's shared decode streams).
+    draining: Hook = field(default=_noop)
 
 
 class GrpcServer:
@@ -68,6 +71,12 @@ class GrpcServer:
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.max_send_message_length", config.max_message_bytes),
             ("grpc.so_reuseport", 0),
+            # NOTE: peers ping every 20 s (``pdd.serving.channels``) and keep long-lived streams
+            # that can be quiet for minutes (MainDecode's shared decode stream between bursts);
+            # gRPC's default answers the third ping without data with GOAWAY, which would break
+            # every call on the connection.
+            ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+            ("grpc.http2.max_ping_strikes", 0),
         ]
         # NOTE: telemetry outermost: it sees the status code ContextInterceptor maps errors to.
         self._server = grpc.aio.server(
@@ -115,6 +124,7 @@ class GrpcServer:
 
     async def stop(self) -> None:
         await self._set_status(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.spec.draining()
         await self._server.stop(self.config.grace_s)
         if self._health_server is not None:
             await self._health_server.stop(0)

@@ -102,6 +102,7 @@ class Gateway(Recovery):
         adaptive_in_flight: bool = False,
         admission_wait_s: float = 0.0,
         kv_bytes_per_token: int = 0,
+        shared_decode_stream: bool = True,
     ) -> None:
         """``peers``: where the kvstore, prefill, relay and MainDecode clients come from; by
         default gRPC clients on channels with ``tls`` (then required). ``index_timeout_s``: the
@@ -113,7 +114,8 @@ class Gateway(Recovery):
         (``concurrency_limit``), ``max_in_flight`` its ceiling. ``admission_wait_s``: how long a
         request finding the bound reached waits for a place before it is refused (0: never).
         ``kv_bytes_per_token``: KV bytes one prompt token takes on the WAN (the model's shape ×
-        the wire dtype), for the link-aware router's transfer estimate; 0: unknown (θ rule)."""
+        the wire dtype), for the link-aware router's transfer estimate; 0: unknown (θ rule).
+        ``shared_decode_stream``: each MainDecode's requests on one ``DecodeMany`` stream."""
         self.routing = routing
         self.rng = rng or random.Random()
         self.stage_timeout_s = stage_timeout_s
@@ -162,7 +164,13 @@ class Gateway(Recovery):
         if peers is None:
             if tls is None:
                 raise ValueError("tls: required unless the gateway is given its peers")
-            peers = GrpcPeers(Channels(tls), kvstore_address, stage_timeout_s, index_timeout_s)
+            peers = GrpcPeers(
+                Channels(tls),
+                kvstore_address,
+                stage_timeout_s,
+                index_timeout_s,
+                shared_decode_stream=shared_decode_stream,
+            )
         self.peers = peers
         # The last known instances: routing goes on from them while the index is down.
         self.view = InstanceView(peers.kvstore)

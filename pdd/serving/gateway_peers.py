@@ -8,6 +8,7 @@ from contextvars import ContextVar
 from typing import Protocol
 
 from pdd.serving.channels import Channels
+from pdd.wire.decode_mux import DecodeMux
 from pdd.wire.kvstore_client import KvstoreClient
 from pdd.wire.main_decode_client import MainDecodeClient
 from pdd.wire.prefill_client import PrefillClient
@@ -42,11 +43,16 @@ class GrpcPeers:
         kvstore_address: str,
         stage_timeout_s: float,
         index_timeout_s: float = 1.0,
+        shared_decode_stream: bool = True,
     ) -> None:
+        """``shared_decode_stream``: every request to one MainDecode on one ``DecodeMany``
+        stream (``pdd.wire.decode_mux``); False: a ``Decode`` call per request."""
         self.channels = channels
         self.kvstore_address = kvstore_address
         self.stage_timeout_s = stage_timeout_s
         self.index_timeout_s = index_timeout_s
+        self.shared_decode_stream = shared_decode_stream
+        self._muxes: dict[str, DecodeMux] = {}
 
     # NOTE: channels are made on first use, inside the server's event loop.
     def kvstore(self) -> KvstoreClient:
@@ -69,7 +75,16 @@ class GrpcPeers:
         return RelayClient(self.channels.get(address), timeout_s=self.stage_timeout())
 
     def main_decode(self, address: str) -> MainDecodeClient:
-        return MainDecodeClient(self.channels.get(address), timeout_s=self.stage_timeout())
+        channel = self.channels.get(address)
+        mux = None
+        if self.shared_decode_stream:
+            mux = self._muxes.get(address)
+            if mux is None:
+                mux = self._muxes[address] = DecodeMux(channel)
+        return MainDecodeClient(channel, timeout_s=self.stage_timeout(), mux=mux)
 
     async def close(self) -> None:
+        muxes, self._muxes = self._muxes, {}
+        for mux in muxes.values():
+            await mux.close()
         await self.channels.close()

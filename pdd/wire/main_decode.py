@@ -3,6 +3,11 @@ KV-readiness poll, both ways (the KV push's messages are ``pdd.kv.messages``')."
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
+import grpc
+
 from pdd.core.errors import FailedPreconditionError, InvalidArgumentError
 from pdd.core.stage_events import (
     Accepted,
@@ -61,25 +66,29 @@ def job_from_pb(msg: pb.DecodeRequest, vocab: int) -> DecodeJob:
     )
 
 
-def event_to_pb(ev: DecodeEvent, instance_id: str) -> pb.DecodeResponse:
-    if isinstance(ev, Accepted):
-        return pb.DecodeResponse(
-            accepted=pb.Accepted(instance_id=instance_id, cached_tokens=ev.cached_tokens)
-        )
+def event_to_pb(ev: DecodeEvent, instance_id: str, kind=pb.DecodeResponse, **fields):
+    """``ev`` as a ``DecodeResponse``, or as another message with the same ``event`` oneof
+    (``kind=pb.DecodeManyEvent``, its ``call_id`` in ``fields``)."""
     if isinstance(ev, Tokens):
-        return pb.DecodeResponse(tokens=tokens_to_pb(ev, common_pb2.STAGE_MAIN_DECODE))
-    return pb.DecodeResponse(
+        return kind(tokens=tokens_to_pb(ev, common_pb2.STAGE_MAIN_DECODE), **fields)
+    if isinstance(ev, Accepted):
+        return kind(
+            accepted=pb.Accepted(instance_id=instance_id, cached_tokens=ev.cached_tokens),
+            **fields,
+        )
+    return kind(
         finished=pb.Finished(
             finish_reason=finish_to_pb(ev.finish_reason),
             completion_tokens=ev.completion_tokens,
             md_tokens=ev.md_tokens,
             wan_kv_bytes_received=ev.wan_kv_bytes,
             extend_ms=ev.extend_ms,
-        )
+        ),
+        **fields,
     )
 
 
-def event_from_pb(msg: pb.DecodeResponse) -> DecodeEvent:
+def event_from_pb(msg: pb.DecodeResponse | pb.DecodeManyEvent) -> DecodeEvent:
     which = msg.WhichOneof("event")
     if which == "accepted":
         return Accepted(msg.accepted.cached_tokens)
@@ -164,3 +173,78 @@ def kv_readiness_to_pb(r: KvReadiness) -> pb.WaitKvReadyResponse:
 
 def kv_readiness_from_pb(msg: pb.WaitKvReadyResponse) -> KvReadiness:
     return KvReadiness(msg.ready, msg.decode_interval_ms)
+
+
+# --- DecodeMany: many requests' Decode on one stream ---------------------------------------
+
+
+@dataclass(frozen=True)
+class StartCall:
+    """Start ``job`` as the stream's call ``call_id``; ``timeout_s``: its deadline (None: none)."""
+
+    call_id: int
+    job: DecodeJob
+    timeout_s: float | None
+
+
+@dataclass(frozen=True)
+class CancelCall:
+    call_id: int
+
+
+@dataclass(frozen=True)
+class CallEnded:
+    """A call's last item: how its ``Decode`` would have ended (``code`` a gRPC status name)."""
+
+    code: str
+    message: str = ""
+
+
+def start_to_pb(start: StartCall) -> pb.DecodeManyRequest:
+    ms = 0 if start.timeout_s is None else max(1, math.ceil(start.timeout_s * 1000))
+    return pb.DecodeManyRequest(
+        call_id=start.call_id, decode=job_to_pb(start.job), timeout_ms=min(ms, 2**32 - 1)
+    )
+
+
+def cancel_to_pb(cancel: CancelCall) -> pb.DecodeManyRequest:
+    return pb.DecodeManyRequest(call_id=cancel.call_id, cancel=pb.DecodeCancel())
+
+
+def call_id_from_pb(msg: pb.DecodeManyRequest) -> int:
+    if msg.call_id == 0:
+        raise InvalidArgumentError("call_id", "must be set (a positive number)")
+    return msg.call_id
+
+
+def many_request_from_pb(msg: pb.DecodeManyRequest, vocab: int) -> StartCall | CancelCall:
+    """A ``DecodeMany`` request, validated (a start's job as ``job_from_pb`` validates it)."""
+    call_id = call_id_from_pb(msg)
+    which = msg.WhichOneof("action")
+    if which == "cancel":
+        return CancelCall(call_id)
+    if which != "decode":
+        raise InvalidArgumentError("action", "must be decode or cancel")
+    timeout_s = msg.timeout_ms / 1000 if msg.timeout_ms else None
+    return StartCall(call_id, job_from_pb(msg.decode, vocab), timeout_s)
+
+
+def ended_to_pb(call_id: int, end: CallEnded) -> pb.DecodeManyEvent:
+    code = grpc.StatusCode[end.code].value[0]
+    return pb.DecodeManyEvent(call_id=call_id, end=pb.DecodeEnd(code=code, message=end.message))
+
+
+def many_events_from_pb(msg: pb.DecodeManyResponse) -> list[tuple[int, DecodeEvent | CallEnded]]:
+    """Each event of a ``DecodeMany`` message with the call it belongs to."""
+    out: list[tuple[int, DecodeEvent | CallEnded]] = []
+    for ev in msg.events:
+        if ev.WhichOneof("event") == "end":
+            out.append(
+                (ev.call_id, CallEnded(_CODE_NAMES.get(ev.end.code, "UNKNOWN"), ev.end.message))
+            )
+        else:
+            out.append((ev.call_id, event_from_pb(ev)))
+    return out
+
+
+_CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}

@@ -21,17 +21,29 @@ from pdd.gen.main_decode.v1 import main_decode_service_pb2_grpc as pb_grpc
 from pdd.server.interceptors import outgoing_metadata
 from pdd.wire import main_decode as conv
 from pdd.wire.call import EventStream, HandoffCall, unary
+from pdd.wire.decode_mux import DecodeMux, MuxStream
 
 PEER = "main_decode"
 
 
 class MainDecodeClient:
-    def __init__(self, channel: grpc.aio.Channel, *, timeout_s: float | None = None) -> None:
-        """``timeout_s``: the deadline of a whole ``decode`` or ``token_handoff`` call."""
+    def __init__(
+        self,
+        channel: grpc.aio.Channel,
+        *,
+        timeout_s: float | None = None,
+        mux: DecodeMux | None = None,
+    ) -> None:
+        """``timeout_s``: the deadline of a whole ``decode`` or ``token_handoff`` call.
+        ``mux``: ``decode`` starts the request on this shared ``DecodeMany`` stream (the
+        instance's tokens for many requests in one message) instead of a ``Decode`` call."""
         self._stub = pb_grpc.MainDecodeServiceStub(channel)
         self.timeout_s = timeout_s
+        self.mux = mux
 
-    def decode(self, job: DecodeJob) -> EventStream[DecodeEvent]:
+    def decode(self, job: DecodeJob) -> EventStream[DecodeEvent] | MuxStream:
+        if self.mux is not None:
+            return self.mux.open(job, self.timeout_s)
         call = self._stub.Decode(
             conv.job_to_pb(job), metadata=outgoing_metadata(), timeout=self.timeout_s
         )

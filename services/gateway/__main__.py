@@ -57,6 +57,11 @@ GATEWAY = Settings(
         "bytes of one KV value on the WAN as prefill sends it (its --wan-dtype: 2 bfloat16 or "
         "float16, 1 float8_e4m3); 0 = the model's dtype",
     ),
+    Flag(
+        "shared_decode_stream",
+        "send every request to one MainDecode on one shared stream (what one engine step made "
+        "for all of them in one message); off = a Decode call per request",
+    ),
     title="gateway",
 )
 HTTP = Settings(

@@ -46,6 +46,9 @@ class GatewayConfig:
     # Bytes of one KV value on the WAN (prefill's --wan-dtype); 0: the model's dtype. Sizes the
     # KV delta in the link-aware router's transfer estimate (compression is not counted).
     wan_kv_value_bytes: int = 0
+    # Every request to one MainDecode on one shared DecodeMany stream, each engine step's tokens
+    # for all of them in one message; False: a Decode call (and a message per token) per request.
+    shared_decode_stream: bool = True
 
     def __post_init__(self) -> None:
         if ":" not in self.kvstore_address:

@@ -61,6 +61,7 @@ def build(config: GatewayConfig) -> ServiceSpec:
         adaptive_in_flight=config.adaptive_in_flight,
         admission_wait_s=config.admission_wait_s,
         kv_bytes_per_token=config.kv_bytes_per_token(info),
+        shared_decode_stream=config.shared_decode_stream,
     )
     servicer = GatewayServicer(gateway, info, decode)
     http = OpenAIServer(gateway, info, decode, config.http) if config.http.port else None

@@ -13,6 +13,7 @@ from pdd.serving.engine_instance import EngineInstance
 from pdd.serving.main_decode import MainDecode
 from pdd.wire import main_decode as conv
 from pdd.wire.common import cache_report_to_pb
+from pdd.wire.decode_many import DecodeManyStreams
 from services.main_decode.config import MainDecodeConfig
 
 
@@ -21,6 +22,9 @@ class MainDecodeServicer(pb_grpc.MainDecodeServiceServicer):
         self.instance = instance
         self.md = md
         self.receiver = receiver
+        self.many = DecodeManyStreams(
+            md.decode, lambda: self.vocab, instance.config.ref.instance_id
+        )
 
     @property
     def vocab(self) -> int:
@@ -30,6 +34,10 @@ class MainDecodeServicer(pb_grpc.MainDecodeServiceServicer):
         job = conv.job_from_pb(request, self.vocab)
         async for ev in self.md.decode(job):
             yield conv.event_to_pb(ev, self.instance.config.ref.instance_id)
+
+    async def DecodeMany(self, request_iterator, context):
+        async for msg in self.many.serve(request_iterator):
+            yield msg
 
     async def PushKv(self, request_iterator, context) -> pb.PushKvResponse:
         status = await self.receiver.receive(kv_convert.push_items_from_pb(request_iterator))
@@ -83,4 +91,5 @@ def build(config: MainDecodeConfig) -> ServiceSpec:
         start=instance.start,
         stop=instance.stop,
         serving=instance.register,
+        draining=servicer.many.drain,
     )

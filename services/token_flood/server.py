@@ -2,9 +2,9 @@
 
 ``pdd bench gateway`` measures the gateway's own CPU per streamed token; a real engine on these
 cores cannot produce tokens fast enough to load a gateway core, so this stage stands in for
-MainDecode: it registers with kvstore as one, accepts a pipeline-MD ``Decode`` and answers
-``Accepted``, then the request's ``max_tokens`` tokens ``tokens_per_message`` at a time, each
-message as soon as the previous one was written, then ``Finished``. Everything else MainDecode
+MainDecode: it registers with kvstore as one, accepts a pipeline-MD ``Decode`` (or a call on a ``DecodeMany`` stream) and
+answers ``Accepted``, then the request's ``max_tokens`` tokens ``tokens_per_message`` at a time,
+each as soon as every other running request had its turn, then ``Finished``. Everything else MainDecode
 serves is refused (UNIMPLEMENTED): the gateway's P-MD and relay paths are not what it loads.
 Token ids are a fixed function of the position, so a client can check what it received.
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator
 
 import grpc
 import structlog
@@ -20,11 +21,12 @@ import structlog
 from pdd.core.errors import InvalidArgumentError
 from pdd.core.instance import Instance, InstanceLoad, InstanceRef, Role
 from pdd.core.pipeline import Pipeline
-from pdd.core.stage_events import Accepted, Finished, Tokens
+from pdd.core.stage_events import Accepted, DecodeEvent, DecodeJob, Finished, Tokens
 from pdd.gen.main_decode.v1 import main_decode_service_pb2_grpc as pb_grpc
 from pdd.server.bootstrap import ServiceSpec
 from pdd.testbed.flood_tokens import token_at
 from pdd.wire import main_decode as conv
+from pdd.wire.decode_many import DecodeManyStreams
 from pdd.wire.kvstore_client import KvstoreClient
 from services.token_flood.config import TokenFloodConfig
 
@@ -38,24 +40,36 @@ class TokenFloodServicer(pb_grpc.MainDecodeServiceServicer):
     def __init__(self, config: TokenFloodConfig) -> None:
         self.config = config
         self.running = 0
+        self.many = DecodeManyStreams(self.events, lambda: config.vocab_size, config.instance_id)
 
-    async def Decode(self, request, context):
+    async def events(self, job: DecodeJob) -> AsyncIterator[DecodeEvent]:
+        """A request's events: ``tokens_per_message`` tokens a step, every running request's
+        step taken before the next (what an engine step makes for a batch)."""
         cfg = self.config
-        job = conv.job_from_pb(request, cfg.vocab_size)
         if job.pipeline is not Pipeline.MD:
             raise InvalidArgumentError(
                 "pipeline", f"the token flood serves pipeline MD only, got {job.pipeline.value}"
             )
-        me, n, k = cfg.instance_id, job.sampling.max_tokens, cfg.tokens_per_message
+        n, k = job.sampling.max_tokens, cfg.tokens_per_message
         self.running += 1
         try:
-            yield conv.event_to_pb(Accepted(0), me)
+            yield Accepted(0)
             for start in range(0, n, k):
                 ids = tuple(token_at(p, cfg.vocab_size) for p in range(start, min(n, start + k)))
-                yield conv.event_to_pb(Tokens(start, ids), me)
-            yield conv.event_to_pb(Finished("length", n, n), me)
+                yield Tokens(start, ids)
+                await asyncio.sleep(0)  # NOTE: the other requests' step
+            yield Finished("length", n, n)
         finally:
             self.running -= 1
+
+    async def Decode(self, request, context):
+        job = conv.job_from_pb(request, self.config.vocab_size)
+        async for ev in self.events(job):
+            yield conv.event_to_pb(ev, self.config.instance_id)
+
+    async def DecodeMany(self, request_iterator, context):
+        async for msg in self.many.serve(request_iterator):
+            yield msg
 
 
 class Membership:
@@ -114,4 +128,5 @@ def build(config: TokenFloodConfig) -> ServiceSpec:
         register=lambda server: pb_grpc.add_MainDecodeServiceServicer_to_server(servicer, server),
         stop=membership.stop,
         serving=membership.start,
+        draining=servicer.many.drain,
     )

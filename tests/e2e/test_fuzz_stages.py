@@ -234,7 +234,7 @@ def test_the_hostile_cases_cover_every_method():
 # Requests that open a stage's work: a valid one is accepted and then waits on peers that do not
 # exist (a random prefill or relay address), so the client's deadline ends it (and cancels it);
 # that is the one case where DEADLINE_EXCEEDED is the expected end.
-OPENERS = {"Generate", "Prefill", "Decode"}
+OPENERS = {"Generate", "Prefill", "Decode", "DecodeMany"}
 OPENER_TIMEOUT_S = 3.0
 _IDS = st.sampled_from(["", "ghost-request", "x" * 300, "a b", "\u00e9\u0000", "-1"])
 _U32_EDGES = st.sampled_from([0, 1, 2, 3, 4, 15, 16, 17, 2**31 - 1, 2**31, 2**32 - 1])

@@ -108,8 +108,14 @@ async def test_one_request_id_is_in_every_services_log(stack, face):
     while True:
         found = {name: lines_of(stack, name, rid) for name in SERVICES}
         events = {name: {d["event"] for d in lines} for name, lines in found.items()}
+        # NOTE: MainDecode serves the gateway's requests as calls on one shared stream
+        # (DecodeMany): each call's line stands for its Decode call.
         rpcs = {
-            name: {d.get("rpc") for d in lines if d["event"] == "rpc_finished"}
+            name: {
+                "Decode" if d["event"] == "decode_call_finished" else d.get("rpc")
+                for d in lines
+                if d["event"] in ("rpc_finished", "decode_call_finished")
+            }
             for name, lines in found.items()
         }
         complete = (

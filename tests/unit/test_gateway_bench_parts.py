@@ -37,7 +37,7 @@ def test_a_window_turns_cpu_time_into_tokens_per_core_second():
     assert w.tokens_per_core_s == pytest.approx(40_000)
     assert w.busy == pytest.approx(0.25)
     row = table([w])[-1].split()
-    assert row[:3] == ["grpc", "1", "20000"] and row[-2:] == ["0.80", "0"]  # 0.8 x 50k
+    assert row[:4] == ["grpc", "shared", "1", "20000"] and row[-2:] == ["0.80", "0"]  # 0.8 x 50k
     assert Window("http", 4).tokens_per_core_s is None  # nothing measured: no figure
 
 

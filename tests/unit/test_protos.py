@@ -128,6 +128,7 @@ def test_buf_breaking_catches_a_removed_field(tmp_path):
             "MainDecodeService",
             {
                 "Decode",
+                "DecodeMany",
                 "PushKv",
                 "GetKvTransfer",
                 "WaitKvReady",

@@ -33,6 +33,50 @@ class DecodeResponse(_message.Message):
     finished: Finished
     def __init__(self, accepted: _Optional[_Union[Accepted, _Mapping]] = ..., tokens: _Optional[_Union[_common_pb2.TokenDelta, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ...) -> None: ...
 
+class DecodeManyRequest(_message.Message):
+    __slots__ = ("call_id", "decode", "cancel", "timeout_ms")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    decode: DecodeRequest
+    cancel: DecodeCancel
+    timeout_ms: int
+    def __init__(self, call_id: _Optional[int] = ..., decode: _Optional[_Union[DecodeRequest, _Mapping]] = ..., cancel: _Optional[_Union[DecodeCancel, _Mapping]] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
+class DecodeCancel(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DecodeManyResponse(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[DecodeManyEvent]
+    def __init__(self, events: _Optional[_Iterable[_Union[DecodeManyEvent, _Mapping]]] = ...) -> None: ...
+
+class DecodeManyEvent(_message.Message):
+    __slots__ = ("call_id", "accepted", "tokens", "finished", "end")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    accepted: Accepted
+    tokens: _common_pb2.TokenDelta
+    finished: Finished
+    end: DecodeEnd
+    def __init__(self, call_id: _Optional[int] = ..., accepted: _Optional[_Union[Accepted, _Mapping]] = ..., tokens: _Optional[_Union[_common_pb2.TokenDelta, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ..., end: _Optional[_Union[DecodeEnd, _Mapping]] = ...) -> None: ...
+
+class DecodeEnd(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
 class Accepted(_message.Message):
     __slots__ = ("instance_id", "cached_tokens")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]

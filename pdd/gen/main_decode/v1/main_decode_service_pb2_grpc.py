@@ -43,6 +43,11 @@ class MainDecodeServiceStub:
                 request_serializer=pdd_dot_main__decode_dot_v1_dot_main__decode__service__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=pdd_dot_main__decode_dot_v1_dot_main__decode__service__pb2.DecodeResponse.FromString,
                 _registered_method=True)
+        self.DecodeMany = channel.stream_stream(
+                '/pdd.main_decode.v1.MainDecodeService/DecodeMany',
+                request_serializer=pdd_dot_main__decode_dot_v1_dot_main__decode__service__pb2.DecodeManyRequest.SerializeToString,
+                response_deserializer=pdd_dot_main__decode_dot_v1_dot_main__decode__service__pb2.DecodeManyResponse.FromString,
+                _registered_method=True)
         self.PushKv = channel.stream_unary(
                 '/pdd.main_decode.v1.MainDecodeService/PushKv',
                 request_serializer=pdd_dot_main__decode_dot_v1_dot_main__decode__service__pb2.PushKvRequest.SerializeToString,
@@ -81,6 +86,18 @@ class MainDecodeServiceServicer:
         """Opened by the gateway: matches the prompt against the DRC and locks the
         hit (reported in Accepted), waits for the KV delta (P-MD) or the handoff
         (P-RLD-MD), then streams tokens.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DecodeMany(self, request_iterator, context):
+        """Many requests' Decode on one stream (a gateway opens one per MainDecode):
+        requests to start and to cancel in; every request's events out, joined —
+        what one engine step made for all of them goes out as one message, where
+        Decode sends a message per request per step. Each request ends on the
+        stream with its own status (DecodeEnd); the stream itself ends only when
+        the gateway stops writing and every request it started has ended.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -130,6 +147,11 @@ def add_MainDecodeServiceServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=pdd_dot_main__decode_dot_v1_dot_main__decode__service__pb2.DecodeRequest.FromString,
                     response_serializer=pdd_dot_main__decode_dot_v1_dot_main__decode__service__pb2.DecodeResponse.SerializeToString,
+            ),
+            'DecodeMany': grpc.stream_stream_rpc_method_handler(
+                    servicer.DecodeMany,
+                    request_deserializer=pdd_dot_main__decode_dot_v1_dot_main__decode__service__pb2.DecodeManyRequest.FromString,
+                    response_serializer=pdd_dot_main__decode_dot_v1_dot_main__decode__service__pb2.DecodeManyResponse.SerializeToString,
             ),
             'PushKv': grpc.stream_unary_rpc_method_handler(
                     servicer.PushKv,
@@ -188,6 +210,33 @@ class MainDecodeService:
             '/pdd.main_decode.v1.MainDecodeService/Decode',
             pdd_dot_main__decode_dot_v1_dot_main__decode__service__pb2.DecodeRequest.SerializeToString,
             pdd_dot_main__decode_dot_v1_dot_main__decode__service__pb2.DecodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DecodeMany(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdd.main_decode.v1.MainDecodeService/DecodeMany',
+            pdd_dot_main__decode_dot_v1_dot_main__decode__service__pb2.DecodeManyRequest.SerializeToString,
+            pdd_dot_main__decode_dot_v1_dot_main__decode__service__pb2.DecodeManyResponse.FromString,
             options,
             channel_credentials,
             insecure,
