@@ -249,19 +249,31 @@ class Stack:
         return ["--metrics-port", str(port)]
 
     def _start(self, name: str, module: str, args: list[str]) -> Process:
-        # NOTE: a cluster's link asks for its /metrics itself (a plain TCP proxy: no TLS there).
-        if module != "services.wan_link":
-            args = [*args, *self._metrics_flags(name)]
-        p = start_module(
-            name,
-            module,
-            [*args, "--log-format", "json"],
-            env=dict(self.config.env),
-            log_dir=self.config.log_dir,
-            timeout=self.config.start_timeout_s,
-        )
-        self.processes.append(p)
-        return p
+        # NOTE: a free port is only free when it was asked for: until the service binds it, an
+        # outgoing connection's ephemeral port (same range) can take it. A start that failed
+        # on a /metrics port chosen that way is retried on another (CI saw kvstore fail so).
+        retry_port = self.config.metrics and not self.config.metrics_port_base
+        for attempt in range(3):
+            # NOTE: a cluster's link asks for its /metrics itself (a plain TCP proxy: no TLS).
+            full = args if module == "services.wan_link" else [*args, *self._metrics_flags(name)]
+            try:
+                p = start_module(
+                    name,
+                    module,
+                    [*full, "--log-format", "json"],
+                    env=dict(self.config.env),
+                    log_dir=self.config.log_dir,
+                    timeout=self.config.start_timeout_s,
+                )
+            except UnavailableError as exc:
+                taken = "Address already in use" in str(exc).split("\n", 1)[0]
+                if not (taken and retry_port and full is not args and attempt < 2):
+                    raise
+                self.metrics.pop(name, None)
+                continue
+            self.processes.append(p)
+            return p
+        raise AssertionError("unreachable")
 
     def start(self) -> Stack:
         cfg = self.config
