@@ -76,24 +76,28 @@ class Outcome:
     end_s: float
     ttft_s: float | None
     request_id: str = ""
+    # The TTFT the gateway measured (its final stats): the stack's, without this client's lag.
+    gateway_ttft_s: float | None = None
 
 
 async def _request(stub, prompt: list[int], cfg: BurstConfig, rid: str, t0: float) -> Outcome:
     request = pb.GenerateRequest(max_tokens=cfg.max_tokens, ignore_eos=True, request_id=rid)
     request.prompt_token_ids.token_ids.extend(prompt)
     start = time.monotonic()
-    ttft = None
+    ttft = gateway_ttft = None
     try:
         async for resp in stub.Generate(request, timeout=cfg.deadline_s):
             if ttft is None and resp.token_ids:
                 ttft = time.monotonic() - start
+            if resp.HasField("stats") and resp.stats.ttft_ms > 0:
+                gateway_ttft = resp.stats.ttft_ms / 1000
         status = COMPLETED
     except grpc.aio.AioRpcError as exc:
         status = {
             grpc.StatusCode.RESOURCE_EXHAUSTED: REFUSED,
             grpc.StatusCode.DEADLINE_EXCEEDED: DEADLINE,
         }.get(exc.code(), exc.code().name)
-    return Outcome(status, start - t0, time.monotonic() - t0, ttft, rid)
+    return Outcome(status, start - t0, time.monotonic() - t0, ttft, rid, gateway_ttft)
 
 
 def _prompt(rng: random.Random, cfg: BurstConfig) -> list[int]:
@@ -172,6 +176,11 @@ def timeline(burst: Sequence[Outcome], bin_s: float = 5.0) -> list[dict]:
     return rows
 
 
+def _p50_p90(xs: Sequence[float | None]) -> dict:
+    got = [x for x in xs if x is not None]
+    return {"p50": _pct(got, 50), "p90": _pct(got, 90)}
+
+
 def report(cfg: BurstConfig, cap: list[Outcome], burst: list[Outcome]) -> dict:
     """The run's numbers (times in ms)."""
     cap_done = [o for o in cap if o.status == COMPLETED]
@@ -199,6 +208,8 @@ def report(cfg: BurstConfig, cap: list[Outcome], burst: list[Outcome]) -> dict:
         ),
         "ttft_ms_at_capacity": {"p50": _pct(cap_ttft, 50), "p90": _pct(cap_ttft, 90)},
         "ttft_ms_accepted_in_burst": {"p50": _pct(ttft, 50), "p90": _pct(ttft, 90)},
+        "gateway_ttft_ms_at_capacity": _p50_p90([o.gateway_ttft_s for o in cap_done]),
+        "gateway_ttft_ms_accepted_in_burst": _p50_p90([o.gateway_ttft_s for o in done]),
         "timeline": timeline(burst),
         "request_ids": [o.request_id for o in (*cap, *burst)],
     }
@@ -250,7 +261,18 @@ def _render(r: dict) -> str:
             "TTFT accepted in burst P50/P90",
             "{p50} / {p90} ms".format(**r["ttft_ms_accepted_in_burst"]),
         ),
+        (
+            "  as the gateway measured",
+            "at capacity {} / {} ms, in burst {} / {} ms".format(
+                *r["gateway_ttft_ms_at_capacity"].values(),
+                *r["gateway_ttft_ms_accepted_in_burst"].values(),
+            ),
+        ),
     ]
+    if lag := r.get("client_loop_lag_ms"):
+        rows.append(
+            ("this client's loop late by", "P50 {p50} / P99 {p99} / max {max} ms".format(**lag))
+        )
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 

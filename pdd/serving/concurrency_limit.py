@@ -39,7 +39,7 @@ class GradientConfig:
     min_limit: int = 4
     max_limit: int = 1024
     # How much the short-window latency may exceed the long one before the limit falls.
-    tolerance: float = 1.5
+    tolerance: float = 1.2
     # Samples in the short and long exponential averages.
     short_window: int = 16
     long_window: int = 512
