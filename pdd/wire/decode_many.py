@@ -105,7 +105,7 @@ class DecodeManyStreams:
                         raise UnavailableError("main_decode is shutting down")
                 except Exception as exc:  # noqa: BLE001 — a bad job ends its call, not the stream
                     if call_id not in calls:
-                        out.put_nowait(_ended(call_id, exc))
+                        out.put_nowait(conv.ended_to_pb(call_id, _end_for(exc)))
                     continue
                 if isinstance(action, conv.CancelCall):
                     if (task := calls.get(call_id)) is not None:
@@ -144,9 +144,8 @@ async def _call(start: conv.StartCall, decode: Decode, instance_id: str, out, ca
     except TimeoutError:
         end = conv.CallEnded("DEADLINE_EXCEEDED", "the call's deadline passed")
     except Exception as exc:  # noqa: BLE001 — every failure ends the call with its status
-        code, message = status_for(exc)
-        end = conv.CallEnded(code.name, message)
-        if code.name in ("INTERNAL", "UNKNOWN"):
+        end = _end_for(exc)
+        if end.code in ("INTERNAL", "UNKNOWN"):
             log.exception("decode_many_call_failed", call_id=call_id)
     finally:
         with contextlib.suppress(Exception):
@@ -158,6 +157,7 @@ async def _call(start: conv.StartCall, decode: Decode, instance_id: str, out, ca
         log.info("decode_call_finished", call_id=call_id, code=end.code, ms=ms)
 
 
-def _ended(call_id: int, exc: BaseException) -> pb.DecodeManyEvent:
+def _end_for(exc: BaseException) -> conv.CallEnded:
+    """How a call that raised ``exc`` ends: the status its ``Decode`` would have had."""
     code, message = status_for(exc)
-    return conv.ended_to_pb(call_id, conv.CallEnded(code.name, message))
+    return conv.CallEnded(code.name, message)
