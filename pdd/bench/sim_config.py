@@ -54,8 +54,10 @@ class SimConfig:
     max_kv_usage: float = 0.95
     # "threshold": the report's router (θ on the predicted hit); "link_aware": the live gateway's
     # default since router v2 (the relay only when the delta's estimated transfer on the measured
-    # link exceeds ``ttft_budget_s``; θ until the link is measured).
+    # link exceeds the budget: ``ttft_budget_ratio`` × the run's recent median TTFT, or
+    # ``ttft_budget_s`` until one is known; θ until the link is measured).
     pipeline_policy: str = "threshold"
+    ttft_budget_ratio: float = RoutingConfig.ttft_budget_ratio
     ttft_budget_s: float = 0.5
     # The SLA on TTFT, as the report's.
     sla_p90_s: float = 10.0
@@ -96,5 +98,6 @@ class SimConfig:
             relay_busy_requests=max(1, self.relay_busy_requests),
             max_kv_usage=self.max_kv_usage,
             pipeline_policy=self.pipeline_policy,
+            ttft_budget_ratio=self.ttft_budget_ratio,
             ttft_budget_s=self.ttft_budget_s,
         )

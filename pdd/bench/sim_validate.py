@@ -121,6 +121,7 @@ def digest(report_dir: str | Path, testbed=None) -> dict:
             "wan_delay_ms": tb.wan_delay_ms,
             "pipeline_policy": router.pipeline_policy,
             "ttft_budget_s": router.ttft_budget_s,
+            "ttft_budget_ratio": router.ttft_budget_ratio,
         },
         "results": results,
     }
@@ -146,6 +147,8 @@ def testbed_config(d: dict, profile: str) -> SimConfig:
         # NOTE: a run recorded before router v2 (no field) was routed by θ
         pipeline_policy=tb.get("pipeline_policy", "threshold"),
         ttft_budget_s=tb.get("ttft_budget_s", 0.5),
+        # NOTE: one recorded before the budget scaled with TTFT held the absolute one
+        ttft_budget_ratio=tb.get("ttft_budget_ratio", 0.0),
         sla_p90_s=1.0,
         sla_p99_s=1e9,
     )

@@ -46,6 +46,7 @@ from pdd.core.instance import Instance, InstanceLoad, InstanceRef, Role
 from pdd.core.link_state import LinkState
 from pdd.core.pipeline import HandoffMode, Pipeline
 from pdd.routing.policy import route
+from pdd.serving.route_ledger import RouteLedger
 
 MODES = ("idc-pd", "cdc-pd", "pdd")
 
@@ -133,6 +134,8 @@ class _Run:
         }
         self._views: dict[str, tuple[tuple, Instance]] = {}
         self.outcomes: list[Outcome] = []
+        # Recent first-token latencies: the link-aware router's reference, as the gateway keeps.
+        self.ttfts = RouteLedger()
         self.wan_bytes = 0.0
 
     # --- routing ------------------------------------------------------------------------------
@@ -173,6 +176,7 @@ class _Run:
             force_pipeline=force,
             links=links,
             kv_bytes_per_token=int(round(self.kv)),
+            reference_ttft_s=self.ttfts.reference_ttft_s(),
         )
 
     # --- a request's life ---------------------------------------------------------------------
@@ -233,6 +237,7 @@ class _Run:
     def _first(self, o: Outcome, t: float, back: float) -> None:
         if o.ttft is None:
             o.ttft = t + back - o.start
+            self.ttfts.observe_ttft(o.ttft)
 
     def _finish(self, o: Outcome, t: float) -> None:
         r = o.req

@@ -24,7 +24,8 @@ class LinkState:
     in_flight_bytes: int = 0
     # Round trip over the link itself (a tiny call through the same path); 0: not measured yet.
     rtt_s: float = 0.0
-    # Milliseconds since the Unix epoch of the measurement.
+    # Milliseconds since the Unix epoch of the measurement (the queue's snapshot: when the state
+    # was read for a load report).
     measured_at_ms: int = 0
     # False after consecutive push failures, or when no RTT answer came within its deadline.
     healthy: bool = True
@@ -48,10 +49,24 @@ class LinkState:
         """Whether a throughput was measured (the router's estimate needs one)."""
         return self.throughput_bps > 0
 
-    def transfer_s(self, delta_bytes: int) -> float:
-        """Estimated seconds until ``delta_bytes`` pushed now have crossed: the bytes ahead of it
-        (queued + in flight), then its own, at the measured throughput, plus one round trip."""
+    def bytes_ahead(self, now_ms: int | None = None) -> float:
+        """Bytes queued and in flight, as reported, less what the link has carried since the
+        report at its measured throughput: a report is seconds old when the router reads it
+        (one heartbeat), and what was on the wire then has mostly crossed."""
+        ahead = float(self.queued_bytes + self.in_flight_bytes)
+        if now_ms is not None and self.measured_at_ms and self.measured:
+            age_s = max(0, now_ms - self.measured_at_ms) / 1000
+            ahead = max(0.0, ahead - self.throughput_bps * age_s)
+        return ahead
+
+    def transfer_s(
+        self, delta_bytes: int, now_ms: int | None = None, known_ahead: int = 0
+    ) -> float:
+        """Estimated seconds until ``delta_bytes`` pushed now have crossed: the bytes ahead of it,
+        then its own, at the measured throughput, plus one round trip. Bytes ahead: the report's,
+        drained since ``now_ms`` (``bytes_ahead``), or ``known_ahead`` — what the caller itself
+        sent onto the link and has not seen cross — when that is more."""
         if not self.measured:
             raise ValueError(f"throughput_bps: link to {self.cluster!r} is not measured yet")
-        ahead = self.queued_bytes + self.in_flight_bytes
+        ahead = max(self.bytes_ahead(now_ms), float(known_ahead))
         return (ahead + delta_bytes) / self.throughput_bps + self.rtt_s

@@ -113,6 +113,8 @@ class LinkMeter:
         return self.failures < self.config.max_failures and not self.rtt_lost
 
     def state(self) -> LinkState:
+        """The link now; stamped with the time of this read (its queue is a snapshot the router
+        drains by age), or 0 while nothing was measured yet."""
         queued = sum(p.total for p in self._pushes if not p.started)
         in_flight = sum(p.total - p.read for p in self._pushes if p.started)
         return LinkState(
@@ -121,7 +123,7 @@ class LinkMeter:
             queued,
             in_flight,
             self.rtt_s,
-            self._measured_at_ms,
+            self._wall_ms() if self._measured_at_ms else 0,
             self.healthy,
         )
 

@@ -10,7 +10,7 @@ Life of a decision (docs/architecture.md, "A request's path"), Filter → Scorer
      link, while one exists; then instances of the role whose KV pool still has room;
   2. score: prefix affinity (predicted cached tokens / ``tokens_per_load_unit``) minus load
      (running + waiting requests); for MainDecode under ``link_aware`` also minus the estimated
-     transfer time of its delta on its cluster's link, in units of ``ttft_budget_s`` (a delta
+     transfer time of its delta on its cluster's link, in units of the budget (a delta
      that would take one whole budget to cross costs as much as one running request); plain
      load for the relay (it holds no prefix);
   3. pick: the best score, ties broken by the seeded generator.
@@ -19,8 +19,13 @@ Life of a decision (docs/architecture.md, "A request's path"), Filter → Scorer
     suffix itself: no prefill stage, no KV on the WAN — conditional disaggregation);
   - no relay registered → P-MD;
   - ``link_aware`` with the chosen MainDecode's link measured (and the KV size per token known):
-    estimated transfer = (queued + in-flight bytes + delta bytes) / throughput + RTT;
-    P-RLD-MD only when it exceeds ``ttft_budget_s``, else P-MD (an unhealthy link: P-RLD-MD);
+    estimated transfer = (bytes ahead + delta bytes) / throughput + RTT, where the bytes ahead
+    are the link's report drained by its age, or what the caller itself has pending on the link
+    when that is more (``LinkState.transfer_s``); P-RLD-MD only when it exceeds the budget,
+    else P-MD (an unhealthy link: P-RLD-MD). The budget scales with the deployment:
+    ``ttft_budget_ratio`` × the reference TTFT (the first-token latency the caller measured
+    recently, which no WAN transfer is in) — ``ttft_budget_s`` until one is known, or always
+    when the ratio is 0 (``ttft_budget``);
   - otherwise (``threshold``, or a link not measured yet): the report's fixed θ — predicted hit
     ≥ ``hit_threshold`` → P-MD, else P-RLD-MD;
   - the guarded relay: a relay is *full* at ``relay_max_requests`` requests or a KV pool fuller
@@ -37,7 +42,7 @@ import enum
 import math
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdd.core.instance import Instance, Role
 from pdd.core.link_state import LinkState
@@ -59,10 +64,15 @@ class RoutingConfig:
     relay_busy_requests: int = 4
     # Instances whose KV pool is fuller than this are filtered out (when others remain).
     max_kv_usage: float = 0.95
-    # "link_aware": P-RLD-MD only when the delta's estimated transfer exceeds ttft_budget_s;
+    # "link_aware": P-RLD-MD only when the delta's estimated transfer exceeds the budget;
     # "threshold": the report's fixed θ on the predicted hit (hit_threshold).
     pipeline_policy: str = "link_aware"
-    # Estimated seconds of WAN transfer a P-MD request may wait for its delta.
+    # Estimated seconds of WAN transfer a P-MD request may wait for its delta, in units of the
+    # deployment's own recent TTFT (prefill's first token, no transfer in it). 4: the relay
+    # takes only deltas that would hold the first decoded token back by several first tokens
+    # (measured: README, "The relay alone"); 0: the absolute ttft_budget_s always.
+    ttft_budget_ratio: float = 4.0
+    # The budget in seconds while no reference TTFT is known (or with ttft_budget_ratio 0).
     ttft_budget_s: float = 0.5
     # A relay holding this many requests is full (the guarded relay).
     relay_max_requests: int = 32
@@ -88,6 +98,10 @@ class RoutingConfig:
             )
         if not (math.isfinite(self.ttft_budget_s) and self.ttft_budget_s > 0):
             raise ValueError(f"ttft_budget_s: must be positive, got {self.ttft_budget_s}")
+        if not (math.isfinite(self.ttft_budget_ratio) and self.ttft_budget_ratio >= 0):
+            raise ValueError(
+                f"ttft_budget_ratio: must be finite and >= 0, got {self.ttft_budget_ratio}"
+            )
         if self.relay_max_requests < 1:
             raise ValueError(f"relay_max_requests: must be >= 1, got {self.relay_max_requests}")
         if not 0.0 < self.relay_max_kv_usage <= 1.0:
@@ -125,6 +139,8 @@ class Route:
     # Estimated seconds for the delta to cross the chosen MainDecode's link (None: unknown —
     # the link is not measured, or the KV size per token is not known).
     estimated_transfer_s: float | None = None
+    # The budget that estimate was held against (link_aware).
+    budget_s: float | None = None
 
 
 class NoInstanceError(LookupError):
@@ -157,8 +173,25 @@ def relay_full(relay: Instance, config: RoutingConfig) -> bool:
     return _load(relay) >= config.relay_max_requests or _usage(relay) > config.relay_max_kv_usage
 
 
+def ttft_budget(config: RoutingConfig, reference_ttft_s: float | None) -> float:
+    """Seconds of estimated transfer a P-MD request may wait for: ``ttft_budget_ratio`` × the
+    deployment's reference TTFT, or ``ttft_budget_s`` while none is known (or the ratio is 0)."""
+    if config.ttft_budget_ratio and reference_ttft_s is not None and reference_ttft_s > 0:
+        return config.ttft_budget_ratio * reference_ttft_s
+    return config.ttft_budget_s
+
+
+@dataclass(frozen=True)
+class LinkView:
+    """What the router knows of the WAN links besides their reports: the caller's own bytes
+    pending on each (by cluster) and the time now, which ages the reports."""
+
+    pending_bytes: Mapping[str, int] = field(default_factory=dict)
+    now_ms: int | None = None
+
+
 def transfer_estimate(
-    link: LinkState | None, delta_tokens: int, kv_bytes_per_token: int
+    link: LinkState | None, delta_tokens: int, kv_bytes_per_token: int, view: LinkView = LinkView()
 ) -> float | None:
     """Seconds for ``delta_tokens`` of KV to cross ``link``; None when unknown (no link state,
     not measured yet, or no KV size); infinite on an unhealthy link."""
@@ -166,7 +199,8 @@ def transfer_estimate(
         return math.inf
     if link is None or not link.measured or kv_bytes_per_token <= 0:
         return None
-    return link.transfer_s(delta_tokens * kv_bytes_per_token)
+    pending = view.pending_bytes.get(link.cluster, 0)
+    return link.transfer_s(delta_tokens * kv_bytes_per_token, view.now_ms, pending)
 
 
 def _pick(cands: list[Instance], score: Mapping[str, float], rng: random.Random) -> Instance:
@@ -193,6 +227,8 @@ def _main_decode_pick(
     prompt_len: int,
     links: Mapping[str, LinkState],
     kv_bytes_per_token: int,
+    view: LinkView,
+    budget_s: float,
     config: RoutingConfig,
     rng: random.Random,
 ) -> Instance:
@@ -200,10 +236,11 @@ def _main_decode_pick(
     score = {}
     for c in cands:
         held = min(cached.get(c.ref.instance_id, 0), prompt_len)
-        est = transfer_estimate(links.get(c.ref.cluster), prompt_len - held, kv_bytes_per_token)
+        delta = prompt_len - held
+        est = transfer_estimate(links.get(c.ref.cluster), delta, kv_bytes_per_token, view)
         # NOTE: an unknown estimate costs nothing (the affinity score alone, as under θ); an
         # unhealthy link is only left when every candidate's is (then its cost is no signal).
-        penalty = est / config.ttft_budget_s if est is not None and math.isfinite(est) else 0.0
+        penalty = est / budget_s if est is not None and math.isfinite(est) else 0.0
         score[c.ref.instance_id] = held / config.tokens_per_load_unit - _load(c) - penalty
     return _pick(cands, score, rng)
 
@@ -219,13 +256,17 @@ def route(
     force_handoff: HandoffMode | None = None,
     links: Mapping[str, LinkState] | Sequence[LinkState] | None = None,
     kv_bytes_per_token: int = 0,
+    link_view: LinkView = LinkView(),
+    reference_ttft_s: float | None = None,
 ) -> Route:
     """Choose a pipeline and its instances for a prompt of ``prompt_len`` tokens.
 
     ``cached_tokens`` maps instance id → predicted leading prompt tokens held. ``links``: the
     WAN links' states by remote cluster (default: what the chosen prefill reported, its
     ``load.links``). ``kv_bytes_per_token``: KV bytes one prompt token takes on the WAN (0:
-    unknown — ``link_aware`` then decides by θ).
+    unknown — ``link_aware`` then decides by θ). ``link_view``: the caller's own bytes pending
+    on each link and the time now (``LinkView``). ``reference_ttft_s``: the deployment's recent
+    first-token latency, which scales the budget (``ttft_budget``).
     """
     if prompt_len <= 0:
         raise ValueError(f"prompt_len: must be positive, got {prompt_len}")
@@ -235,6 +276,7 @@ def route(
     if links is None:
         links = prefill.load.links
     by_cluster = dict(links) if isinstance(links, Mapping) else {lk.cluster: lk for lk in links}
+    budget_s = ttft_budget(config, reference_ttft_s)
     if config.link_aware:
         mds = [i for i in instances if i.ref.role is Role.MAIN_DECODE]
         healthy = [m for m in mds if (lk := by_cluster.get(m.ref.cluster)) is None or lk.healthy]
@@ -242,7 +284,15 @@ def route(
         # a full pool queues, a dead link never delivers.
         mds = _filter(healthy or mds, Role.MAIN_DECODE, config)
         md = _main_decode_pick(
-            mds, cached_tokens, prompt_len, by_cluster, kv_bytes_per_token, config, rng
+            mds,
+            cached_tokens,
+            prompt_len,
+            by_cluster,
+            kv_bytes_per_token,
+            link_view,
+            budget_s,
+            config,
+            rng,
         )
     else:
         md = _affinity_pick(
@@ -251,7 +301,7 @@ def route(
     md_cached = min(cached_tokens.get(md.ref.instance_id, 0), prompt_len)
     hit = md_cached / prompt_len
     est = transfer_estimate(
-        by_cluster.get(md.ref.cluster), prompt_len - md_cached, kv_bytes_per_token
+        by_cluster.get(md.ref.cluster), prompt_len - md_cached, kv_bytes_per_token, link_view
     )
     relays = [i for i in instances if i.ref.role is Role.RELAY]
     if force_pipeline is not None:
@@ -261,7 +311,7 @@ def route(
     elif not relays:
         pipeline, reason = Pipeline.P_MD, RouteReason.NO_RELAY
     elif config.link_aware and est is not None:
-        slow = est > config.ttft_budget_s
+        slow = est > budget_s
         pipeline, reason = (Pipeline.P_RLD_MD if slow else Pipeline.P_MD), RouteReason.LINK_BUDGET
     else:
         pipeline = Pipeline.P_MD if hit >= config.hit_threshold else Pipeline.P_RLD_MD
@@ -281,4 +331,4 @@ def route(
             else:
                 busy = _load(relay) >= config.relay_busy_requests
                 mode = HandoffMode.ONE_SHOT if busy else HandoffMode.CATCH_UP
-    return Route(pipeline, prefill, md, relay, mode, hit, md_cached, reason, est)
+    return Route(pipeline, prefill, md, relay, mode, hit, md_cached, reason, est, budget_s)

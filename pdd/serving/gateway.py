@@ -39,19 +39,32 @@ import contextlib
 import random
 import sys
 import time
-from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
 import structlog
 
 from pdd.core.errors import PeerError, ResourceExhaustedError, UnavailableError
-from pdd.core.instance import Instance, Role
+from pdd.core.instance import Instance
 from pdd.core.pipeline import Pipeline, Stage
 from pdd.core.request import Ending, FinalEvent, GenerateJob, TokenEvent
-from pdd.core.stage_events import Accepted, DecodeJob, FirstToken, PrefillJob, RelayJob
+from pdd.core.stage_events import (
+    Accepted,
+    DecodeJob,
+    FirstToken,
+    PrefillJob,
+    RelayJob,
+    TransferDone,
+)
 from pdd.core.token_runs import coalesce
-from pdd.routing.policy import NoInstanceError, Route, RouteReason, RoutingConfig, route
+from pdd.routing.policy import (
+    LinkView,
+    NoInstanceError,
+    Route,
+    RouteReason,
+    RoutingConfig,
+    route,
+)
 from pdd.server.tls import TlsConfig
 from pdd.serving.admission import DEFAULT_MAX_IN_FLIGHT, Admission, Limits
 from pdd.serving.channels import Channels
@@ -78,6 +91,7 @@ from pdd.serving.gateway_run import (
     wait_accepted,
 )
 from pdd.serving.instance_view import InstanceView
+from pdd.serving.route_ledger import RouteLedger
 from pdd.telemetry.metrics import IN_FLIGHT_LIMIT, RELAY_FULL, RequestTracker
 from pdd.wire.call import EventStream
 
@@ -133,9 +147,9 @@ class Gateway(Recovery):
         if kv_bytes_per_token < 0:
             raise ValueError(f"kv_bytes_per_token: must be >= 0, got {kv_bytes_per_token}")
         self.kv_bytes_per_token = kv_bytes_per_token
-        # Requests this gateway has sent through each relay and not yet seen leave it: the
-        # guarded relay's load between two of its heartbeats (request id → relay id).
-        self._relay_holds: dict[str, str] = {}
+        # What this gateway routed and has not seen leave (relays, WAN links) and its recent
+        # first-token latency: the router's picture between two heartbeats.
+        self.ledger = RouteLedger()
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight: must be >= 1, got {max_in_flight}")
         # NOTE: the gateway reserves no KV: only the request count is bounded — by the adaptive
@@ -188,39 +202,22 @@ class Gateway(Recovery):
         the index is unreachable, from the last known instances, every hit 0 (``InstanceView``)."""
         hits = await self.view.predict(job.prompt_token_ids, job.cache_salt)
         cached = {h.instance.ref.instance_id: h.cached_tokens for h in hits}
+        ledger = self.ledger
         try:
             return route(
                 len(job.prompt_token_ids),
-                self._with_relay_holds([h.instance for h in hits]),
+                ledger.with_relay_holds([h.instance for h in hits]),
                 cached,
                 self.rng,
                 self.routing,
                 force_pipeline=job.force_pipeline,
                 force_handoff=job.handoff_mode,
                 kv_bytes_per_token=self.kv_bytes_per_token,
+                link_view=LinkView(ledger.pending_bytes(), int(time.time() * 1000)),
+                reference_ttft_s=ledger.reference_ttft_s(),
             )
         except NoInstanceError as exc:
             raise UnavailableError(str(exc)) from None
-
-    def _with_relay_holds(self, instances: list[Instance]) -> list[Instance]:
-        """Each relay's load as at least the requests this gateway holds on it.
-
-        NOTE: a relay reports its load once per heartbeat (seconds); a burst routed between
-        two would all see it idle and overrun ``relay_max_requests``. What the gateway itself
-        sent there and has not seen leave is a lower bound it knows at once.
-        """
-        held = Counter(self._relay_holds.values())
-        out = []
-        for inst in instances:
-            mine = held.get(inst.ref.instance_id, 0)
-            if inst.ref.role is Role.RELAY and mine > inst.load.running_requests:
-                inst = replace(inst, load=replace(inst.load, running_requests=mine))
-            out.append(inst)
-        return out
-
-    def _release_relay(self, request_id: str) -> None:
-        """The request left its relay (handed off, finished, refused) or ended."""
-        self._relay_holds.pop(request_id, None)
 
     async def generate(
         self, job: GenerateJob, ending: Ending | None = None, *, deadline_s: float | None = None
@@ -280,8 +277,7 @@ class Gateway(Recovery):
             # NOTE: every engine must draw from the same seed, or a handoff changes the sample.
             sampling = replace(sampling, seed=self.rng.getrandbits(63))
         plan = await self.choose_route(job)
-        if plan.relay is not None:
-            self._relay_holds[job.request_id] = plan.relay.ref.instance_id
+        self.ledger.hold(job.request_id, plan, len(job.prompt_token_ids), self.kv_bytes_per_token)
         run = Run(job, sampling, plan, stats_for(job, plan), t0)
         tracker.routed(plan.pipeline.value, len(job.prompt_token_ids))
         if plan.reason is RouteReason.RELAY_FULL:
@@ -293,6 +289,7 @@ class Gateway(Recovery):
             reason=plan.reason.value,
             predicted_hit=round(plan.predicted_hit_rate, 4),
             estimated_transfer_ms=None if est is None else round(est * 1000, 2),
+            budget_ms=None if plan.budget_s is None else round(plan.budget_s * 1000, 2),
             prefill=run.stats.prefill_instance,
             relay=run.stats.relay_instance,
             main_decode=run.stats.main_decode_instance,
@@ -303,7 +300,9 @@ class Gateway(Recovery):
             async for event in self._merged(run):
                 yield event
         finally:
-            self._release_relay(job.request_id)
+            self.ledger.release(job.request_id)
+            if run.stats.ttft_ms:
+                self.ledger.observe_ttft(run.stats.ttft_ms / 1000)
             stop_calls(run)
 
     async def _start(self, run: Run) -> None:
@@ -351,7 +350,7 @@ class Gateway(Recovery):
         """The relay failed before accepting: the request goes P-MD on the same MainDecode, its
         call reopened as P-MD (so MainDecode starts from prefill's first token, not a handoff)."""
         log.warning("relay_refused_p_md", relay=run.stats.relay_instance, error=str(error)[:200])
-        self._release_relay(run.job.request_id)
+        self.ledger.release_relay(run.job.request_id)
         stop_calls(run)
         run.plan = replace(run.plan, pipeline=Pipeline.P_MD, relay=None, handoff_mode=None)
         stats = run.stats
@@ -464,7 +463,7 @@ class Gateway(Recovery):
                 case StageEnded(stage=stage, stream=stream) if run.current(stage, stream):
                     del run.streaming[stage]
                     if stage is Stage.RELAY:
-                        self._release_relay(run.job.request_id)
+                        self.ledger.release_relay(run.job.request_id)
                         await self._relay_ended(run)
                 case StageFailed(stage=stage, error=error, stream=stream) if run.current(
                     stage, stream
@@ -480,6 +479,8 @@ class Gateway(Recovery):
                 ):
                     if isinstance(event, FirstToken):
                         self.start_kv_deadline(run)
+                    elif isinstance(event, TransferDone):
+                        self.ledger.release_link(run.job.request_id)
                     for ev in apply_event(run, stage, event):
                         count_tokens(run, ev)
                         ready.append(ev)

@@ -91,10 +91,18 @@ ROUTING = Settings(
     Flag(
         "pipeline_policy",
         "link_aware: through the relay only when the KV delta's estimated transfer on the "
-        "chosen MainDecode's link exceeds --ttft-budget-s (θ while the link is unmeasured); "
+        "chosen MainDecode's link exceeds the TTFT budget (θ while the link is unmeasured); "
         "threshold: the fixed θ on the predicted hit (--hit-threshold)",
     ),
-    Flag("ttft_budget_s", "estimated WAN transfer a P-MD request may wait for (link_aware)"),
+    Flag(
+        "ttft_budget_ratio",
+        "link_aware: the budget in units of the gateway's recent median TTFT (prefill's first "
+        "token, no transfer in it); 0 = --ttft-budget-s always",
+    ),
+    Flag(
+        "ttft_budget_s",
+        "link_aware: the budget in seconds until a TTFT was measured, or always with ratio 0",
+    ),
     Flag("relay_max_requests", "requests at which a relay is full (then P-MD instead)"),
     Flag("relay_max_kv_usage", "KV pool usage above which a relay is full; 1 = never by KV"),
     title="routing",

@@ -171,3 +171,13 @@ def test_links_round_trip_in_the_load_report():
     with pytest.raises(InvalidArgumentError) as info:
         conv.load_from_pb(bad)
     assert info.value.field == "load.links[0].rtt_s"
+
+
+def test_a_state_is_stamped_when_it_is_read():
+    # the router drains a report's queue by its age: the stamp is the read, not the last sample
+    wall = [1000]
+    m = LinkMeter("remote", clock=Clock(), wall_ms=lambda: wall[0])
+    assert m.state().measured_at_ms == 0  # nothing measured: no age to drain by
+    m.rtt(0.01)
+    wall[0] = 5000
+    assert m.state().measured_at_ms == 5000

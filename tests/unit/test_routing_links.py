@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 from pdd.core.instance import Instance, InstanceLoad, InstanceRef, Role
 from pdd.core.link_state import LinkState
 from pdd.core.pipeline import HandoffMode, Pipeline
-from pdd.routing.policy import RouteReason, RoutingConfig, route
+from pdd.routing.policy import LinkView, RouteReason, RoutingConfig, route
 
 BPT = 1000  # KV bytes per token
 
@@ -38,17 +39,30 @@ def ref_load(i):
     return i.load.running_requests + i.load.waiting_requests
 
 
-def ref_estimate(link, delta_tokens, bpt):
+def ref_estimate(link, delta_tokens, bpt, view=LinkView()):
     """Seconds for the delta to cross, longhand; None unknown; inf unhealthy."""
     if link is not None and not link.healthy:
         return math.inf
     if link is None or link.throughput_bps <= 0 or bpt <= 0:
         return None
-    queue_s = (link.queued_bytes + link.in_flight_bytes) / link.throughput_bps
-    return queue_s + delta_tokens * bpt / link.throughput_bps + link.rtt_s
+    ahead = link.queued_bytes + link.in_flight_bytes
+    if view.now_ms is not None and link.measured_at_ms:
+        # what was ahead at the report has been crossing since, at the measured rate
+        age_s = max(0, view.now_ms - link.measured_at_ms) / 1000
+        ahead = max(0.0, ahead - link.throughput_bps * age_s)
+    ahead = max(ahead, view.pending_bytes.get(link.cluster, 0))
+    return ahead / link.throughput_bps + delta_tokens * bpt / link.throughput_bps + link.rtt_s
 
 
-def ref_best_main_decodes(instances, cached, prompt_len, links, bpt, cfg):
+def ref_budget(cfg, reference):
+    if cfg.ttft_budget_ratio > 0 and reference:
+        return cfg.ttft_budget_ratio * reference
+    return cfg.ttft_budget_s
+
+
+def ref_best_main_decodes(
+    instances, cached, prompt_len, links, bpt, cfg, view=LinkView(), ref=None
+):
     """The set of best-scoring MainDecodes, every candidate enumerated."""
     mds = [i for i in instances if i.ref.role is Role.MAIN_DECODE]
     ok = [i for i in mds if links.get(i.ref.cluster) is None or links[i.ref.cluster].healthy]
@@ -57,17 +71,17 @@ def ref_best_main_decodes(instances, cached, prompt_len, links, bpt, cfg):
     scores = {}
     for m in mds:
         held = min(cached.get(m.ref.instance_id, 0), prompt_len)
-        est = ref_estimate(links.get(m.ref.cluster), prompt_len - held, bpt)
-        cost = 0.0 if est is None or est == math.inf else est / cfg.ttft_budget_s
+        est = ref_estimate(links.get(m.ref.cluster), prompt_len - held, bpt, view)
+        cost = 0.0 if est is None or est == math.inf else est / ref_budget(cfg, ref)
         scores[m.ref.instance_id] = held / cfg.tokens_per_load_unit - ref_load(m) - cost
     top = max(scores.values())
     return {k for k, v in scores.items() if v == top}
 
 
-def ref_pipeline(md, instances, cached, prompt_len, links, bpt, cfg):
+def ref_pipeline(md, instances, cached, prompt_len, links, bpt, cfg, view=LinkView(), ref=None):
     """(pipeline, reason, estimate) for the chosen MainDecode, rule by rule."""
     held = min(cached.get(md.ref.instance_id, 0), prompt_len)
-    est = ref_estimate(links.get(md.ref.cluster), prompt_len - held, bpt)
+    est = ref_estimate(links.get(md.ref.cluster), prompt_len - held, bpt, view)
     relays = [i for i in instances if i.ref.role is Role.RELAY]
     if cfg.local_prefill_tokens and prompt_len - held <= cfg.local_prefill_tokens:
         return Pipeline.MD, RouteReason.LOCAL_PREFILL, est
@@ -75,7 +89,7 @@ def ref_pipeline(md, instances, cached, prompt_len, links, bpt, cfg):
         return Pipeline.P_MD, RouteReason.NO_RELAY, est
     if cfg.pipeline_policy == "link_aware" and est is not None:
         want, why = (
-            (Pipeline.P_RLD_MD if est > cfg.ttft_budget_s else Pipeline.P_MD),
+            (Pipeline.P_RLD_MD if est > ref_budget(cfg, ref) else Pipeline.P_MD),
             RouteReason.LINK_BUDGET,
         )
     else:
@@ -114,6 +128,7 @@ links_st = st.builds(
     queued_bytes=st.integers(0, 10**7),
     in_flight_bytes=st.integers(0, 10**6),
     rtt_s=st.sampled_from([0.0, 0.001, 0.05, 0.3]),
+    measured_at_ms=st.sampled_from([0, 1_000, 5_000]),
     healthy=st.booleans(),
 )
 CLUSTERS = ["east", "west", "north"]
@@ -133,6 +148,10 @@ CLUSTERS = ["east", "west", "north"]
     seed=st.integers(0, 2**32),
     policy=st.sampled_from(["link_aware", "threshold"]),
     budget=st.sampled_from([0.05, 0.5, 5.0]),
+    ratio=st.sampled_from([0.0, 0.5, 2.0]),
+    reference=st.sampled_from([None, 0.02, 0.3]),
+    now_ms=st.sampled_from([None, 1_000, 1_500, 30_000]),
+    pending=st.dictionaries(st.sampled_from(CLUSTERS), st.integers(0, 10**7), max_size=3),
     relay_cap=st.integers(1, 4),
     relay_kv=st.sampled_from([0.5, 0.9, 1.0]),
     bpt=st.sampled_from([0, BPT]),
@@ -147,6 +166,10 @@ def test_route_matches_the_reference(
     seed,
     policy,
     budget,
+    ratio,
+    reference,
+    now_ms,
+    pending,
     relay_cap,
     relay_kv,
     bpt,
@@ -164,19 +187,24 @@ def test_route_matches_the_reference(
         local_prefill_tokens=local,
         pipeline_policy=policy,
         ttft_budget_s=budget,
+        ttft_budget_ratio=ratio,
         relay_max_requests=relay_cap,
         relay_max_kv_usage=relay_kv,
     )
-    r = route(prompt_len, instances, cached, random.Random(seed), cfg, kv_bytes_per_token=bpt)
+    view = LinkView(pending, now_ms)
+    known = dict(kv_bytes_per_token=bpt, link_view=view, reference_ttft_s=reference)
+    r = route(prompt_len, instances, cached, random.Random(seed), cfg, **known)
     if policy == "link_aware":
-        best = ref_best_main_decodes(instances, cached, prompt_len, links, bpt, cfg)
+        best = ref_best_main_decodes(
+            instances, cached, prompt_len, links, bpt, cfg, view, reference
+        )
         assert r.main_decode.ref.instance_id in best
         if any(c not in links or links[c].healthy for c, _, _ in mds):
             # never behind an unhealthy link while a healthy (or unmeasured) one exists
             chosen = links.get(r.main_decode.ref.cluster)
             assert chosen is None or chosen.healthy
     pipeline, reason, est = ref_pipeline(
-        r.main_decode, instances, cached, prompt_len, links, bpt, cfg
+        r.main_decode, instances, cached, prompt_len, links, bpt, cfg, view, reference
     )
     assert (r.pipeline, r.reason) == (pipeline, reason)
     assert r.estimated_transfer_s == (pytest.approx(est) if est not in (None, math.inf) else est)
@@ -186,9 +214,7 @@ def test_route_matches_the_reference(
         assert r.handoff_mode is (HandoffMode.ONE_SHOT if busy else HandoffMode.CATCH_UP)
     else:
         assert r.relay is None and r.handoff_mode is None
-    assert (
-        route(prompt_len, instances, cached, random.Random(seed), cfg, kv_bytes_per_token=bpt) == r
-    )
+    assert route(prompt_len, instances, cached, random.Random(seed), cfg, **known) == r
 
 
 # --- the rules, one at a time -------------------------------------------------------------------
@@ -216,6 +242,54 @@ def test_the_budget_decides_not_the_hit():
     queued = LinkState("remote", throughput_bps=1e9, queued_bytes=10**9, rtt_s=0.01)
     r = route(4096, stack(queued, md), {"md": 4096 - 16}, rng, cfg, kv_bytes_per_token=BPT)
     assert r.pipeline is Pipeline.P_RLD_MD and r.estimated_transfer_s > 1.0
+
+
+def test_the_budget_scales_with_the_deployments_own_ttft():
+    md = inst("md", Role.MAIN_DECODE, "remote")
+    link = LinkState("remote", throughput_bps=1e6, rtt_s=0.01)  # 190 tokens × 1 kB: 0.2 s
+    rng = random.Random(0)
+
+    def budget(cfg, reference):
+        r = route(
+            4096,
+            stack(link, md),
+            {"md": 4096 - 190},
+            rng,
+            cfg,
+            **dict(kv_bytes_per_token=BPT, reference_ttft_s=reference),
+        )
+        assert r.estimated_transfer_s == pytest.approx(0.2)
+        return r.budget_s, r.pipeline
+
+    cfg = RoutingConfig(ttft_budget_s=0.5, ttft_budget_ratio=2.0)
+    # a testbed whose first token takes 50 ms: 0.2 s of transfer is worth the relay
+    assert budget(cfg, 0.05) == (pytest.approx(0.1), Pipeline.P_RLD_MD)
+    # a deployment whose first token takes seconds: the same transfer hides behind it
+    assert budget(cfg, 2.0) == (pytest.approx(4.0), Pipeline.P_MD)
+    # nothing measured yet, or the ratio off: the absolute budget
+    assert budget(cfg, None) == (0.5, Pipeline.P_MD)
+    assert budget(replace(cfg, ttft_budget_ratio=0.0), 0.05) == (0.5, Pipeline.P_MD)
+
+
+def test_an_old_report_has_drained_and_the_callers_own_bytes_count():
+    md = inst("md", Role.MAIN_DECODE, "remote")
+    # 1 MB ahead at 1 MB/s when reported at t = 10 s
+    link = LinkState("remote", throughput_bps=1e6, queued_bytes=10**6, measured_at_ms=10_000)
+    rng = random.Random(0)
+
+    def est(view):
+        r = route(100, stack(link, md), {"md": 100}, rng, kv_bytes_per_token=BPT, link_view=view)
+        return r.estimated_transfer_s
+
+    assert est(LinkView()) == pytest.approx(1.0)  # no clock: the report as it is
+    assert est(LinkView(now_ms=10_000)) == pytest.approx(1.0)
+    assert est(LinkView(now_ms=10_400)) == pytest.approx(0.6)  # 0.4 s crossed since
+    assert est(LinkView(now_ms=12_000)) == pytest.approx(0.0)  # all of it
+    assert est(LinkView(now_ms=9_000)) == pytest.approx(1.0)  # a clock behind: no younger
+    # what the caller itself sent and has not seen cross, when that is more
+    assert est(LinkView({"remote": 3 * 10**5}, 12_000)) == pytest.approx(0.3)
+    assert est(LinkView({"remote": 3 * 10**5}, 10_000)) == pytest.approx(1.0)
+    assert est(LinkView({"elsewhere": 10**9}, 12_000)) == pytest.approx(0.0)
 
 
 def test_unmeasured_link_or_unknown_kv_size_falls_back_to_theta():
@@ -329,6 +403,8 @@ def test_a_full_relay_sends_low_hit_requests_p_md():
     [
         (dict(pipeline_policy="hit_only"), "pipeline_policy"),
         (dict(ttft_budget_s=0.0), "ttft_budget_s"),
+        (dict(ttft_budget_ratio=-1.0), "ttft_budget_ratio"),
+        (dict(ttft_budget_ratio=math.inf), "ttft_budget_ratio"),
         (dict(relay_max_requests=0), "relay_max_requests"),
         (dict(relay_max_kv_usage=0.0), "relay_max_kv_usage"),
     ],
