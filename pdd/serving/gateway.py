@@ -81,7 +81,7 @@ from pdd.serving.gateway_run import (
     StageEnded,
     StageEvent,
     StageFailed,
-    StageItem,
+    add_reader,
     apply_event,
     count_tokens,
     final_event,
@@ -423,22 +423,7 @@ class Gateway(Recovery):
 
     def _add_reader(self, run: Run, stage: Stage, stream: EventStream) -> None:
         """Read ``stream`` into the request's queue as the stage's open call."""
-        run.readers.append(asyncio.create_task(self._pump(stage, stream, run.queue)))
-        run.streaming[stage] = stream
-
-    async def _pump(
-        self, stage: Stage, stream: EventStream, queue: asyncio.Queue[StageItem]
-    ) -> None:
-        # NOTE: read(), not `async for`: grpc.aio forbids mixing both on one call (accepted read()).
-        try:
-            while (event := await stream.read()) is not None:
-                queue.put_nowait(StageEvent(stage, event, stream))
-        except PeerError as exc:
-            if not exc.cancelled:
-                queue.put_nowait(StageFailed(stage, exc, stream))
-        except Exception as exc:  # noqa: BLE001 — never let a stage's stream fail silently
-            queue.put_nowait(StageFailed(stage, exc, stream))
-        queue.put_nowait(StageEnded(stage, stream))
+        add_reader(run, stage, stream)
 
     async def _merged(self, run: Run) -> AsyncIterator[TokenEvent | FinalEvent]:
         # NOTE: every service ends its stream when its part is done (prefill after TransferDone,

@@ -200,6 +200,36 @@ def stats_for(job: GenerateJob, plan: Route) -> RequestStats:
     )
 
 
+def add_reader(run: Run, stage: Stage, stream: EventStream) -> None:
+    """Read ``stream`` into the request's queue as the stage's open call."""
+    run.streaming[stage] = stream
+    queue = run.queue
+    if (pipe := getattr(stream, "pipe", None)) is not None:
+        # NOTE: a shared decode stream hands its events straight into the queue (``_pump`` in its
+        # reader task): one queue and one task switch less per token.
+        def on_end(exc: PeerError | None) -> None:
+            if exc is not None and not exc.cancelled:
+                queue.put_nowait(StageFailed(stage, exc, stream))
+            queue.put_nowait(StageEnded(stage, stream))
+
+        pipe(lambda event: queue.put_nowait(StageEvent(stage, event, stream)), on_end)
+        return
+    run.readers.append(asyncio.create_task(_pump(stage, stream, queue)))
+
+
+async def _pump(stage: Stage, stream: EventStream, queue: asyncio.Queue[StageItem]) -> None:
+    # NOTE: read(), not `async for`: grpc.aio forbids mixing both on one call (accepted read()).
+    try:
+        while (event := await stream.read()) is not None:
+            queue.put_nowait(StageEvent(stage, event, stream))
+    except PeerError as exc:
+        if not exc.cancelled:
+            queue.put_nowait(StageFailed(stage, exc, stream))
+    except Exception as exc:  # noqa: BLE001 — never let a stage's stream fail silently
+        queue.put_nowait(StageFailed(stage, exc, stream))
+    queue.put_nowait(StageEnded(stage, stream))
+
+
 async def wait_accepted(stream: EventStream, stage: Stage) -> Accepted:
     event = await stream.read()
     if not isinstance(event, Accepted):

@@ -21,6 +21,7 @@ Who records what:
 
 from __future__ import annotations
 
+import functools
 import ssl
 import threading
 import time
@@ -308,6 +309,12 @@ LIVE = _LiveCollector()
 REGISTRY.register(LIVE)
 
 
+@functools.cache
+def _generation_tokens(stage: str):
+    """The stage's child of GENERATION_TOKENS (``labels`` costs more than the increment)."""
+    return GENERATION_TOKENS.labels(stage)
+
+
 class RequestTracker:
     """Records one gateway request: routed → token deliveries → final or failure.
 
@@ -321,10 +328,12 @@ class RequestTracker:
         self._first = True
         self._ttft_s = 0.0
         self._tokens: dict[str, int] = {}
+        self._itl = ITL.labels(self._pipeline)
         REQUESTS_IN_FLIGHT.inc()
 
     def routed(self, pipeline: str, prompt_tokens: int) -> None:
         self._pipeline = pipeline
+        self._itl = ITL.labels(pipeline)  # NOTE: once a request, not once a token
         PROMPT_TOKENS.inc(prompt_tokens)
 
     def tokens(self, n: int, stage: str) -> None:
@@ -334,9 +343,9 @@ class RequestTracker:
             TTFT.labels(self._pipeline).observe(self._ttft_s)
             self._first = False
         else:
-            ITL.labels(self._pipeline).observe(now - self._last)
+            self._itl.observe(now - self._last)
         self._last = now
-        GENERATION_TOKENS.labels(stage).inc(n)
+        _generation_tokens(stage).inc(n)
         self._tokens[stage] = self._tokens.get(stage, 0) + n
 
     def finished(self, finish_reason: str | None) -> None:

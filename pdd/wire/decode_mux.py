@@ -11,14 +11,16 @@ stream's end; otherwise the status as a ``PeerError``). A cancel, or the call's 
 (kept here too, so a MainDecode that stops answering cannot hold a request past it), sends a
 cancel and ends the call at once. If the shared stream breaks, every call on it fails
 UNAVAILABLE — to the gateway the same as each of their ``Decode`` calls failing with the peer —
-and the next request opens a new stream.
+and the next request opens a new stream. ``MuxStream.pipe`` lets the reader task hand a call's
+events to callbacks instead (the gateway's request queue), skipping a queue and a task switch per
+event.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
@@ -41,6 +43,9 @@ class MuxStream:
         self._queue: asyncio.Queue[_Item] = asyncio.Queue()
         self._end: _Item | None = None  # what ended the call, answered again to later reads
         self._timer: asyncio.TimerHandle | None = None
+        # Set by ``pipe``: items go straight to these callbacks, not to the queue.
+        self._on_event: Callable[[DecodeEvent], None] | None = None
+        self._on_end: Callable[[PeerError | None], None] | None = None
 
     async def read(self) -> DecodeEvent | None:
         """The next event; None once the call ended OK; its failure as a ``PeerError``."""
@@ -55,6 +60,24 @@ class MuxStream:
             raise item
         return item
 
+    def pipe(
+        self, on_event: Callable[[DecodeEvent], None], on_end: Callable[[PeerError | None], None]
+    ) -> None:
+        """From now on hand every event to ``on_event`` as the shared stream's reader takes it,
+        and the end to ``on_end`` once (None: the call ended OK; else its failure) — instead of
+        ``read``, which must not be called again. What arrived before is handed over first.
+
+        NOTE: a reader of many requests' tokens skips a queue and a task switch per event this
+        way (what ``read`` in a loop costs); the callbacks run in the stream's reader task and
+        must not block."""
+        self._on_event, self._on_end = on_event, on_end
+        if self._end is not None:
+            self._hand(self._end)
+            return
+        while not self._queue.empty():
+            if not self._hand(self._queue.get_nowait()):
+                return
+
     def cancel(self) -> None:
         """Stop the call: MainDecode is told, and a pending read raises CANCELLED."""
         self._fail(PeerError("CANCELLED", "cancelled", self.peer))
@@ -62,7 +85,26 @@ class MuxStream:
     def _deliver(self, item: _Item) -> None:
         if isinstance(item, conv.CallEnded | PeerError) and self._timer is not None:
             self._timer.cancel()
-        self._queue.put_nowait(item)
+        if self._on_event is None:
+            self._queue.put_nowait(item)
+        elif self._end is None:
+            self._hand(item)
+
+    def _hand(self, item: _Item) -> bool:
+        """Give ``item`` to the pipe; False once it was the end."""
+        on_end = self._on_end
+        assert self._on_event is not None and on_end is not None
+        if isinstance(item, conv.CallEnded):
+            self._end = item
+            ok = item.code == "OK"
+            on_end(None if ok else PeerError(item.code, item.message or item.code, self.peer))
+            return False
+        if isinstance(item, PeerError):
+            self._end = item
+            on_end(item)
+            return False
+        self._on_event(item)
+        return True
 
     def _expire(self) -> None:
         self._fail(PeerError("DEADLINE_EXCEEDED", "Deadline Exceeded", self.peer))

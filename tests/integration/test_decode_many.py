@@ -179,6 +179,31 @@ async def test_calls_read_like_decode_calls_each_with_its_own_end(node):
         await mux.close()
 
 
+async def test_a_piped_call_hands_every_event_and_one_end_to_its_callbacks(node):
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{node.port}") as channel:
+        mux = DecodeMux(channel)
+        got: dict[str, list] = {"ok": [], "fail-1": [], "hang-x": []}
+        ends: dict[str, list] = {k: [] for k in got}
+        calls = {rid: mux.open(job(rid, n=3), 30) for rid in got}
+        for rid, call in calls.items():
+            assert await call.read() == Accepted(3)  # read first, as the gateway does
+            await asyncio.sleep(0.05)  # what arrives meanwhile waits in the call's queue
+            call.pipe(got[rid].append, ends[rid].append)
+        for _ in range(3):
+            await until(lambda: node.script.steps.waiting == 1)
+            node.script.steps.take()
+        await until(lambda: ends["ok"] and ends["fail-1"])
+        assert got["ok"] == [*[Tokens(p, (10 + p,)) for p in range(3)], Finished("length", 3, 3)]
+        assert ends["ok"] == [None]
+        assert got["fail-1"] == [] and [e.code for e in ends["fail-1"]] == ["RESOURCE_EXHAUSTED"]
+        calls["hang-x"].cancel()
+        calls["hang-x"].cancel()  # a second cancel ends nothing twice
+        assert [e.cancelled for e in ends["hang-x"]] == [True] and got["hang-x"] == []
+        await until(lambda: not node.script.open)
+        assert mux.running == 0
+        await mux.close()
+
+
 async def test_a_cancel_or_a_deadline_ends_only_its_call(node):
     async with grpc.aio.insecure_channel(f"127.0.0.1:{node.port}") as channel:
         mux = DecodeMux(channel)
