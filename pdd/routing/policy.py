@@ -68,10 +68,10 @@ class RoutingConfig:
     # "threshold": the report's fixed θ on the predicted hit (hit_threshold).
     pipeline_policy: str = "link_aware"
     # Estimated seconds of WAN transfer a P-MD request may wait for its delta, in units of the
-    # deployment's own recent TTFT (prefill's first token, no transfer in it). 4: the relay
+    # deployment's own recent TTFT (prefill's first token, no transfer in it). 3: the relay
     # takes only deltas that would hold the first decoded token back by several first tokens
-    # (measured: README, "The relay alone"); 0: the absolute ttft_budget_s always.
-    ttft_budget_ratio: float = 4.0
+    # (measured: README, "Two remote clusters"); 0: the absolute ttft_budget_s always.
+    ttft_budget_ratio: float = 3.0
     # The budget in seconds while no reference TTFT is known (or with ttft_budget_ratio 0).
     ttft_budget_s: float = 0.5
     # A relay holding this many requests is full (the guarded relay).

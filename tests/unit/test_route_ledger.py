@@ -140,8 +140,8 @@ async def test_a_delta_in_flight_counts_for_the_next_request_until_it_crossed():
     peers.crossed.set()
     final = await asyncio.wait_for(first, 5)
     assert gw.ledger.pending_bytes() == {}
-    # the request's first token (prefill's) is now the reference: the budget is 4 × it
+    # the request's first token (prefill's) is now the reference: the budget is 3 × it
     assert gw.ledger.reference_ttft_s() == pytest.approx(final.stats.ttft_ms / 1000)
     after = await gw.choose_route(probe)
-    assert after.budget_s == pytest.approx(4 * final.stats.ttft_ms / 1000)
+    assert after.budget_s == pytest.approx(3 * final.stats.ttft_ms / 1000)
     await gw.close()
