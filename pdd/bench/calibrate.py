@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -127,6 +127,17 @@ def _fit(rows: Sequence[Sequence[float]], ys: Sequence[float]) -> list[float]:
     return [max(0.0, float(c)) for c in coef]
 
 
+def fit_prefill(
+    whole: Mapping[int, float], after: Mapping[tuple[int, int], float]
+) -> tuple[float, float, float]:
+    """(overhead ms, tokens/s, attention tokens) of the simulator's prefill model
+    (``ChipProfile.prefill_ms``: o + k/rate × (1 + (c + k/2)/A)) from prefill ms of ``whole``
+    prompts by length and of k tokens ``after`` c cached ones, by (c, k)."""
+    rows = [(1, n, n * n / 2) for n in whole] + [(1, k, k * c + k * k / 2) for c, k in after]
+    o, a, b = _fit(rows, [*whole.values(), *after.values()])
+    return o, 1e3 / max(a, 1e-6), a / b if b > 0 else 1e9
+
+
 def _decode_step_ms(engine, prompts: list[list[int]], steps: int) -> float:
     """The median time of one decode step with ``prompts`` all decoding (prefill excluded)."""
     from pdd.engine import SamplingParams
@@ -168,13 +179,23 @@ def measure_engine(
         ids = lambda n: [rng.randrange(vocab) for _ in range(n)]  # noqa: E731
         one = SamplingParams(max_tokens=1, ignore_eos=True)
         engine.generate([ids(64)], one)  # warm-up: a fresh process's first passes are slow
-        # Prefill: whole prompts of n tokens, best of 2.
+        # Prefill: whole prompts of n tokens, best of 2; and k new tokens after c cached ones —
+        # a served prefill's usual case, and what tells the attention term (k·c) from the
+        # per-token one (whole prompts alone leave them nearly collinear).
         lengths = (128, 512, 1024) if quick else (128, 256, 512, 1024, 2048)
         pre = {
             n: min(_timed(lambda n=n: engine.generate([ids(n)], one)) for _ in range(2))
             for n in lengths
         }
-        o, a, b = _fit([(1, n, n * n / 2) for n in lengths], [pre[n] for n in lengths])
+        suffixes = ((1024, 32), (1024, 256)) if quick else ((1024, 32), (1024, 256), (2048, 64))
+
+        def after_cached(c: int, k: int) -> float:
+            base = ids(c)
+            engine.generate([base], one)  # cached now
+            return _timed(lambda: engine.generate([base + ids(k)], one))
+
+        after = {(c, k): min(after_cached(c, k) for _ in range(2)) for c, k in suffixes}
+        o, rate, attention = fit_prefill(pre, after)
         # Decode: B prompts of c tokens; once every one decodes, each step timed alone (median).
         # NOTE: not a whole generate less a prefill-only one: on a busy host the two prefills'
         # jitter is larger than the few ms of steps between them.
@@ -199,13 +220,15 @@ def measure_engine(
     how = f"measured by `pdd bench calibrate` on {model}, {threads} thread(s), {time.strftime('%Y-%m-%d')}"
     return {
         "prefill_tokens_per_s": (
-            1e3 / max(a, 1e-6),
+            rate,
             f"{how}: prefill ms at {list(lengths)} tokens = "
-            f"{[round(pre[n], 2) for n in lengths]}, fitted o + n/rate + n²/2·b",
+            f"{[round(pre[n], 2) for n in lengths]} and of k after c cached (c, k) "
+            f"{list(after)} = {[round(t, 2) for t in after.values()]}, fitted "
+            "o + k/rate + (k·c + k²/2)·b",
         ),
         "prefill_overhead_ms": (o, f"{how}: the fit's constant"),
         "prefill_attention_tokens": (
-            a / b if b > 0 else 1e9,
+            attention,
             f"{how}: the fit's linear ÷ quadratic term",
         ),
         "prefill_chunk_tokens": (2048, "pdd/engine/config.py: max_num_batched_tokens (prefill's)"),

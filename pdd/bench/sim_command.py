@@ -71,7 +71,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfgs = [SimConfig(**{**a, "dist": dist}) for dist in dists]
         if want_validate:
-            rows = sim_validate.validate(recorded)
+            # NOTE: the replay's profile is this machine's (testbed) unless one was named
+            args = sys.argv[1:] if argv is None else argv
+            named = any(x == "--profile" or x.startswith("--profile=") for x in args)
+            rows = sim_validate.validate(recorded, profile=a["profile"] if named else "testbed")
             print(sim_validate.table(rows))
             return 0 if all(r["ok"] for r in rows) else 1
         if want_report:

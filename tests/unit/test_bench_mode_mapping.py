@@ -305,3 +305,27 @@ def test_a_near_tie_divergence_is_accepted_and_said():
     # An unexplained difference (no analysis given) misses.
     t = next(t for t in targets.evaluate(results) if t.name.startswith("identical"))
     assert t.met is False
+
+
+def test_the_prefill_fit_recovers_the_simulators_model_and_its_attention_term():
+    # timings made by the simulator's own prefill model (sim_profile.ChipProfile.prefill_ms)
+    from pdd.bench.sim_profile import load_profile
+
+    chip = dataclasses.replace(
+        load_profile("testbed").chip("cpu"),
+        prefill_tokens_per_s=20_000.0,
+        prefill_attention_tokens=900.0,
+        prefill_overhead_ms=4.0,
+    )
+    whole = {n: 4.0 + chip.prefill_ms(n, 0) for n in (128, 512, 2048)}
+    after = {(c, k): 4.0 + chip.prefill_ms(k, c) for c, k in ((1024, 32), (2048, 64))}
+    o, rate, attention = calibrate.fit_prefill(whole, after)
+    assert (o, rate, attention) == (
+        pytest.approx(4.0, abs=1e-6),
+        pytest.approx(20_000.0),
+        pytest.approx(900.0),
+    )
+    # a short suffix after a long cached prefix costs what the model says it does
+    assert 4.0 + chip.prefill_ms(32, 2048) == pytest.approx(
+        o + 32 / rate * 1e3 * (1 + (2048 + 16) / attention)
+    )

@@ -68,3 +68,13 @@ def test_profiles_give_every_number_a_source():
         assert prof.sources and all(s.strip() for s in prof.sources.values())
     with pytest.raises(ValueError, match="source"):
         parse_profile({"kv_bytes_per_token": {"value": 1, "source": ""}, "chips": {}, "link": {}})
+
+
+def test_validate_replays_with_the_profile_named(capsys):
+    from pdd.bench import sim_command
+
+    # the report's profile has no chip for this machine: named, it is the one the replay loads
+    with pytest.raises(SystemExit) as exited:
+        sim_command.main(["--validate", "--profile", "report"])
+    assert exited.value.code == 2
+    assert "chip: 'cpu' not in profile 'report'" in capsys.readouterr().err
