@@ -21,8 +21,11 @@ FP32_BYTES = 4
 # The profile's per-request stack costs and the bench mode that measures each.
 OVERHEADS = {"request_overhead_ms": "idc-pd", "md_request_overhead_ms": "pdd"}
 # The stack's cost per decode step of each stage (``calibrate_stack.measure_stream``).
-STREAM = ("md_stream_ms_per_step", "relay_stream_ms_per_step")
+STREAM = ("md_stream_ms_per_step", "relay_stream_ms_per_step", "prefill_stack_factor")
+# (measure_stream the first two, measure_prefill the factor)
 NOT_MEASURED = "not measured (`pdd bench calibrate --stack` measures it)"
+# What each stack number is while not measured: no cost, and a prefill as fast as the engine's.
+UNMEASURED = {**dict.fromkeys((*OVERHEADS, *STREAM), 0.0), "prefill_stack_factor": 1.0}
 
 
 def kv_bytes_per_token(model: str) -> int:
@@ -278,7 +281,7 @@ def write_profile(
                 **{
                     k: entry(v)
                     for k, v in (
-                        overheads or {k: (0.0, NOT_MEASURED) for k in (*OVERHEADS, *STREAM)}
+                        overheads or {k: (v, NOT_MEASURED) for k, v in UNMEASURED.items()}
                     ).items()
                 },
                 "chips": chips,
@@ -309,7 +312,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--stack",
         action="store_true",
-        help="also the stack's cost per request and per decode step (~2 min: pdd bench)",
+        help="also the stack's cost per request, per decode step and per prefill (~2 min: pdd bench)",
     )
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
@@ -329,10 +332,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     kw = {}
     if a.stack:
-        from pdd.bench.calibrate_stack import measure_stack, measure_stream
+        from pdd.bench.calibrate_stack import measure_prefill, measure_stack, measure_stream
 
         over = {k: measure_stack(tb, chip, mode) for k, mode in OVERHEADS.items()}
         over.update(measure_stream(tb, chip))
+        over["prefill_stack_factor"] = measure_prefill(tb, chip)
         kw["overheads"] = over
     write_profile(
         a.out,

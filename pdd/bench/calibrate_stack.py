@@ -13,6 +13,7 @@ how and under what host load.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import tempfile
@@ -29,11 +30,46 @@ def _engine(chip: dict) -> dict:
 
 
 def _run(trace: list[TraceRequest], mode: str, testbed):
-    """The run's outcome: ``records`` and ``result`` (with ``cpu``: each process's cores used)."""
+    """The run's outcome: ``records`` and ``result`` (with ``cpu``: each process's cores used),
+    and what prefill logged of each request it served (``prefilled``: tokens, cached, ms)."""
     from pdd.bench.runner import run_mode  # NOTE: lazy: starts processes, imports grpc
 
     with tempfile.TemporaryDirectory() as d:
-        return run_mode(trace, mode, Path(d) / f"{mode}.json", testbed=testbed)
+        outcome = run_mode(trace, mode, Path(d) / f"{mode}.json", testbed=testbed)
+        logs = outcome.log_dir
+        return outcome, prefills(logs / "prefill-0.log") if logs else []
+
+
+def prefills(log: Path) -> list[dict]:
+    """The ``prefilled`` events of a prefill service's JSON log (warm-up requests left out)."""
+    out = []
+    if not log.is_file():
+        return out
+    for line in log.read_text().splitlines():
+        try:
+            e = json.loads(line)
+        except ValueError:
+            continue
+        if e.get("event") == "prefilled" and not str(e.get("request_id", "")).startswith("warm"):
+            out.append(e)
+    return out
+
+
+def prefill_factor(events: list[dict], chip: dict) -> float:
+    """Median of each served prefill's ms ÷ what the engine fit computes for its tokens."""
+    v = _engine(chip)
+    ratios = []
+    for e in events:
+        c = e["cached_tokens"]
+        k = e["prompt_tokens"] - c
+        bare = v["prefill_overhead_ms"] + k / v["prefill_tokens_per_s"] * 1e3 * (
+            1 + (c + k / 2) / v["prefill_attention_tokens"]
+        )
+        if k > 0 and bare > 0:
+            ratios.append(e["prefill_ms"] / bare)
+    if not ratios:
+        raise RuntimeError("calibrate --stack: prefill logged no request it computed")
+    return float(np.median(ratios))
 
 
 def _load() -> str:
@@ -66,7 +102,7 @@ def measure_stack(
         )
         for i in range(requests)
     ]
-    records = _run(trace, mode, testbed).records
+    records = _run(trace, mode, testbed)[0].records
     want = "p-md" if mode == "idc-pd" else "md"
     ttfdt = [r.ttfdt_ms for r in records if r.ok and r.pipeline == want and r.ttfdt_ms]
     if len(ttfdt) < requests // 2:
@@ -145,7 +181,7 @@ def measure_stream(
                 expected_hit=0.0,
             )
         )
-    run = _run(trace, "pdd", testbed)
+    run, _ = _run(trace, "pdd", testbed)
     records = [r for r in run.records if r.ok]
     if not any(r.rld_tokens for r in records):
         raise RuntimeError("calibrate --stack: no request was decoded on the relay")
@@ -166,3 +202,35 @@ def measure_stream(
         "relay_stream_ms_per_step": (max(0.0, relay), f"{how}: relay + gateway + client"),
         "md_stream_ms_per_step": (max(0.0, md), f"{how}: MainDecode + WAN emulator"),
     }
+
+
+def measure_prefill(testbed, chip: dict, *, sessions: int = 4, seed: int = 7) -> tuple[float, str]:
+    """A served prefill's time ÷ the bare engine's for the same tokens, on the workload's shape.
+
+    The bench's agentic trace (``pdd demo``'s quick shape, its own seed: sessions whose turns
+    embed the previous output, so prefill computes a suffix after a cached prefix, several
+    sessions at once) through the pinned IDC-PD stack; per request prefill's own ``prefilled``
+    log (from admission to its last chunk: KV export and the stage's hops included) against what
+    the engine fit computes for its (cached, new) tokens. Fresh one-at-a-time prompts say less:
+    what the stage adds grows with the cached prefix and with the requests beside it.
+    """
+    from pdd.bench.trace import TraceConfig, generate
+
+    cfg = TraceConfig(
+        sessions=sessions,
+        turns=4,
+        rps=2.0,
+        seed=seed,
+        prompt_tokens=1024,
+        vocab_high=4096,
+        concurrent_sessions=2,
+    )
+    _, served = _run(generate(cfg), "idc-pd", testbed)
+    factor = prefill_factor(served, chip)
+    how = (
+        f"measured by `pdd bench calibrate --stack`, {time.strftime('%Y-%m-%d')}: {len(served)} "
+        f"prefills of a {sessions}-session agentic trace (seed {seed}) through the pinned IDC-PD "
+        f"stack, prefill's `prefilled` log (ms from admission to the last chunk, KV export "
+        f"included), median of each ÷ the engine fit's ms for its tokens; {_load()}"
+    )
+    return max(1.0, factor), how

@@ -40,6 +40,7 @@ PROFILE_NUMBERS = (
     "md_request_overhead_ms",
     "md_stream_ms_per_step",
     "relay_stream_ms_per_step",
+    "prefill_stack_factor",
 )
 
 
@@ -142,6 +143,9 @@ class Profile:
     # handle every token of every request).
     md_stream_ms_per_step: float = 0.0
     relay_stream_ms_per_step: float = 0.0
+    # A served prefill's time ÷ the bare engine's for the same tokens: the prefill stage also
+    # exports each computed chunk's KV into its transfer formats and hands it to the pushes.
+    prefill_stack_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if self.kv_bytes_per_token <= 0:
@@ -206,6 +210,7 @@ def parse_profile(d: dict) -> Profile:
         md_request_overhead_ms=float(kv["md_request_overhead_ms"]),
         md_stream_ms_per_step=float(kv["md_stream_ms_per_step"]),
         relay_stream_ms_per_step=float(kv["relay_stream_ms_per_step"]),
+        prefill_stack_factor=float(kv["prefill_stack_factor"]),
     )
 
 

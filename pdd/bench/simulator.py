@@ -46,7 +46,11 @@ from pdd.core.instance import Instance, InstanceLoad, InstanceRef, Role
 from pdd.core.link_state import LinkState
 from pdd.core.pipeline import HandoffMode, Pipeline
 from pdd.routing.policy import route
+from pdd.serving.engine_instance import InstanceConfig
 from pdd.serving.route_ledger import RouteLedger
+
+# How often an instance reports its load (prefill: its links' state): a third of its lease.
+HEARTBEAT_S = InstanceConfig.lease_ttl_ms / 3000
 
 MODES = ("idc-pd", "cdc-pd", "pdd")
 
@@ -105,6 +109,9 @@ class _Run:
         idc = mode == "idc-pd"
         n_p = cfg.idc_prefill_instances if idc else cfg.prefill_instances
         pchip = profile.chip(cfg.prefill_chip)
+        # NOTE: the served prefill's compute (the engine's, times what the stage adds per token)
+        f = profile.prefill_stack_factor
+        pchip = replace(pchip, prefill_tokens_per_s=pchip.prefill_tokens_per_s / f)
         self.prefill = [PrefillInstance(self.loop, pchip, f"p{i}") for i in range(n_p)]
         dchip = profile.chip(cfg.idc_decode_chip if idc else cfg.md_chip)
         if cfg.md_chunk_tokens:
@@ -136,6 +143,9 @@ class _Run:
         self.outcomes: list[Outcome] = []
         # Recent first-token latencies: the link-aware router's reference, as the gateway keeps.
         self.ttfts = RouteLedger()
+        # The links' throughput as prefill last reported it (a heartbeat's news), and when next.
+        self._reported = [0.0] * len(self.links)
+        self._report_due = 0.0
         self.wan_bytes = 0.0
 
     # --- routing ------------------------------------------------------------------------------
@@ -160,12 +170,18 @@ class _Run:
         views = [self._view(inst) for inst, _ in self.roles]
         force = None if self.mode == "pdd" else Pipeline.P_MD
         links = None
-        if self.router.link_aware:  # NOTE: what prefill's LinkMeter would report right now
+        if self.router.link_aware:
             for ln in self.links:
                 ln.sync()
+            now = self.loop.now
+            if now >= self._report_due:  # NOTE: prefill reports its links once a heartbeat
+                self._reported = [ln.measured_bps for ln in self.links]
+                self._report_due = now + HEARTBEAT_S
+            # NOTE: the throughput as last reported; the bytes ahead exact — the gateway's ledger
+            # knows its own pushes at once (one gateway here)
             links = [
-                LinkState(f"remote{i}", ln.measured_bps, int(ln.outstanding), rtt_s=2 * self.delay)
-                for i, ln in enumerate(self.links)
+                LinkState(f"remote{i}", bps, int(ln.outstanding), rtt_s=2 * self.delay)
+                for i, (ln, bps) in enumerate(zip(self.links, self._reported))
             ]
         return route(
             r.prompt,

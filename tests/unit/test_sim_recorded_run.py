@@ -162,20 +162,89 @@ def test_the_link_meters_view_busy_throughput_and_outstanding_bytes():
     assert link.measured_bps == pytest.approx(1e9)
 
 
-def test_link_aware_routing_sends_the_short_deltas_p_md():
-    # The live gateway (link-aware since router v2) sent these four low-hit first turns P-MD in a
-    # re-recording of this trace (docs/benchmark.md): their deltas cross the measured link within
-    # the 0.5 s budget. By θ (the recorded run's router) they take the relay.
+def test_the_replay_routes_the_low_hit_turns_as_the_live_gateway_did():
+    # The recorded run's gateway (link-aware, budget 3 × its median TTFT) sent its six low-hit
+    # first turns through the relay: the first two before prefill's heartbeat had reported the
+    # link (θ), the other four because their deltas take ~0.2 s against a ~90 ms budget. The
+    # absolute 0.5 s budget the router had before would have sent those four P-MD.
     d = json.loads(RECORDED.read_text())
     cols = d["columns"]
     sid = [dict(zip(cols, r))["session_id"] for r in sorted(d["trace"], key=lambda r: r[0])]
     got = {}
-    for policy in ("threshold", "link_aware"):
-        cfg = replace(sv.testbed_config(d, "testbed"), pipeline_policy=policy)
+    for name, change in (
+        ("threshold", dict(pipeline_policy="threshold")),
+        ("link_aware", {}),
+        ("absolute", dict(ttft_budget_ratio=0.0)),
+    ):
+        cfg = replace(sv.testbed_config(d, "testbed"), **change)
         run = _Run(cfg, "pdd", load_profile("testbed"))
         run.run(recorded_requests(d))
-        got[policy] = {(sid[o.req.rid], o.pipeline) for o in run.outcomes if o.pipeline != "md"}
-    p_md = {("s0003", "p-md"), ("s0006", "p-md"), ("s0007", "p-md"), ("s0009", "p-md")}
-    assert got["link_aware"] == p_md | {("s0000", "p-rld-md"), ("s0001", "p-rld-md")}
-    assert {s for s, _ in got["threshold"]} == {s for s, _ in got["link_aware"]}
-    assert not any(p == "p-md" for _, p in got["threshold"])
+        got[name] = {(sid[o.req.rid], o.pipeline) for o in run.outcomes if o.pipeline != "md"}
+    first, later = {"s0000", "s0001"}, {"s0003", "s0006", "s0007", "s0009"}
+    assert got["link_aware"] == got["threshold"] == {(s, "p-rld-md") for s in first | later}
+    assert got["absolute"] == {(s, "p-rld-md") for s in first} | {(s, "p-md") for s in later}
+
+
+def test_the_served_prefill_factor_is_read_from_prefills_own_log(tmp_path):
+    from pdd.bench.calibrate_stack import prefill_factor, prefills
+
+    chip = {
+        "prefill_overhead_ms": (4.0, ""),
+        "prefill_tokens_per_s": (10_000.0, ""),
+        "prefill_attention_tokens": (1e12, ""),  # no attention term: 0.1 ms a token
+    }
+    lines = [
+        {
+            "event": "prefilled",
+            "request_id": "warm-up-p-md-1",
+            "prompt_tokens": 9,
+            "cached_tokens": 0,
+            "prefill_ms": 999.0,
+        },
+        {
+            "event": "prefilled",
+            "request_id": "a",
+            "prompt_tokens": 1060,
+            "cached_tokens": 1000,
+            "prefill_ms": 15.0,
+        },
+        {
+            "event": "prefilled",
+            "request_id": "b",
+            "prompt_tokens": 160,
+            "cached_tokens": 0,
+            "prefill_ms": 40.0,
+        },
+        {
+            "event": "prefilled",
+            "request_id": "c",
+            "prompt_tokens": 96,
+            "cached_tokens": 0,
+            "prefill_ms": 27.0,
+        },
+        {"event": "prefill_refused", "request_id": "d"},
+    ]
+    log = tmp_path / "prefill-0.log"
+    log.write_text("\n".join(json.dumps(e) for e in lines) + "\nnot json\n")
+    served = prefills(log)
+    assert [e["request_id"] for e in served] == ["a", "b", "c"]  # the warm-up left out
+    # bare: a 4 + 6 = 10 ms (1.5×), b 4 + 16 = 20 (2×), c 4 + 9.6 = 13.6 (~1.99×): the median
+    assert prefill_factor(served, chip) == pytest.approx(27.0 / 13.6)
+    with pytest.raises(RuntimeError, match="no request"):
+        prefill_factor([], chip)
+    assert prefills(tmp_path / "missing.log") == []
+
+
+def test_the_prefill_stack_factor_slows_only_the_prefill_stage():
+    d = json.loads(RECORDED.read_text())
+    cfg = sv._unshaped(sv._no_local(sv.testbed_config(d, "testbed")))
+    prof = load_profile("testbed")
+    ttft = {}
+    for factor in (1.0, 2.0):
+        run = _Run(cfg, "idc-pd", replace(prof, prefill_stack_factor=factor))
+        run.run(recorded_requests(d))
+        ttft[factor] = sorted(o.ttft for o in run.outcomes)
+        busy = run.prefill[0].busy_s
+        ttft[factor, "busy"] = busy
+    assert ttft[2.0, "busy"] > 1.7 * ttft[1.0, "busy"]  # the overhead per step is not scaled
+    assert all(b > a for a, b in zip(ttft[1.0], ttft[2.0]))
