@@ -46,11 +46,11 @@ from pdd.core.instance import Instance, InstanceLoad, InstanceRef, Role
 from pdd.core.link_state import LinkState
 from pdd.core.pipeline import HandoffMode, Pipeline
 from pdd.routing.policy import route
-from pdd.serving.engine_instance import InstanceConfig
+from pdd.serving.membership import DEFAULT_LEASE_TTL_MS, HEARTBEATS_PER_LEASE
 from pdd.serving.route_ledger import RouteLedger
 
-# How often an instance reports its load (prefill: its links' state): a third of its lease.
-HEARTBEAT_S = InstanceConfig.lease_ttl_ms / 3000
+# How often an instance reports its load (prefill: its links' state).
+HEARTBEAT_S = DEFAULT_LEASE_TTL_MS / 1000 / HEARTBEATS_PER_LEASE
 
 MODES = ("idc-pd", "cdc-pd", "pdd")
 

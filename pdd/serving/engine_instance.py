@@ -30,7 +30,7 @@ from pdd.engine.protocol import EngineBackend, EngineKind
 from pdd.server.tls import TlsConfig, open_channel
 from pdd.serving.admission import AdmissionConfig
 from pdd.serving.engine_loop import EngineLoop
-from pdd.serving.membership import Membership
+from pdd.serving.membership import DEFAULT_LEASE_TTL_MS, Membership
 from pdd.serving.model_spec import load_model
 from pdd.telemetry import metrics
 from pdd.wire.kvstore_client import KvstoreClient
@@ -65,7 +65,7 @@ class InstanceConfig:
     kvstore_address: str
     model: str
     engine: EngineConfig
-    lease_ttl_ms: int = 6000
+    lease_ttl_ms: int = DEFAULT_LEASE_TTL_MS
     # Which engine runs the role: ours (the default) or vLLM in this process (``pdd.engine_vllm``).
     engine_kind: EngineKind = EngineKind.PDD
     # torch intra-op threads; 0 keeps torch's default.

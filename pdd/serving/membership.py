@@ -44,6 +44,10 @@ from pdd.core.instance import Instance, InstanceLoad
 
 log = structlog.get_logger(__name__)
 
+# An instance's lease by default, and how many load reports it sends within one.
+DEFAULT_LEASE_TTL_MS = 6000
+HEARTBEATS_PER_LEASE = 3
+
 MAX_EVENTS_PER_CALL = 256
 
 # The cache's whole content as "stored" events (see ``RadixCache.snapshot_events``).
@@ -145,7 +149,7 @@ class Membership:
                 self._next_seq = 1
 
     async def _heartbeat(self) -> None:
-        period = self.ttl_ms / 3000
+        period = self.ttl_ms / 1000 / HEARTBEATS_PER_LEASE
         while True:
             try:
                 await asyncio.wait_for(self._wake.wait(), period)

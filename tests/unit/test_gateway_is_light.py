@@ -53,3 +53,14 @@ def test_gateway_service_and_model_info_do_not_import_torch(tmp_path):
     for spec in specs[1:]:
         vocab, text = result["seen"][spec]
         assert vocab > 0 and "ab c" in text, (spec, text)
+
+
+def test_the_simulator_imports_neither_torch_nor_grpc():
+    # NOTE: `pdd bench sim` and `pdd plan` run thousands of simulated requests a second; they
+    # share the router and the gateway's ledger, never the engine or the wire.
+    code = (
+        "import sys, pdd.bench.simulator, pdd.bench.sim_validate, pdd.bench.plan\n"
+        "print('torch' in sys.modules, 'grpc' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]
