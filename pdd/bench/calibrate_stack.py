@@ -22,11 +22,14 @@ from pathlib import Path
 
 import numpy as np
 
+from pdd.bench.sim_profile import ChipProfile
 from pdd.bench.trace import TraceRequest
 
 
-def _engine(chip: dict) -> dict:
-    return {k: val for k, (val, _) in chip.items()}
+def _engine(chip: dict) -> ChipProfile:
+    """The fitted chip (``calibrate.measure_engine``'s numbers, sources dropped) as the
+    simulator computes with it."""
+    return ChipProfile(**{k: val for k, (val, _) in chip.items()})
 
 
 def _run(trace: list[TraceRequest], mode: str, testbed):
@@ -62,11 +65,8 @@ def prefill_factor(events: list[dict], chip: dict) -> float:
     for e in events:
         c = e["cached_tokens"]
         k = e["prompt_tokens"] - c
-        bare = v["prefill_overhead_ms"] + k / v["prefill_tokens_per_s"] * 1e3 * (
-            1 + (c + k / 2) / v["prefill_attention_tokens"]
-        )
-        if k > 0 and bare > 0:
-            ratios.append(e["prefill_ms"] / bare)
+        if k > 0:
+            ratios.append(e["prefill_ms"] / (v.prefill_overhead_ms + v.prefill_ms(k, c)))
     if not ratios:
         raise RuntimeError("calibrate --stack: prefill logged no request it computed")
     return float(np.median(ratios))
@@ -109,12 +109,11 @@ def measure_stack(
         raise RuntimeError(f"calibrate --stack: only {len(ttfdt)}/{requests} requests served")
     v = _engine(chip)
     n = prompt_tokens
-    step = v["decode_step_ms"] + v["decode_ms_per_seq"]
+    step = v.decode_ms(1, 0)
     if want == "p-md":
-        pre = n / v["prefill_tokens_per_s"] * 1e3 * (1 + n / 2 / v["prefill_attention_tokens"])
-        compute = v["prefill_overhead_ms"] + pre + step
+        compute = v.prefill_overhead_ms + v.prefill_ms(n, 0) + step
     else:
-        compute = step + n * v["extend_ms_per_token"] + 2 * testbed.wan_delay_ms
+        compute = step + n * v.extend_ms_per_token + 2 * testbed.wan_delay_ms
     med = float(np.median(ttfdt))
     how = (
         f"measured by `pdd bench calibrate --stack`, {time.strftime('%Y-%m-%d')}: {len(ttfdt)} "
@@ -186,8 +185,7 @@ def measure_stream(
     if not any(r.rld_tokens for r in records):
         raise RuntimeError("calibrate --stack: no request was decoded on the relay")
     per = cpu_ms_per_token(run.result, records)
-    v = _engine(chip)
-    step = v["decode_step_ms"] + v["decode_ms_per_seq"]
+    step = _engine(chip).decode_ms(1, 0)
     pipelines = {p: sum(r.pipeline == p for r in records) for p in ("md", "p-md", "p-rld-md")}
     how = (
         f"measured by `pdd bench calibrate --stack`, {time.strftime('%Y-%m-%d')}: one pinned PDD "

@@ -419,11 +419,7 @@ class Gateway(Recovery):
         run.queue = asyncio.Queue()
         run.readers, run.streaming = [], {}
         for stage, stream in streams:
-            self._add_reader(run, stage, stream)
-
-    def _add_reader(self, run: Run, stage: Stage, stream: EventStream) -> None:
-        """Read ``stream`` into the request's queue as the stage's open call."""
-        add_reader(run, stage, stream)
+            add_reader(run, stage, stream)
 
     async def _merged(self, run: Run) -> AsyncIterator[TokenEvent | FinalEvent]:
         # NOTE: every service ends its stream when its part is done (prefill after TransferDone,

@@ -45,6 +45,7 @@ from pdd.serving.gateway_run import (
     Loss,
     Rehomed,
     Run,
+    add_reader,
     finish_here,
     stop_calls,
     wait_accepted,
@@ -121,7 +122,7 @@ class Recovery:
             at=len(run.merge.emitted),
             deadline_s=self.kv_deadline_s,
         )
-        self._add_reader(run, Stage.RELAY, self._open_relay(run))
+        add_reader(run, Stage.RELAY, self._open_relay(run))
 
     async def _on_failed(self, run: Run, stage: Stage, error: Exception) -> None:
         """A stage's stream broke: hand over for a lost relay, move the request to another
@@ -199,7 +200,7 @@ class Recovery:
         )
         run.plan = replace(run.plan, prefill=target)
         run.stats.prefill_instance = target.ref.instance_id
-        self._add_reader(run, Stage.PREFILL, self._open_prefill(run))
+        add_reader(run, Stage.PREFILL, self._open_prefill(run))
 
     async def _rehome(self, run: Run, loss: Loss) -> None:
         """The relay streams on while its MainDecode (or the prefill pushing to it) is lost:
@@ -237,7 +238,7 @@ class Recovery:
         run.plan = replace(run.plan, main_decode=target)
         run.stats.main_decode_instance = target.ref.instance_id
         run.rehomed = True
-        self._add_reader(run, Stage.MAIN_DECODE, stream)
+        add_reader(run, Stage.MAIN_DECODE, stream)
 
     def on_rehome_accepted(self, run: Run, stream: EventStream) -> None:
         """The re-homed MainDecode accepted: wait (beside the stream) for it to hold the KV."""

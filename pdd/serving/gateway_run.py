@@ -207,12 +207,10 @@ def add_reader(run: Run, stage: Stage, stream: EventStream) -> None:
     if (pipe := getattr(stream, "pipe", None)) is not None:
         # NOTE: a shared decode stream hands its events straight into the queue (``_pump`` in its
         # reader task): one queue and one task switch less per token.
-        def on_end(exc: PeerError | None) -> None:
-            if exc is not None and not exc.cancelled:
-                queue.put_nowait(StageFailed(stage, exc, stream))
-            queue.put_nowait(StageEnded(stage, stream))
-
-        pipe(lambda event: queue.put_nowait(StageEvent(stage, event, stream)), on_end)
+        pipe(
+            lambda event: queue.put_nowait(StageEvent(stage, event, stream)),
+            lambda exc: _ended(queue, stage, stream, exc),
+        )
         return
     run.readers.append(asyncio.create_task(_pump(stage, stream, queue)))
 
@@ -222,10 +220,18 @@ async def _pump(stage: Stage, stream: EventStream, queue: asyncio.Queue[StageIte
     try:
         while (event := await stream.read()) is not None:
             queue.put_nowait(StageEvent(stage, event, stream))
-    except PeerError as exc:
-        if not exc.cancelled:
-            queue.put_nowait(StageFailed(stage, exc, stream))
     except Exception as exc:  # noqa: BLE001 — never let a stage's stream fail silently
+        _ended(queue, stage, stream, exc)
+    else:
+        _ended(queue, stage, stream, None)
+
+
+def _ended(
+    queue: asyncio.Queue[StageItem], stage: Stage, stream: object, exc: Exception | None
+) -> None:
+    """The stage's stream ended: with ``exc`` a failure first, unless the call was cancelled
+    here (a stopped or replaced call says nothing about its stage)."""
+    if exc is not None and not (isinstance(exc, PeerError) and exc.cancelled):
         queue.put_nowait(StageFailed(stage, exc, stream))
     queue.put_nowait(StageEnded(stage, stream))
 

@@ -50,14 +50,11 @@ class MuxStream:
     async def read(self) -> DecodeEvent | None:
         """The next event; None once the call ended OK; its failure as a ``PeerError``."""
         item = self._end if self._end is not None else await self._queue.get()
-        if isinstance(item, conv.CallEnded):
+        if isinstance(item, conv.CallEnded | PeerError):
             self._end = item
-            if item.code == "OK":
-                return None
-            raise PeerError(item.code, item.message or item.code, self.peer)
-        if isinstance(item, PeerError):
-            self._end = item
-            raise item
+            if (error := self._failure(item)) is not None:
+                raise error
+            return None
         return item
 
     def pipe(
@@ -92,19 +89,19 @@ class MuxStream:
 
     def _hand(self, item: _Item) -> bool:
         """Give ``item`` to the pipe; False once it was the end."""
-        on_end = self._on_end
-        assert self._on_event is not None and on_end is not None
-        if isinstance(item, conv.CallEnded):
+        assert self._on_event is not None and self._on_end is not None
+        if isinstance(item, conv.CallEnded | PeerError):
             self._end = item
-            ok = item.code == "OK"
-            on_end(None if ok else PeerError(item.code, item.message or item.code, self.peer))
-            return False
-        if isinstance(item, PeerError):
-            self._end = item
-            on_end(item)
+            self._on_end(self._failure(item))
             return False
         self._on_event(item)
         return True
+
+    def _failure(self, end: conv.CallEnded | PeerError) -> PeerError | None:
+        """What ended the call, as the failure it was; None for an OK end."""
+        if isinstance(end, PeerError):
+            return end
+        return None if end.code == "OK" else PeerError(end.code, end.message or end.code, self.peer)
 
     def _expire(self) -> None:
         self._fail(PeerError("DEADLINE_EXCEEDED", "Deadline Exceeded", self.peer))

@@ -188,11 +188,13 @@ def test_the_replay_routes_the_low_hit_turns_as_the_live_gateway_did():
 def test_the_served_prefill_factor_is_read_from_prefills_own_log(tmp_path):
     from pdd.bench.calibrate_stack import prefill_factor, prefills
 
-    chip = {
-        "prefill_overhead_ms": (4.0, ""),
-        "prefill_tokens_per_s": (10_000.0, ""),
-        "prefill_attention_tokens": (1e12, ""),  # no attention term: 0.1 ms a token
-    }
+    fitted = replace(
+        load_profile("testbed").chip("cpu"),
+        prefill_overhead_ms=4.0,
+        prefill_tokens_per_s=10_000.0,
+        prefill_attention_tokens=1e12,  # no attention term: 0.1 ms a token
+    )
+    chip = {k: (v, "a source") for k, v in vars(fitted).items()}  # as measure_engine gives it
     lines = [
         {
             "event": "prefilled",
