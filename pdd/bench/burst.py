@@ -130,10 +130,16 @@ async def loop_lag(lags: list[float], stop: asyncio.Event, every_s: float = 0.05
 
 
 async def burst_phase(
-    stub, cfg: BurstConfig, rate: float, rng: random.Random, lags: list[float] | None = None
+    stub,
+    cfg: BurstConfig,
+    rate: float,
+    rng: random.Random,
+    lags: list[float] | None = None,
+    t0: float | None = None,
 ) -> list[Outcome]:
-    """Poisson arrivals at ``rate`` per second for ``duration_s``; every request awaited."""
-    t0 = time.monotonic()
+    """Poisson arrivals at ``rate`` per second for ``duration_s`` from ``t0`` (monotonic; now);
+    every request awaited."""
+    t0 = time.monotonic() if t0 is None else t0
     tasks: list[asyncio.Task] = []
     stop = asyncio.Event()
     monitor = asyncio.create_task(loop_lag(lags if lags is not None else [], stop))
@@ -212,6 +218,11 @@ def report(cfg: BurstConfig, cap: list[Outcome], burst: list[Outcome]) -> dict:
         "gateway_ttft_ms_accepted_in_burst": _p50_p90([o.gateway_ttft_s for o in done]),
         "timeline": timeline(burst),
         "request_ids": [o.request_id for o in (*cap, *burst)],
+        # Each of the burst's requests: status, start and end (s into the burst), TTFT (s).
+        "burst_outcomes": [
+            [o.status, round(o.start_s, 4), round(o.end_s, 4), o.ttft_s and round(o.ttft_s, 4)]
+            for o in burst
+        ],
     }
 
 
@@ -232,8 +243,10 @@ async def run_burst(cfg: BurstConfig, tls: TlsConfig = TlsConfig()) -> dict:
             file=sys.stderr,
         )
         lags: list[float] = []
-        burst = await burst_phase(stub, cfg, rate, rng, lags)
+        t0 = time.monotonic()
+        burst = await burst_phase(stub, cfg, rate, rng, lags, t0)
     out = report(cfg, cap, burst)
+    out["burst_t0_monotonic"] = t0
     out["client_loop_lag_ms"] = {
         "p50": _pct(lags, 50),
         "p99": _pct(lags, 99),

@@ -14,6 +14,7 @@ Life of a run:
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import uuid
 from dataclasses import dataclass, replace
@@ -70,6 +71,38 @@ async def look_after(stack: Stack, request_ids: list[str]) -> tuple[list[str], d
     return dead, held
 
 
+class BoundWatch:
+    """The gateway's admission bound and requests in flight, read from its /metrics every
+    ``every_s`` while the run lasts: how the adaptive bound settles (``samples``: [monotonic s,
+    limit, in flight])."""
+
+    def __init__(self, metrics_address: str, every_s: float = 0.5) -> None:
+        self.address, self.every_s = metrics_address, every_s
+        self.samples: list[list[float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bound-watch", daemon=True)
+
+    def __enter__(self) -> BoundWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            gauges = scrape_metrics(self.address)
+            if "pdd_gateway_in_flight_limit" in gauges:
+                self.samples.append(
+                    [
+                        time.monotonic(),
+                        gauges["pdd_gateway_in_flight_limit"],
+                        gauges.get("pdd_requests_in_flight", 0.0),
+                    ]
+                )
+
+
 def run_own_stack(
     cfg: BurstConfig, own: OwnStack = OwnStack(), bar: BurstBar = BurstBar(), say=print
 ) -> tuple[dict, list[Check]]:
@@ -78,7 +111,11 @@ def run_own_stack(
     try:
         cfg = replace(cfg, gateway=stack.gateway.address)
         say(f"own stack up: gateway {cfg.gateway}, logs in {own.log_dir}")
-        result = asyncio.run(run_burst(cfg))
+        with BoundWatch(stack.metrics.get("gateway", "")) as watch:
+            result = asyncio.run(run_burst(cfg))
+        # NOTE: on the burst's clock (negative: the capacity phase)
+        t0 = result["burst_t0_monotonic"]
+        result["gateway_bound"] = [[round(t - t0, 2), *rest] for t, *rest in watch.samples]
         time.sleep(own.drain_s)
         dead, held = asyncio.run(look_after(stack, result["request_ids"]))
     finally:

@@ -237,6 +237,8 @@ class Gateway(Recovery):
                 self.limiter.refused()
             raise
         admitted_at = time.perf_counter()
+        # NOTE: the adaptive bound judges a limit only by the requests admitted under it
+        admitted_round = self.limiter.round if self.limiter is not None else 0
         if deadline_s is not None:
             REQUEST_DEADLINE.set(time.monotonic() + deadline_s)
         tracker = RequestTracker()
@@ -248,7 +250,9 @@ class Gateway(Recovery):
                     if isinstance(event, TokenEvent):
                         if event.start_position == 0 and self.limiter is not None:
                             self.limiter.sample(
-                                time.perf_counter() - admitted_at, self.admission.admitted
+                                time.perf_counter() - admitted_at,
+                                self.admission.admitted,
+                                admitted_round,
                             )
                         tracker.tokens(len(event.token_ids), event.stage.value)
                     else:

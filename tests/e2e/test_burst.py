@@ -49,4 +49,9 @@ def test_a_short_burst_refuses_the_excess_hangs_nothing_and_leaves_nothing_held(
     # Refused at the door, not after work: the typical refusal is fast (tens of ms measured here,
     # so 1 s leaves a wide margin for a loaded machine).
     assert report["refusal_ms_p50"] <= 1000, report["refusal_ms_p50"]
+    # The gateway's bound was watched through both phases (how it settles is in the report).
+    bound = report["gateway_bound"]
+    assert any(t < 0 for t, _, _ in bound) and any(t > 0 for t, _, _ in bound), bound[:5]
+    assert all(limit >= 1 and in_flight >= 0 for _, limit, in_flight in bound)
+    assert len(report["burst_outcomes"]) == report["offered"]
     assert proc.returncode == (0 if report["ok"] else 1)

@@ -857,11 +857,11 @@ async def test_the_gateway_exports_its_in_flight_bound():
     )
     assert adaptive.limiter is not None and exported() == adaptive.limiter.limit == 32
     for _ in range(64):  # level latency, the bound in use: it grows
-        adaptive.limiter.sample(0.1, 30)
+        adaptive.limiter.sample(0.1, 30, adaptive.limiter.round)
     grown = adaptive.limiter.limit
     assert exported() == grown > 32
     adaptive.limiter.refused()  # overloaded: the baseline stops learning
     for _ in range(64):  # latency quadrupled: the bound falls
-        adaptive.limiter.sample(0.4, 30)
+        adaptive.limiter.sample(0.4, 30, adaptive.limiter.round)
     assert exported() == adaptive.limiter.limit < grown
     await adaptive.close()
