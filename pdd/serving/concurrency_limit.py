@@ -19,9 +19,11 @@ gradient, as in Netflix's concurrency-limits and Envoy's adaptive concurrency fi
   admitted settle where their mean TTFT is about tolerance / (1 − headroom / sqrt(limit)) × the
   baseline — 1.1 / (1 − 0.5 / sqrt(limit)), 1.2-1.3× at the limits of 16-30 a burst settles at
   here;
-- the limit grows only while it is used: at most to the most requests in flight seen in the
-  round plus the probe, so an idle or steady stack does not drift open and meet the next burst
-  wide open (TCP's congestion-window validation, RFC 7661).
+- a round that did not come near the limit (its most requests in flight plus the probe below
+  it) did not test it: the limit may grow only to that peak plus the probe, so an idle or
+  steady stack does not drift open and meet the next burst wide open (TCP's congestion-window
+  validation, RFC 7661), and does not fall — a steady load's slow turns (long prompts, a
+  restart) are not queueing the limit caused.
 
 # NOTE: one update per round, judged only by requests admitted under the limit being judged.
 # The samples of a burst arrive a TTFT after their admission; a limit moved on every sample
@@ -143,9 +145,13 @@ class GradientLimit:
         probe = cfg.headroom * math.sqrt(self._limit)
         new = self._limit * gradient + probe
         new = self._limit * (1 - cfg.smoothing) + new * cfg.smoothing
-        if new > self._limit:
-            # NOTE: grow only as far as the round used it: no evidence it could be higher
-            new = min(new, max(self._limit, self._peak + probe))
+        if self._peak + probe < self._limit:
+            # NOTE: the round did not come near the limit, so it says nothing of it: no evidence it
+            # could be higher, nor that it must be lower (a steady load's slow turns walked it down
+            # onto the load's own peaks, which it then refused)
+            new = self._limit
+        elif new > self._limit:
+            new = min(new, self._peak + probe)  # NOTE: at most one probe beyond what was used
         self._limit = max(float(cfg.min_limit), min(float(cfg.max_limit), new))
         self.round += 1
         self._sum, self._count, self._peak = 0.0, 0, 0

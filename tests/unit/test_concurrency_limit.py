@@ -191,3 +191,16 @@ def test_a_long_burst_does_not_ratchet_the_limit_open():
 def test_config_names_the_bad_field(kw, field):
     with pytest.raises(ValueError, match=field):
         GradientConfig(**kw)
+
+
+def test_a_steady_load_below_the_limit_does_not_walk_it_down():
+    """Requests well under the limit whose latency swings by itself (long and short prompts, a
+    restart): rounds above the baseline are not queueing the limit caused, so it stays."""
+    lim = GradientLimit(GradientConfig(initial=32))
+    rng = random.Random(4)
+    for _ in range(5000):
+        lim.sample(rng.lognormvariate(-2.0, 0.8), rng.randrange(2, 12), lim.round)
+    assert lim.limit == 32
+    for _ in range(200):  # the same swings with the limit in use: it does fall
+        lim.sample(rng.lognormvariate(-1.0, 0.8), 32, lim.round)
+    assert lim.limit < 32
