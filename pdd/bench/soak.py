@@ -1,17 +1,18 @@
 """``pdd bench soak`` (``make soak``): a steady load for a long time, and whether anything leaks.
 
 Life of a run:
-  1. start one Stack (its own Redis, every service with /metrics, a tiny model) and sample every
-     process idle: resident memory and open descriptors from /proc, the leak gauges from /metrics
-     (``soak_samples``);
+  1. start one Stack (its own Redis, every service with /metrics, a tiny model);
   2. capacity: ``--concurrency`` closed-loop clients for ``--capacity-s``; the soak's rate is
-     ``--load`` × that (70 %);
+     ``--load`` × that (70 %); then, drained, every process is sampled idle — the baseline, with
+     the channels each role opens to its peers under load already open: resident memory and open
+     descriptors from /proc, the leak gauges from /metrics (``soak_samples``);
   3. the soak: seeded Poisson arrivals for ``--duration-s`` (20 min), each a turn of a session
      (its prompt is the session's history — earlier prompts and outputs — plus new tokens, so the
      prefix caches and the index work as in production), ``--cancel-fraction`` (10 %) of them
      cancelled by the client mid-stream; at half time the relay is restarted (SIGTERM, started
      again on its address); every ``--sample-s`` (10 s) each process is sampled;
-  4. drain, sample idle again, ask every engine instance whether it still holds any of the
+  4. drain, sample idle again (three samples a second apart: a periodic task is in some, a
+     leak in all), ask every engine instance whether it still holds any of the
      soak's requests, and judge (``soak_samples.verdict``): no error but the cancellations, RSS
      growth after warm-up within ``--rss-growth`` (5 %), no growth in descriptors or asyncio
      tasks, no request, KV or fast-link region held. The numbers go to ``--out`` as soak.json and
@@ -49,6 +50,10 @@ from pdd.gen.gateway.v1 import gateway_service_pb2_grpc as pb_grpc
 from pdd.testbed.stack import LinkSettings, Stack, StackConfig
 
 COMPLETED, CANCELLED = "completed", "cancelled"
+# Seconds the stack is left idle before the baseline and after the load (leases, deferred frees,
+# the last cache events), and the samples taken idle at the end (judged by their least).
+IDLE_DRAIN_S = 3.0
+IDLE_SAMPLES = 3
 
 
 @dataclass(frozen=True)
@@ -280,12 +285,14 @@ class Soak:
             await one_turn(
                 stub, Session(self.rng, cfg), "soak-warm", 4, None, cfg.request_timeout_s
             )
-            await asyncio.sleep(1.0)
-            await self.sample(t_s=-1.0)
             self.say(f"capacity: {cfg.concurrency} concurrent for {cfg.capacity_s:g} s")
             capacity = await self.capacity(stub)
             if capacity <= 0:
                 raise RuntimeError("no request completed while measuring capacity")
+            # NOTE: the idle baseline after the capacity run, drained: the channels every role
+            # opens to its peers under load (and their tasks) are open from here on, not a leak.
+            await asyncio.sleep(IDLE_DRAIN_S)
+            await self.sample(t_s=-1.0)
             rate = cfg.load * capacity
             self.say(
                 f"soak: {rate:.2f} req/s ({cfg.load:g} x {capacity:.2f}) for {cfg.duration_s:g} s"
@@ -299,10 +306,13 @@ class Soak:
             await self.load(stub, rate)
             if restart is not None:
                 await restart
-            await asyncio.sleep(3.0)  # NOTE: drain: leases, deferred frees, the last cache events
+            await asyncio.sleep(IDLE_DRAIN_S)  # NOTE: drain: leases, deferred frees, cache events
             stop.set()
             await sampler
-            await self.sample()
+            idle_from = time.monotonic() - self.t0
+            for _ in range(IDLE_SAMPLES):
+                await self.sample()
+                await asyncio.sleep(1.0)
         held = await EngineProbe(self.stack).holding(self.request_ids)
         checks = verdict(
             self.samples,
@@ -311,6 +321,7 @@ class Soak:
             rss_growth=cfg.rss_growth,
             held_at_end={k: len(v) for k, v in held.items()},
             since=self.back,
+            idle_from_s=idle_from,
         )
         return {
             "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},

@@ -165,10 +165,14 @@ def verdict(
     window: int = 3,
     held_at_end: Mapping[str, int] | None = None,
     since: Mapping[str, float] | None = None,
+    idle_from_s: float | None = None,
 ) -> list[Check]:
     """The soak's checks. ``outcomes``: status → count (``completed``, ``cancelled`` and errors);
     ``held_at_end``: engine instance → the soak's requests it still holds once idle; ``since``:
-    a restarted process → when it listened again (its warm-up starts there)."""
+    a restarted process → when it listened again (its warm-up starts there); ``idle_from_s``:
+    the samples from then on were taken idle, after the drain (tasks and holdings are judged by
+    their least there: a leak stays in every one, a periodic task does not); the last sample
+    when None."""
     checks = []
     errors = {k: v for k, v in outcomes.items() if k not in ("completed", "cancelled") and v}
     checks.append(
@@ -207,19 +211,32 @@ def verdict(
     checks.append(Check("fds_flat", not fd_grown, ", ".join(fd_grown) or "no growth"))
     # Tasks and holdings: the idle baseline (t < 0) against the idle end (the last sample of each
     # process, taken after the drain), same pid only (a restarted process starts afresh).
-    idle = {s.process: s for s in sorted(samples, key=lambda s: s.t_s) if s.t_s < 0}
-    end = {s.process: s for s in sorted(samples, key=lambda s: s.t_s)}
+    ordered = sorted(samples, key=lambda s: s.t_s)
+    idle = {s.process: s for s in ordered if s.t_s < 0}
+    end = {s.process: s for s in ordered}
     task_grown, held = [], []
     for name, last in sorted(end.items()):
+        ends = [
+            s
+            for s in ordered
+            if s.process == name
+            and s.pid == last.pid
+            and (s.t_s >= idle_from_s if idle_from_s is not None else s is last)
+        ] or [last]
+
+        def least(gauge: str, ends=ends) -> float | None:
+            got = [s.gauges[gauge] for s in ends if gauge in s.gauges]
+            return min(got) if got else None
+
         base = idle.get(name)
-        tasks = last.gauges.get("pdd_asyncio_tasks")
+        tasks = least("pdd_asyncio_tasks")
         if base is not None and tasks is not None and base.pid == last.pid:
             before = base.gauges.get("pdd_asyncio_tasks", 0.0)
             if tasks > before + task_slack:
                 task_grown.append(f"{name} {before:g} -> {tasks:g}")
         for gauge in HELD_WHEN_IDLE:
-            if last.gauges.get(gauge, 0.0) > 0:
-                held.append(f"{name} {gauge}={last.gauges[gauge]:g}")
+            if (n := least(gauge)) is not None and n > 0:
+                held.append(f"{name} {gauge}={n:g}")
     checks.append(Check("tasks_flat", not task_grown, ", ".join(task_grown) or "no growth"))
     for instance, n in sorted((held_at_end or {}).items()):
         if n:

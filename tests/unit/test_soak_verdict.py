@@ -89,3 +89,23 @@ def test_fd_kinds_from_proc_links():
         os.close(r)
         os.close(w)
     assert read_process(2**22 + 7) == (0, 0, {})
+
+
+def test_the_idle_end_is_judged_by_its_least_sample():
+    """After the drain, a periodic task (a link probe) shows in one idle sample: not growth; a
+    leaked task or request shows in every one: growth."""
+    base = [_s(-1, "prefill-0", 100, pdd_asyncio_tasks=13)]
+    base += [_s(t, "prefill-0", 100, pdd_asyncio_tasks=20) for t in range(0, 60, 5)]
+    probe = base + [
+        _s(61 + i, "prefill-0", 100, pdd_asyncio_tasks=n) for i, n in enumerate([13, 13, 16])
+    ]
+    by = {c.name: c for c in verdict(probe, {}, warmup_s=10, idle_from_s=61)}
+    assert by["tasks_flat"].ok, by["tasks_flat"].detail
+    # the last sample alone (the old judgement) took the probe for a leak
+    assert not {c.name: c for c in verdict(probe, {}, warmup_s=10)}["tasks_flat"].ok
+    leak = base + [
+        _s(61 + i, "prefill-0", 100, pdd_asyncio_tasks=16, requests_held=1) for i in range(3)
+    ]
+    by = {c.name: c for c in verdict(leak, {}, warmup_s=10, idle_from_s=61)}
+    assert not by["tasks_flat"].ok and "13 -> 16" in by["tasks_flat"].detail
+    assert not by["nothing_held"].ok
