@@ -17,8 +17,7 @@ gradient, as in Netflix's concurrency-limits and Envoy's adaptive concurrency fi
 - the next limit is ``limit × gradient + headroom × sqrt(limit)`` (the probe for more),
   smoothed, within [``min_limit``, ``max_limit``] (``--max-in-flight`` is the ceiling); so the
   admitted settle where their mean TTFT is about tolerance / (1 − headroom / sqrt(limit)) × the
-  baseline — 1.1 / (1 − 0.5 / sqrt(limit)), 1.2-1.3× at the limits of 16-30 a burst settles at
-  here;
+  baseline — 1.1 / (1 − 0.75 / sqrt(limit)), 1.35× at a limit of 16, 1.27× at 30;
 - a round that did not come near the limit (its most requests in flight plus the probe below
   it) did not test it: the limit may grow only to that peak plus the probe, so an idle or
   steady stack does not drift open and meet the next burst wide open (TCP's congestion-window
@@ -31,8 +30,9 @@ gradient, as in Netflix's concurrency-limits and Envoy's adaptive concurrency fi
 # floor on the queue those raises had let in — measured (`pdd bench burst --own-stack`, its
 # `gateway_bound`) swinging 5 ↔ 158 every few seconds, the accepted TTFT's P90 3-4× capacity's.
 # NOTE: the baseline is frozen while the gateway refuses (and for ``short_window`` samples
-# after; its first ``short_window`` are always taken): a burst's own queueing must not become the norm it is measured against — that
-# ratchet is what makes a plain long-vs-short gradient creep open under sustained overload.
+# after; its first ``short_window`` are always taken): a burst's own queueing must not become
+# the norm it is measured against — that ratchet is what makes a plain long-vs-short gradient
+# creep open under sustained overload.
 # It needs no probing phases (Envoy pins the limit low now and then to measure the unloaded
 # latency, refusing clients of a stack that is not overloaded): here it is learned whenever
 # the stack is not overloaded, which is the only time it can be.
