@@ -104,6 +104,10 @@ class FirstToken:
     prompt_logprobs: tuple[Logprob, ...] = ()
 
 
+# ``TransferDone.fast_link`` when prefill could not put the KV on the relay's fast link.
+FAST_LINK_FAILED = "failed"
+
+
 @dataclass(frozen=True)
 class TransferDone:
     """Prefill shipped the request's KV: to the relay (fast link) and the delta to MainDecode."""

@@ -49,6 +49,7 @@ from pdd.core.instance import Instance
 from pdd.core.pipeline import Pipeline, Stage
 from pdd.core.request import Ending, FinalEvent, GenerateJob, TokenEvent
 from pdd.core.stage_events import (
+    FAST_LINK_FAILED,
     Accepted,
     DecodeJob,
     FirstToken,
@@ -469,6 +470,8 @@ class Gateway(Recovery):
                     for ev in apply_event(run, stage, event):
                         count_tokens(run, ev)
                         ready.append(ev)
+                    if isinstance(event, TransferDone) and event.fast_link == FAST_LINK_FAILED:
+                        await self._fast_link_failed(run)
                 case Rehomed(stream=stream):
                     await self._on_rehomed(run, stream)
                 case KvDeadline():

@@ -4,7 +4,9 @@ sampling draws depend only on (seed, position) — so any stage can be replaced 
 replaying prompt + streamed tokens on another instance, with the output unchanged.
 
 - relay lost before its handoff: the gateway hands MainDecode the tokens streamed itself
-  (``_take_over``);
+  (``_take_over``); so too when prefill reports it could not put the KV on the relay's fast
+  link (a relay alive but never reached — say, just restarted while prefill's channel to it
+  was still backing off — would otherwise wait for that KV until the client's deadline);
 - MainDecode (or prefill) lost, no relay streaming: *migration* — every other stage call is
   cancelled and the request opens as MD on another live MainDecode with the tokens streamed as
   ``resume_token_ids`` (MainDecode prefills prompt + those itself and speaks from the next
@@ -123,6 +125,21 @@ class Recovery:
             deadline_s=self.kv_deadline_s,
         )
         add_reader(run, Stage.RELAY, self._open_relay(run))
+
+    async def _fast_link_failed(self, run: Run) -> None:
+        """Prefill could not put the KV on the relay's fast link (``TransferDone.fast_link``
+        "failed"): the relay will never decode this request, but MainDecode got its delta over
+        the WAN — stop the relay and hand MainDecode the tokens streamed."""
+        relay = run.streaming.get(Stage.RELAY)
+        if relay is None or run.relay_done or run.rehomed or run.rerouted:
+            return  # NOTE: a re-routed or re-homed relay prefills itself: no fast link to wait on
+        log.warning("fast_link_failed", relay=run.stats.relay_instance)
+        relay.cancel()
+        try:
+            await self._take_over(run, "fast_link_failed_gateway_handoff")
+        except (PeerError, UnavailableError) as exc:
+            run.lost.add(run.plan.main_decode.ref.instance_id)
+            await self._migrate(run, Loss(MAIN_DECODE_LOST, exc))
 
     async def _on_failed(self, run: Run, stage: Stage, error: Exception) -> None:
         """A stage's stream broke: hand over for a lost relay, move the request to another

@@ -37,7 +37,7 @@ import structlog
 from pdd.core.errors import FailedPreconditionError, InvalidArgumentError
 from pdd.core.link_state import LinkState
 from pdd.core.pipeline import Pipeline
-from pdd.core.stage_events import FirstToken, PrefillJob, TransferDone
+from pdd.core.stage_events import FAST_LINK_FAILED, FirstToken, PrefillJob, TransferDone
 from pdd.engine.engine import StepOutput
 from pdd.engine.protocol import EngineBackend
 from pdd.kv.fast_link.region import Completion, PrepareRequest, Reservation
@@ -372,7 +372,7 @@ class Prefill:
                 relay=job.relay.instance_id if job.relay else "",
                 error=f"{type(exc).__name__}: {exc}",
             )
-            fast = _FastLinkSent(transport="failed")
+            fast = _FastLinkSent(transport=FAST_LINK_FAILED)
         elif fast_sent:
             fast = fast_sent[0]
         if isinstance(wan, BaseException):

@@ -20,6 +20,7 @@ from pdd.core.pipeline import HandoffMode, Pipeline, Stage
 from pdd.core.request import FinalEvent, GenerateJob, TokenEvent
 from pdd.core.sampling_params import Logprob, SamplingParams
 from pdd.core.stage_events import (
+    FAST_LINK_FAILED,
     Accepted,
     DecodeJob,
     Finished,
@@ -865,3 +866,24 @@ async def test_the_gateway_exports_its_in_flight_bound():
         adaptive.limiter.sample(0.4, 30, adaptive.limiter.round)
     assert exported() == adaptive.limiter.limit < grown
     await adaptive.close()
+
+
+async def test_a_relay_the_fast_link_never_reached_is_handed_over_at_once():
+    """Prefill says the KV never made it onto the relay's fast link (the relay alive but not
+    reached, e.g. just restarted): the relay would wait for it until the client's deadline, so
+    the gateway stops it and hands MainDecode, which got its delta over the WAN, the first token."""
+    peers = FakePeers(
+        md=[Accepted(0)],
+        prefill=[first_token(), TransferDone(0, 4096, 0.0, 2.5, 0.0, FAST_LINK_FAILED)],
+        relay=[Accepted(), HOLD],  # never gets its KV: nothing from it
+    )
+    peers.md.script += [peers.handed, Tokens(1, (21, 22)), Finished("length", 3, 2)]
+    before = handoffs_by_gateway()
+    tokens, final = await asyncio.wait_for(run(peers, job(Pipeline.P_RLD_MD)), 10)
+    assert peers.relay_stream.cancelled
+    assert peers.handoff.batches == [
+        HandoffBatch("req-1", 0, (20,), final=True, mode=HandoffMode.ONE_SHOT)
+    ]
+    assert flat(tokens) == ([20, 21, 22], [Stage.PREFILL, Stage.MAIN_DECODE, Stage.MAIN_DECODE])
+    assert final.finish_reason == "length" and final.stats.handoff_at_token == 1
+    assert handoffs_by_gateway() == before + 1
