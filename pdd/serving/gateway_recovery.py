@@ -135,11 +135,7 @@ class Recovery:
             return  # NOTE: a re-routed or re-homed relay prefills itself: no fast link to wait on
         log.warning("fast_link_failed", relay=run.stats.relay_instance)
         relay.cancel()
-        try:
-            await self._take_over(run, "fast_link_failed_gateway_handoff")
-        except (PeerError, UnavailableError) as exc:
-            run.lost.add(run.plan.main_decode.ref.instance_id)
-            await self._migrate(run, Loss(MAIN_DECODE_LOST, exc))
+        await self._take_over_or_move(run, "fast_link_failed_gateway_handoff")
 
     async def _on_failed(self, run: Run, stage: Stage, error: Exception) -> None:
         """A stage's stream broke: hand over for a lost relay, move the request to another
@@ -148,13 +144,9 @@ class Recovery:
             if run.pending is not None:  # MainDecode (or prefill) went first: now move
                 await self._migrate(run, run.pending)
                 return
-            try:
-                # NOTE: the relay is gone mid-request: drive the handoff from the tokens streamed.
-                log.warning("relay_lost", error=str(error)[:200])
-                await self._take_over(run, "relay_lost_gateway_handoff")
-            except (PeerError, UnavailableError) as exc:  # ... and MainDecode is gone too
-                run.lost.add(run.plan.main_decode.ref.instance_id)
-                await self._migrate(run, Loss(MAIN_DECODE_LOST, exc))
+            # NOTE: the relay is gone mid-request: drive the handoff from the tokens streamed.
+            log.warning("relay_lost", error=str(error)[:200])
+            await self._take_over_or_move(run, "relay_lost_gateway_handoff")
             return
         if stage is Stage.RELAY or not isinstance(error, PeerError):
             raise error
@@ -286,11 +278,7 @@ class Recovery:
         if run.relay_done:
             return
         relay.cancel()
-        try:
-            await self._take_over(run, "rehomed_gateway_handoff")
-        except (PeerError, UnavailableError) as exc:
-            run.lost.add(run.plan.main_decode.ref.instance_id)
-            await self._migrate(run, Loss(MAIN_DECODE_LOST, exc))
+        await self._take_over_or_move(run, "rehomed_gateway_handoff")
 
     async def _relay_ended(self, run: Run) -> None:
         """The relay's stream is over: a loss waiting on it moves the request now; a re-homed
@@ -388,6 +376,14 @@ class Recovery:
         run.relay_done, run.pending, run.rehomed = True, None, False
         run.stats.main_decode_instance = target.ref.instance_id
         self._read(run, [(Stage.MAIN_DECODE, stream)])
+
+    async def _take_over_or_move(self, run: Run, event: str) -> None:
+        """``_take_over``; a MainDecode lost meanwhile moves the request (``_migrate``)."""
+        try:
+            await self._take_over(run, event)
+        except (PeerError, UnavailableError) as exc:
+            run.lost.add(run.plan.main_decode.ref.instance_id)
+            await self._migrate(run, Loss(MAIN_DECODE_LOST, exc))
 
     async def _take_over(self, run: Run, event: str) -> None:
         """Hand the request to MainDecode ourselves: token IDs are all it needs besides its KV."""
