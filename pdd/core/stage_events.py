@@ -25,7 +25,9 @@ class PrefillJob:
     cache_salt: str
     pipeline: Pipeline
     main_decode: InstanceRef
-    main_decode_cached_tokens: int
+    # Prompt tokens MainDecode holds (the WAN delta starts there); None: not known yet — the
+    # gateway opens prefill beside MainDecode's call and binds it once MainDecode accepts.
+    main_decode_cached_tokens: int | None
     relay: InstanceRef | None = None
 
     @property

@@ -8,11 +8,14 @@ Life of a request:
      DRC and *locks* the hit, answering how many tokens it holds — so the
      push can start exactly there and nothing is evicted meanwhile;
   4. P-RLD-MD: relay.Decode is opened at the same time (the relay waits for
-     its KV); both accept before prefill is called;
+     its KV) and accepts before prefill is called (it is beside prefill);
   5. prefill.Prefill (not for MD, where MainDecode prefills the short
-     uncached suffix itself): the first token comes back as soon as it is sampled
-     (it is output position 0), KV flows to the relay (fast link) and the
-     delta to MainDecode (WAN);
+     uncached suffix itself) is opened without waiting for MainDecode's answer,
+     a WAN round trip: the prompt is computed meanwhile, and MainDecode's hit
+     is bound to it when MainDecode accepts (``BindMainDecode``). The first
+     token comes back as soon as it is sampled (output position 0) and waits
+     here until MainDecode has accepted; KV flows to the relay (fast link) and
+     the delta to MainDecode (WAN);
   6. relay and main_decode token deltas are merged by output position —
      duplicates dropped, gaps buffered — into one unbroken stream; the relay
      says where it handed over, MainDecode continues from there (if the relay
@@ -24,8 +27,9 @@ request's KV when its call is cancelled.
 A stage lost mid-request (MainDecode, prefill, the relay) is survived by the fault paths in
 ``pdd.serving.gateway_recovery`` (migration, re-home beside a relay that decodes on, the
 gateway's own handoff), which ``Gateway`` inherits. A MainDecode that fails before it accepts
-the request is a loss like any other; a relay that does falls back to P-MD on the same
-MainDecode (``_without_relay``).
+the request is a loss like any other, one that refuses it (full) sends it to another before any
+token was streamed; a relay that fails to accept falls back to P-MD on the same MainDecode
+(``_without_relay``).
 
 Each stage's stream is read by its own task into the request's queue (``StageEvent``,
 ``StageFailed``, ``StageEnded``); the merge reads the queue, so the peers are typed clients
@@ -57,7 +61,6 @@ from pdd.core.stage_events import (
     RelayJob,
     TransferDone,
 )
-from pdd.core.token_runs import coalesce
 from pdd.routing.policy import (
     LinkView,
     NoInstanceError,
@@ -73,10 +76,7 @@ from pdd.serving.concurrency_limit import GradientConfig, GradientLimit
 from pdd.serving.gateway_peers import REQUEST_DEADLINE, GrpcPeers, Peers
 from pdd.serving.gateway_recovery import Recovery, is_refusal
 from pdd.serving.gateway_run import (
-    MAIN_DECODE_LOST,
     KvDeadline,
-    Loss,
-    Refused,
     Rehomed,
     Run,
     StageEnded,
@@ -84,9 +84,8 @@ from pdd.serving.gateway_run import (
     StageFailed,
     add_reader,
     apply_event,
-    count_tokens,
+    delivered,
     final_event,
-    refusal_of,
     stats_for,
     stop_calls,
     wait_accepted,
@@ -97,6 +96,9 @@ from pdd.telemetry.metrics import IN_FLIGHT_LIMIT, RELAY_FULL, RequestTracker
 from pdd.wire.call import EventStream
 
 log = structlog.get_logger(__name__)
+
+# Waits before each retry of a bind that reached prefill before its Prefill call did.
+BIND_RETRY_DELAYS_S = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
 
 
 class Gateway(Recovery):
@@ -311,47 +313,29 @@ class Gateway(Recovery):
             stop_calls(run)
 
     async def _start(self, run: Run) -> None:
-        """Open the request's stage streams and read them (prefill, main_decode, relay: the order
-        they are read in). MainDecode failing before it accepts moves the request like a later
-        loss (another MainDecode, counted against ``max_migrations``); one refusing it (full)
-        sends it to another MainDecode on the same pipeline, or refuses the client."""
-        while True:
+        """Open the request's stage calls and read them (prefill, main_decode, relay: the order
+        they are read in). Nothing waits for MainDecode's answer, a WAN round trip: prefill is
+        opened beside it without MainDecode's hit and bound to it once MainDecode accepts
+        (``_bind``); until then no token reaches the client, so a MainDecode that refuses the
+        request (full) sends it to another one on the same pipeline — or refuses the client —
+        before a token was streamed, and one lost first moves it like a later loss
+        (``_on_failed``). The relay, beside prefill, accepts first in P-RLD-MD: one failing to
+        makes the request P-MD on the same MainDecode."""
+        plan = run.plan
+        streams = [(Stage.MAIN_DECODE, self._open_decode(run, plan.main_decode, plan.pipeline))]
+        if plan.pipeline is Pipeline.P_RLD_MD:
+            relay = self._open_relay(run)
             try:
-                accepted, streams = await self._accept(run)
-                break
-            except Refused as refused:
-                if is_refusal(refused.error):  # NOTE: full, not lost: another one, same pipeline
-                    await self._refused_main_decode(run, refused.error)
-                    continue
-                run.lost.add(run.plan.main_decode.ref.instance_id)
-                await self._migrate(run, Loss(MAIN_DECODE_LOST, refused.error))
-                return
-        run.stats.md_cached_tokens = accepted.cached_tokens
+                await wait_accepted(relay, Stage.RELAY)
+                streams.append((Stage.RELAY, relay))
+            except (PeerError, UnavailableError) as exc:
+                streams = self._without_relay(run, exc)
+        run.md_unanswered = True
         if run.plan.pipeline is not Pipeline.MD:
             streams = [(Stage.PREFILL, self._open_prefill(run)), *streams]
         self._read(run, streams)
 
-    async def _accept(self, run: Run) -> tuple[Accepted, list[tuple[Stage, EventStream]]]:
-        """Open MainDecode's (and the relay's) stream; both accept before prefill is called. A
-        relay failing first: P-MD on the same MainDecode. ``Refused``: MainDecode failed first."""
-        plan = run.plan
-        streams = [(Stage.MAIN_DECODE, self._open_decode(run, plan.main_decode, plan.pipeline))]
-        if plan.pipeline is Pipeline.P_RLD_MD:
-            streams.append((Stage.RELAY, self._open_relay(run)))
-        # NOTE: MainDecode and the relay accept independently: one round trip, not two, before prefill.
-        md, *relay = await asyncio.gather(
-            *(wait_accepted(s, st) for st, s in streams), return_exceptions=True
-        )
-        if (refusal := refusal_of(md)) is not None:
-            raise Refused(refusal)
-        if relay and (refusal := refusal_of(relay[0])) is not None:
-            return await self._without_relay(run, refusal)
-        assert isinstance(md, Accepted)
-        return md, streams
-
-    async def _without_relay(
-        self, run: Run, error: Exception
-    ) -> tuple[Accepted, list[tuple[Stage, EventStream]]]:
+    def _without_relay(self, run: Run, error: Exception) -> list[tuple[Stage, EventStream]]:
         """The relay failed before accepting: the request goes P-MD on the same MainDecode, its
         call reopened as P-MD (so MainDecode starts from prefill's first token, not a handoff)."""
         log.warning("relay_refused_p_md", relay=run.stats.relay_instance, error=str(error)[:200])
@@ -360,11 +344,33 @@ class Gateway(Recovery):
         run.plan = replace(run.plan, pipeline=Pipeline.P_MD, relay=None, handoff_mode=None)
         stats = run.stats
         stats.pipeline, stats.handoff_mode, stats.relay_instance = Pipeline.P_MD, None, ""
-        stream = self._open_decode(run, run.plan.main_decode, Pipeline.P_MD)
-        try:
-            return await wait_accepted(stream, Stage.MAIN_DECODE), [(Stage.MAIN_DECODE, stream)]
-        except (PeerError, UnavailableError) as exc:
-            raise Refused(exc) from None
+        return [(Stage.MAIN_DECODE, self._open_decode(run, run.plan.main_decode, Pipeline.P_MD))]
+
+    def _bind(self, run: Run, accepted: Accepted) -> None:
+        """MainDecode accepted: its hit is the request's, and prefill's WAN push starts there
+        (told beside the stream; a prefill lost meanwhile fails its own stream)."""
+        run.md_unanswered = False
+        run.stats.md_cached_tokens = accepted.cached_tokens
+        if (stream := run.streaming.get(Stage.PREFILL)) is None:
+            return
+        client = self.peers.prefill(run.plan.prefill.ref.address)
+        rid, cached = run.job.request_id, accepted.cached_tokens
+
+        async def bind() -> None:
+            # NOTE: the bind may overtake its Prefill call into the server (two streams):
+            # NOT_FOUND is retried while that call is open.
+            for delay_s in BIND_RETRY_DELAYS_S:
+                try:
+                    await client.bind_main_decode(rid, cached)
+                    return
+                except PeerError as exc:
+                    if exc.code != "NOT_FOUND" or not run.current(Stage.PREFILL, stream):
+                        log.warning("bind_failed", error=str(exc)[:200])
+                        return
+                await asyncio.sleep(delay_s)
+            log.warning("bind_failed", error="prefill never knew the request")
+
+        run.readers.append(asyncio.create_task(bind()))
 
     def _open_decode(
         self, run: Run, target: Instance, pipeline: Pipeline, resume: tuple[int, ...] = ()
@@ -402,6 +408,7 @@ class Gateway(Recovery):
         return stream
 
     def _open_prefill(self, run: Run) -> EventStream:
+        """Prefill's call; MainDecode's hit in it if MainDecode has accepted, else bound later."""
         job, plan = run.job, run.plan
         stream = self.peers.prefill(plan.prefill.ref.address).prefill(
             PrefillJob(
@@ -411,7 +418,7 @@ class Gateway(Recovery):
                 job.cache_salt,
                 plan.pipeline,
                 plan.main_decode.ref,
-                run.stats.md_cached_tokens,
+                None if run.md_unanswered else run.stats.md_cached_tokens,
                 plan.relay.ref if plan.relay else None,
             )
         )
@@ -434,20 +441,27 @@ class Gateway(Recovery):
         # NOTE: tokens wait in ``ready`` only while more items are already queued: what a stage
         # sent faster than the client reads goes out as one event, and a stream that keeps up
         # is yielded token by token as before (nothing waits for company).
+        # NOTE: nothing is yielded while MainDecode has not accepted (``run.md_unanswered``): a
+        # refusal then is the client's whole answer, never a tail after a streamed token.
         ready: list[TokenEvent] = []
         while run.streaming:
-            if ready and run.queue.empty():
-                for ev in coalesce(ready):
+            if ready and run.queue.empty() and not run.md_unanswered:
+                for ev in delivered(run, ready):
                     yield ev
                 ready = []
             item = await run.queue.get()
-            if ready and not isinstance(item, StageEvent):
-                for ev in coalesce(ready):  # NOTE: the tokens first, then a fault or an end
+            if ready and not isinstance(item, StageEvent) and not run.md_unanswered:
+                for ev in delivered(run, ready):  # NOTE: the tokens first, then a fault or an end
                     yield ev
                 ready = []
             match item:
                 case StageEnded(stage=stage, stream=stream) if run.current(stage, stream):
                     del run.streaming[stage]
+                    if stage is Stage.MAIN_DECODE and run.md_unanswered:
+                        # NOTE: ended without accepting: as lost as a stream that broke
+                        closed = "closed the stream before accepting the request"
+                        await self._on_failed(run, stage, PeerError("UNAVAILABLE", closed, "md"))
+                        continue
                     if stage is Stage.RELAY:
                         self.ledger.release_relay(run.job.request_id)
                         await self._relay_ended(run)
@@ -455,11 +469,13 @@ class Gateway(Recovery):
                     stage, stream
                 ):
                     await self._on_failed(run, stage, error)
-                case StageEvent(stage=stage, event=Accepted(), stream=stream) if run.current(
-                    stage, stream
+                case StageEvent(stage=stage, event=Accepted() as accepted, stream=stream) if (
+                    run.current(stage, stream)
                 ):
                     if stage is Stage.MAIN_DECODE and run.rehomed:
                         self.on_rehome_accepted(run, stream)
+                    elif stage is Stage.MAIN_DECODE and run.md_unanswered:
+                        self._bind(run, accepted)
                 case StageEvent(stage=stage, event=event, stream=stream) if run.current(
                     stage, stream
                 ):
@@ -467,16 +483,14 @@ class Gateway(Recovery):
                         self.start_kv_deadline(run)
                     elif isinstance(event, TransferDone):
                         self.ledger.release_link(run.job.request_id)
-                    for ev in apply_event(run, stage, event):
-                        count_tokens(run, ev)
-                        ready.append(ev)
+                    ready.extend(apply_event(run, stage, event))
                     if isinstance(event, TransferDone) and event.fast_link == FAST_LINK_FAILED:
                         await self._fast_link_failed(run)
                 case Rehomed(stream=stream):
                     await self._on_rehomed(run, stream)
                 case KvDeadline():
                     await self._on_kv_deadline(run)
-        for ev in coalesce(ready):
+        for ev in delivered(run, ready):
             yield ev
         if run.pending is not None and run.finish is None:
             raise run.pending.error

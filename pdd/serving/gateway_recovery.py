@@ -112,7 +112,7 @@ class Recovery:
         for stage in (Stage.MAIN_DECODE, Stage.PREFILL):
             if (old := run.streaming.pop(stage, None)) is not None:
                 old.cancel()
-        run.rerouted, run.relay_done = True, False
+        run.rerouted, run.relay_done, run.md_unanswered = True, False, False
         run.plan = replace(run.plan, relay=relay, handoff_mode=HandoffMode.ONE_SHOT)
         run.stats.relay_instance = relay.ref.instance_id
         run.stats.migrations += 1
@@ -139,7 +139,17 @@ class Recovery:
 
     async def _on_failed(self, run: Run, stage: Stage, error: Exception) -> None:
         """A stage's stream broke: hand over for a lost relay, move the request to another
-        MainDecode for a lost MainDecode or prefill, or fail the request."""
+        MainDecode for a lost MainDecode or prefill, or fail the request. A MainDecode refusing
+        the request (full) before it accepted: the request starts over on another one."""
+        if stage is Stage.MAIN_DECODE and run.md_unanswered and isinstance(error, PeerError):
+            # NOTE: nothing reached the client yet (tokens wait for MainDecode's Accepted).
+            if is_refusal(error):
+                await self._refused_main_decode(run, error)
+                await self._start(run)
+            else:  # NOTE: no relay head start worth keeping: the request moves whole
+                run.lost.add(run.plan.main_decode.ref.instance_id)
+                await self._migrate(run, Loss(MAIN_DECODE_LOST, error))
+            return
         if stage is Stage.RELAY and not run.relay_done:
             if run.pending is not None:  # MainDecode (or prefill) went first: now move
                 await self._migrate(run, run.pending)
@@ -175,8 +185,8 @@ class Recovery:
 
     async def _refused_main_decode(self, run: Run, error: Exception) -> None:
         """MainDecode refused the request before accepting it: every call is stopped and the
-        plan moves to another live MainDecode (the caller opens it again on the same pipeline);
-        with none left, ``error`` (RESOURCE_EXHAUSTED) is the client's answer."""
+        plan moves to another live MainDecode (the caller starts the request again on the same
+        pipeline); with none left, ``error`` (RESOURCE_EXHAUSTED) is the client's answer."""
         source = run.plan.main_decode.ref.instance_id
         run.lost.add(source)  # NOTE: never asked again for this request
         stop_calls(run)
@@ -223,7 +233,7 @@ class Recovery:
             return
         if (old := run.streaming.pop(Stage.MAIN_DECODE, None)) is not None:
             old.cancel()  # NOTE: it waits for a push that will not come
-        run.rehomed = False
+        run.rehomed = run.md_unanswered = False  # NOTE: the relay's tokens flow on meanwhile
         # NOTE: nothing here waits on the new MainDecode (the relay's tokens keep flowing): its
         # Accepted starts the wait for its KV (``on_rehome_accepted``); a refusal fails its
         # stream, which comes back here for the next one.
@@ -373,7 +383,7 @@ class Recovery:
         stream = self._open_decode(run, target, Pipeline.MD, tuple(run.merge.emitted))
         await wait_accepted(stream, Stage.MAIN_DECODE)
         # NOTE: no relay and no prefill any more: nothing to take over, nothing pending.
-        run.relay_done, run.pending, run.rehomed = True, None, False
+        run.relay_done, run.pending, run.rehomed, run.md_unanswered = True, None, False, False
         run.stats.main_decode_instance = target.ref.instance_id
         self._read(run, [(Stage.MAIN_DECODE, stream)])
 

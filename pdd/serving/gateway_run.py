@@ -28,6 +28,7 @@ from pdd.core.stage_events import (
     Tokens,
     TransferDone,
 )
+from pdd.core.token_runs import coalesce
 from pdd.routing.policy import Route
 from pdd.serving.gateway_peers import Cancellable
 from pdd.serving.token_merge import TokenMerge
@@ -102,24 +103,6 @@ class Loss:
             raise ValueError(f"cause: {MAIN_DECODE_LOST} or {PREFILL_LOST}, got {self.cause!r}")
 
 
-class Refused(Exception):
-    """MainDecode failed before it accepted the request (``error``: how)."""
-
-    def __init__(self, error: Exception) -> None:
-        super().__init__(str(error))
-        self.error = error
-
-
-def refusal_of(result: Accepted | BaseException) -> Exception | None:
-    """How a stage failed before accepting (a lost peer), or None if it accepted; any other
-    exception (a bug, our own cancellation) is raised."""
-    if isinstance(result, (PeerError, UnavailableError)):
-        return result
-    if isinstance(result, BaseException):
-        raise result
-    return None
-
-
 @dataclass
 class Run:
     """One request in flight: what it was routed to, its stage calls and its merge so far."""
@@ -148,6 +131,8 @@ class Run:
     relay_target: str = ""
     prefill_target: str = ""
     rehomed: bool = False
+    # MainDecode has not accepted yet (prefill was opened without its hit): tokens wait here.
+    md_unanswered: bool = False
     # P-MD re-routed through the relay at its KV deadline: the relay resumes from what was
     # streamed and finishes the request.
     rerouted: bool = False
@@ -265,6 +250,13 @@ def finish_here(run: Run, reason: str, loss: Loss) -> None:
     run.finish, run.pending = reason, None
     run.completion_tokens = max(run.completion_tokens or 0, len(run.merge.emitted))
     run.streaming.clear()  # NOTE: every stream is cancelled: the merge loop ends here
+
+
+def delivered(run: Run, ready: list[TokenEvent]) -> list[TokenEvent]:
+    """``ready`` as it goes to the client now (runs coalesced), counted into the stats."""
+    for ev in ready:
+        count_tokens(run, ev)
+    return coalesce(ready)
 
 
 def count_tokens(run: Run, ev: TokenEvent) -> None:

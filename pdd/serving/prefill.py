@@ -34,7 +34,12 @@ from typing import Protocol
 
 import structlog
 
-from pdd.core.errors import FailedPreconditionError, InvalidArgumentError
+from pdd.core.errors import (
+    DeadlineExceededError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+)
 from pdd.core.link_state import LinkState
 from pdd.core.pipeline import Pipeline
 from pdd.core.stage_events import FAST_LINK_FAILED, FirstToken, PrefillJob, TransferDone
@@ -83,6 +88,9 @@ class PrefillConfig:
     link_probe_deadline_s: float = 2.0
     # Consecutive failed pushes after which a link is unhealthy.
     link_max_failures: int = 3
+    # How long a request opened without MainDecode's count waits for ``bind`` after its prompt
+    # is computed (the gateway binds it when MainDecode accepts: one WAN round trip).
+    bind_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.wan_streams < 1:
@@ -97,6 +105,8 @@ class PrefillConfig:
             )
         if self.link_max_failures < 1:
             raise ValueError(f"link_max_failures: must be >= 1, got {self.link_max_failures}")
+        if self.bind_timeout_s <= 0:
+            raise ValueError(f"bind_timeout_s: must be positive, got {self.bind_timeout_s}")
         if self.wan_chunk_bytes < 1024:
             raise ValueError(f"wan_chunk_bytes: must be >= 1024, got {self.wan_chunk_bytes}")
 
@@ -168,6 +178,19 @@ class _Link:
         return nbytes
 
 
+class _Feed:
+    """A request's outgoing KV while it is computed: the links it is exported into and how far
+    (``exported`` tokens). The WAN link is in ``wan`` once MainDecode's count is known — at once,
+    or when the gateway binds it (``bound``): it then first takes what was computed before."""
+
+    def __init__(self, fast: _Link | None, wan: asyncio.Future, bound: asyncio.Future | None):
+        self.fast = fast  # NOTE: to the relay (P-RLD-MD), the whole prompt
+        self.links = [fast] if fast is not None else []
+        self.wan = wan  # NOTE: the WAN push task waits on it
+        self.bound = bound
+        self.exported = 0
+
+
 @dataclass(frozen=True)
 class _FastLinkSent:
     """What the fast link to the relay carried (nothing, and transport "failed", if it broke)."""
@@ -198,6 +221,8 @@ class Prefill:
         self.config = config
         self._pools: dict[tuple[str, str], StreamPool] = {}
         self._active: set[str] = set()
+        # Requests opened without MainDecode's count: (prompt length, the count once bound).
+        self._binds: dict[str, tuple[int, asyncio.Future]] = {}
         self.links = LinkMeters(LinkMeterConfig(max_failures=config.link_max_failures))
         self.prober = (
             None
@@ -249,18 +274,19 @@ class Prefill:
         self._active.add(rid)
         queue = self.runner.open(rid)
         self.runner.watch(rid)
+        feed = self._feed(job)
         first: asyncio.Future = asyncio.get_running_loop().create_future()
-        links = self._links(job)
-        # NOTE: both pushes start now and stream each chunk of the prompt as soon as it is computed.
-        tasks = [asyncio.create_task(self._push_wan(job, links[0], first))]
-        if len(links) > 1:
-            tasks.append(asyncio.create_task(self._send_fast(job, links[1], first)))
+        # NOTE: both pushes start now and stream each chunk of the prompt as soon as it is
+        # computed (the WAN push once MainDecode's count is bound, from what was computed by then).
+        tasks = [asyncio.create_task(self._push_wan(job, feed.wan, first))]
+        if feed.fast is not None:
+            tasks.append(asyncio.create_task(self._send_fast(job, feed.fast, first)))
         held = finished = False
         try:
             t0 = time.perf_counter()
             cached = await self._admit(job)
             held = True
-            out = await self._compute(job, queue, links)
+            out = await self._compute(job, queue, feed)
             prefill_ms = (time.perf_counter() - t0) * 1000
             log.info(
                 "prefilled", prompt_tokens=n, cached_tokens=cached, prefill_ms=round(prefill_ms, 2)
@@ -271,6 +297,7 @@ class Prefill:
             yield FirstToken(
                 out.token_id, n, cached, prefill_ms, out.logprob, out.prompt_logprobs or ()
             )
+            await self._await_bound(job, feed)  # NOTE: the KV stays in the engine until then
             await self.runner.call(self.engine.release, rid)
             held = False
             done = await self._transfer_done(job, tasks)
@@ -282,9 +309,24 @@ class Prefill:
 
     # --- the steps of a request's life --------------------------------------------------------
 
+    def bind(self, request_id: str, main_decode_cached_tokens: int) -> None:
+        """MainDecode accepted the request holding ``main_decode_cached_tokens`` prompt tokens:
+        its WAN push starts there (a request opened with the count unknown)."""
+        if (entry := self._binds.get(request_id)) is None:
+            if request_id in self._active:
+                raise FailedPreconditionError(
+                    f"request {request_id!r} has MainDecode's cached tokens already"
+                )
+            raise NotFoundError(f"request {request_id!r} is not being prefilled here")
+        n, bound = entry
+        if not 0 <= main_decode_cached_tokens <= n:
+            raise InvalidArgumentError("main_decode_cached_tokens", f"must be in [0, {n}]")
+        del self._binds[request_id]
+        bound.set_result(main_decode_cached_tokens)
+
     def _check(self, job: PrefillJob) -> None:
-        n = len(job.prompt_token_ids)
-        if not 0 <= job.main_decode_cached_tokens <= n:
+        n, cached = len(job.prompt_token_ids), job.main_decode_cached_tokens
+        if cached is not None and not 0 <= cached <= n:
             raise InvalidArgumentError("main_decode_cached_tokens", f"must be in [0, {n}]")
         if job.pipeline is Pipeline.P_RLD_MD and job.relay is None:
             raise InvalidArgumentError("relay", "is required for the P-RLD-MD pipeline")
@@ -293,26 +335,71 @@ class Prefill:
                 "request_id", f"{job.request_id!r} is already being prefilled here"
             )
 
-    def _links(self, job: PrefillJob) -> list[_Link]:
-        """The WAN delta to MainDecode; for P-RLD-MD, then the whole prompt to the relay."""
-        cfg, rid, n = self.config, job.request_id, len(job.prompt_token_ids)
-        wan = range_header(
+    def _feed(self, job: PrefillJob) -> _Feed:
+        """For P-RLD-MD the whole prompt to the relay; the WAN delta to MainDecode now if its
+        count is known, else once it is bound."""
+        rid, n = job.request_id, len(job.prompt_token_ids)
+        fast = None
+        if job.pipeline is Pipeline.P_RLD_MD:
+            fast = _Link(range_header(self.engine, rid, 0, n, job.prompt_token_ids, job.cache_salt))
+        loop = asyncio.get_running_loop()
+        feed = _Feed(fast, loop.create_future(), None)
+        if job.main_decode_cached_tokens is None:
+            feed.bound = loop.create_future()
+            self._binds[rid] = (n, feed.bound)
+        else:
+            link = self._wan_link(job, job.main_decode_cached_tokens)
+            feed.links.append(link)
+            feed.wan.set_result(link)
+        return feed
+
+    def _wan_link(self, job: PrefillJob, start: int) -> _Link:
+        """The WAN delta: prompt tokens ``[start, n)``, in the link's wire dtype and chunks."""
+        cfg = self.config
+        header = range_header(
             self.engine,
-            rid,
-            job.main_decode_cached_tokens,
-            n,
+            job.request_id,
+            start,
+            len(job.prompt_token_ids),
             job.prompt_token_ids,
             job.cache_salt,
             wire_dtype=cfg.wan_dtype,
             compression=cfg.wan_compression,
             chunk_bytes=cfg.wan_chunk_bytes,
         )
-        links = [_Link(wan)]
-        if job.pipeline is Pipeline.P_RLD_MD:
-            links.append(
-                _Link(range_header(self.engine, rid, 0, n, job.prompt_token_ids, job.cache_salt))
+        return _Link(header)
+
+    async def _join_wan(self, job: PrefillJob, feed: _Feed) -> None:
+        """MainDecode's count is bound: the WAN link joins the feed, taking at once what was
+        computed from that count on (the engine still holds it)."""
+        assert feed.bound is not None
+        start = feed.bound.result()
+        link = self._wan_link(job, start)
+        if feed.exported > start:
+            filled = await self.runner.call(
+                self._export, job.request_id, start, feed.exported, [link]
             )
-        return links
+            link.source.advance(filled[0])
+        feed.links.append(link)
+        feed.bound = None
+        feed.wan.set_result(link)
+        log.info("main_decode_bound", cached_tokens=start, computed=feed.exported)
+
+    async def _await_bound(self, job: PrefillJob, feed: _Feed) -> None:
+        """The prompt is computed: wait (``bind_timeout_s``) for MainDecode's count if it has not
+        come yet, and give the WAN link what it lacks."""
+        if feed.bound is None:
+            return
+        if not feed.bound.done():
+            try:
+                async with asyncio.timeout(self.config.bind_timeout_s):
+                    await asyncio.shield(feed.bound)
+            except TimeoutError:
+                raise DeadlineExceededError(
+                    f"main_decode_cached_tokens of {job.request_id!r} were not bound within "
+                    f"{self.config.bind_timeout_s:g} s"
+                ) from None
+        await self._join_wan(job, feed)
 
     async def _admit(self, job: PrefillJob) -> int:
         """Add the request (one output, kept after finishing for export); its prefix hit."""
@@ -333,12 +420,9 @@ class Prefill:
         metrics.PREFIX_HITS.labels("prefill").inc(cached)
         return cached
 
-    async def _compute(
-        self, job: PrefillJob, queue: asyncio.Queue, links: list[_Link]
-    ) -> StepOutput:
+    async def _compute(self, job: PrefillJob, queue: asyncio.Queue, feed: _Feed) -> StepOutput:
         """Feed the links each computed part of the prompt; the sampled first token's output."""
         rid, n = job.request_id, len(job.prompt_token_ids)
-        exported = 0
         while True:
             out: StepOutput | None = None
             match await queue.get():
@@ -350,11 +434,13 @@ class Prefill:
                     raise error
                 case item:
                     raise TypeError(f"unexpected item on {rid}'s queue: {item!r}")
-            if upto > exported:
-                filled = await self.runner.call(self._export, rid, exported, upto, links)
-                for link, nbytes in zip(links, filled, strict=True):
+            if upto > feed.exported and feed.links:
+                filled = await self.runner.call(self._export, rid, feed.exported, upto, feed.links)
+                for link, nbytes in zip(feed.links, filled, strict=True):
                     link.source.advance(nbytes)
-                exported = upto
+            feed.exported = max(feed.exported, upto)
+            if feed.bound is not None and feed.bound.done():
+                await self._join_wan(job, feed)
             if out is not None:
                 return out
 
@@ -396,6 +482,7 @@ class Prefill:
         finished: bool,
     ) -> None:
         self._active.discard(rid)
+        self._binds.pop(rid, None)
         self.runner.close(rid)
         if not finished:
             for task in tasks:
@@ -424,7 +511,10 @@ class Prefill:
             metrics.LIVE.watch_pool(pool)
         return pool
 
-    async def _push_wan(self, job: PrefillJob, link: _Link, first: asyncio.Future) -> PushReport:
+    async def _push_wan(
+        self, job: PrefillJob, wan: asyncio.Future, first: asyncio.Future
+    ) -> PushReport:
+        link: _Link = await wan
         header = link.header
         address, cluster = job.main_decode.address, job.main_decode_cluster
         # NOTE: P-MD deltas are small and on the user's critical path (MainDecode decodes every

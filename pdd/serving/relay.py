@@ -80,6 +80,10 @@ from pdd.wire.main_decode_client import MainDecodeClient
 
 log = structlog.get_logger(__name__)
 
+# The first wait before asking a MainDecode that did not know the request yet again (doubling
+# up to 0.2 s while its grace lasts).
+UNKNOWN_RETRY_S = 0.01
+
 
 class Relay:
     def __init__(
@@ -300,11 +304,22 @@ class Relay:
         unknown)."""
         rid = life.job.request_id
         deadline = time.monotonic() + self.config.finished_handoff_timeout_s
+        grace_until = life.admitted_at + self.config.main_decode_grace_s
+        retry_s = UNKNOWN_RETRY_S
         while True:
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0:
                 raise DeadlineExceededError(f"main_decode did not receive the KV of {rid} in time")
-            readiness = await life.md.wait_kv_ready(rid, min(left_ms, 30_000))
+            try:
+                readiness = await life.md.wait_kv_ready(rid, min(left_ms, 30_000))
+            except PeerError as exc:
+                # NOTE: not there yet, not lost: its call may still be on the WAN (the gateway
+                # does not wait for it before prefill, so this relay may have its KV first).
+                if exc.code != "NOT_FOUND" or time.monotonic() >= grace_until:
+                    raise
+                await asyncio.sleep(retry_s)
+                retry_s = min(2 * retry_s, 0.2)
+                continue
             if readiness.ready:
                 return readiness.decode_interval_ms / 1000
 

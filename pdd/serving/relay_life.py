@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -33,8 +34,14 @@ class RelayConfig:
     # None = what recent switches to the same MainDecode took (LEAD_PRIOR_S until one was
     # timed), 0 = none; never more than pace_max_hold_s.
     stream_lead_s: float | None = None
+    # MainDecode answering NOT_FOUND this soon after the relay admitted the request has not
+    # seen it yet (the gateway opens both at once, MainDecode's call crosses the WAN, and the
+    # relay's KV may come first): asked again, not taken as lost.
+    main_decode_grace_s: float = 5.0
 
     def __post_init__(self) -> None:
+        if self.main_decode_grace_s < 0:
+            raise ValueError(f"main_decode_grace_s: must be >= 0, got {self.main_decode_grace_s}")
         if self.stream_lead_s is not None and self.stream_lead_s < 0:
             raise ValueError(
                 f"stream_lead_s: must be >= 0 or None (learned), got {self.stream_lead_s}"
@@ -119,6 +126,8 @@ class RelayLife:
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
     # MainDecode was lost: decode on alone, no handoff (the gateway may take the request over).
     alone: bool = False
+    # When the relay admitted it (monotonic): MainDecode's grace for not knowing it runs from here.
+    admitted_at: float = field(default_factory=time.monotonic)
 
 
 def post_outcome(mailbox: asyncio.Queue, task: asyncio.Task) -> None:

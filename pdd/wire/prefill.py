@@ -31,7 +31,8 @@ def job_to_pb(job: PrefillJob) -> pb.PrefillRequest:
         pipeline=pipeline_to_pb(job.pipeline),
         relay=instance_ref_to_pb(job.relay) if job.relay else None,
         main_decode=instance_ref_to_pb(job.main_decode),
-        main_decode_cached_tokens=job.main_decode_cached_tokens,
+        main_decode_cached_tokens=job.main_decode_cached_tokens or 0,
+        main_decode_cached_tokens_later=job.main_decode_cached_tokens is None,
     )
 
 
@@ -52,9 +53,23 @@ def job_from_pb(msg: pb.PrefillRequest, vocab: int) -> PrefillJob:
         msg.cache_salt,
         pipeline,
         instance_ref_from_pb(msg.main_decode, "main_decode"),
-        msg.main_decode_cached_tokens,
+        None if msg.main_decode_cached_tokens_later else msg.main_decode_cached_tokens,
         relay,
     )
+
+
+def bind_to_pb(request_id: str, main_decode_cached_tokens: int) -> pb.BindMainDecodeRequest:
+    return pb.BindMainDecodeRequest(
+        request_id=request_id, main_decode_cached_tokens=main_decode_cached_tokens
+    )
+
+
+def bind_from_pb(msg: pb.BindMainDecodeRequest) -> tuple[str, int]:
+    """(request id, MainDecode's cached prompt tokens); the count is checked against the
+    request's prompt by prefill, which alone knows it."""
+    if not msg.request_id:
+        raise InvalidArgumentError("request_id", "is required")
+    return msg.request_id, msg.main_decode_cached_tokens
 
 
 def event_to_pb(ev: PrefillEvent) -> pb.PrefillResponse:

@@ -25,6 +25,12 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         async for ev in self.prefill.prefill(job):
             yield conv.event_to_pb(ev)
 
+    async def BindMainDecode(
+        self, request: pb.BindMainDecodeRequest, context
+    ) -> pb.BindMainDecodeResponse:
+        self.prefill.bind(*conv.bind_from_pb(request))
+        return pb.BindMainDecodeResponse()
+
     async def DescribeCache(
         self, request: pb.DescribeCacheRequest, context
     ) -> pb.DescribeCacheResponse:

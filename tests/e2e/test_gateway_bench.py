@@ -38,25 +38,28 @@ def test_both_doors_stream_every_flood_token_and_the_gateway_cpu_is_counted(tmp_
 
 def test_the_flood_stage_refuses_what_it_does_not_serve(tmp_path):
     """A P-MD request: the flood stage, asked to decode it, refuses naming the field (it serves
-    pipeline MD only; listed as a prefill too, it is never a real one)."""
+    pipeline MD only; listed as a prefill too, it is never a real one). Asked directly: through
+    the gateway, a prefill call to it (which it does not serve) may fail first and move the
+    request to pipeline MD, which it does serve."""
     import grpc
 
-    from pdd.bench.loadgen import PIPELINES
-    from pdd.gen.gateway.v1 import gateway_service_pb2 as pb
-    from pdd.gen.gateway.v1 import gateway_service_pb2_grpc as pb_grpc
+    from pdd.core.pipeline import Pipeline
+    from pdd.core.sampling_params import SamplingParams
+    from pdd.core.stage_events import DecodeJob
+    from pdd.gen.main_decode.v1 import main_decode_service_pb2_grpc as pb_grpc
+    from pdd.wire import main_decode as conv
 
     bench = gateway_bench.Bench(gateway_bench.GatewayBenchConfig(log_dir=str(tmp_path)))
     bench.start()
     try:
-        bench.gateway_with("shared")
         bench.flood_with(1)
+        job = DecodeJob("r", (1, 2, 3), SamplingParams(max_tokens=4), "", Pipeline.P_MD)
 
         async def call() -> tuple[grpc.StatusCode, str]:
-            async with grpc.aio.insecure_channel(bench.gateway.address) as ch:
-                msg = pb.GenerateRequest(max_tokens=4, force_pipeline=PIPELINES["p-md"])
-                msg.prompt_token_ids.token_ids.extend([1, 2, 3])
+            async with grpc.aio.insecure_channel(bench.flood.address) as ch:
                 try:
-                    async for _ in pb_grpc.GatewayServiceStub(ch).Generate(msg, timeout=30):
+                    stub = pb_grpc.MainDecodeServiceStub(ch)
+                    async for _ in stub.Decode(conv.job_to_pb(job), timeout=30):
                         pass
                 except grpc.aio.AioRpcError as exc:
                     return exc.code(), exc.details()

@@ -32,8 +32,11 @@ from tests.e2e.test_pipeline import prompts
 WAN_DELAY_MS = 200.0
 MAX_TOKENS = 400
 # NOTE: a longer context than the other stacks' so the relay, decoding alone, is still
-# streaming after the ≥ 3 WAN round trips (≥ 1.2 s) that re-homing the request takes.
-MODEL = "tiny:7,ctx=2048"
+# streaming after the ≥ 3 WAN round trips (≥ 1.2 s) that re-homing the request takes; and
+# wider, deeper layers than the default tiny model, so that decoding outlasts the kill on a
+# fast host (the default decoded all 400 tokens within the WAN's one-way delay here: ~0.4 ms a
+# token in the service, so the client's third token came after MainDecode had finished).
+MODEL = "tiny:7,ctx=2048,hidden=256,inter=768,layers=8"
 RELAY_TOKENS = 1600
 
 

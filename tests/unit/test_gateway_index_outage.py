@@ -85,6 +85,9 @@ class FakePeers:
                     [FirstToken(20, len(PROMPT), 0, 1.0), TransferDone(0, 64, 0.0, 1.0, 0.0, "")]
                 )
 
+            async def bind_main_decode(self, request_id, cached_tokens):
+                pass  # the scripted stream does not wait for it
+
         return Client()
 
     def main_decode(self, address: str):

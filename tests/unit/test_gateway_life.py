@@ -122,6 +122,16 @@ class FakeHandoff:
         self.cancelled = True
 
 
+def waits_for_bind(script: list, bound: asyncio.Event) -> list:
+    """A prefill script as prefill runs it when opened without MainDecode's hit: nothing after
+    its first token (its TransferDone) before the gateway's bind (the script's own signals
+    right after the token go first)."""
+    at = next((i + 1 for i, item in enumerate(script) if isinstance(item, FirstToken)), 0)
+    while at and at < len(script) and isinstance(script[at], Signal):
+        at += 1
+    return [*script[:at], bound, *script[at:]]
+
+
 class FakeKvstore:
     def __init__(self, hits: list[Hit]) -> None:
         self.hits = hits
@@ -151,12 +161,17 @@ class FakePeers:
             for i, scripts in (later or {}).items()
         }
         self.resumed: list[tuple[str, DecodeJob]] = []  # (address, job) of the later calls
-        self.prefill_stream = FakeStream("prefill", prefill or [])
+        self.prefill_script = list(prefill or [])
+        self.prefill_stream = FakeStream("prefill", self.prefill_script)
+        self.prefill_jobs: list[object] = []  # every prefill call's job, in order
         self.relay_stream = FakeStream("relay", relay or [])
         self.handed = asyncio.Event()  # MainDecode got the gateway's final handoff batch
         self.handoff = FakeHandoff(self.handed)
         self.jobs: dict[str, object] = {}
-        self.accepted_before_prefill: list[bool] = []
+        # Per prefill call: whether the relay's Accepted was read first (P-RLD-MD; else True).
+        self.relay_accepted_before_prefill: list[bool] = []
+        self.binds: list[tuple[str, int]] = []  # prefill told MainDecode's hit (rid, tokens)
+        self.bound = asyncio.Event()
         self.kv = FakeKvstore([Hit(i, 0, 0.0) for i in (PREFILL, RELAY, MAIN_DECODE)])
         # the first MainDecode holds part of the prompt: the router picks it first
         self.kv.hits[2] = Hit(MAIN_DECODE, 4, 0.5)
@@ -176,15 +191,23 @@ class FakePeers:
         class Client:
             def prefill(self, job):
                 peers.jobs["prefill"] = job
-                # the decoding stages' first reads (their Accepted) must be done by now
-                peers.accepted_before_prefill.append(
-                    peers.md.first_read.is_set()
-                    and (
-                        job.pipeline is not Pipeline.P_RLD_MD
-                        or peers.relay_stream.first_read.is_set()
-                    )
+                peers.prefill_jobs.append(job)
+                if peers.prefill_stream.cancelled:  # a request started over: its script again
+                    peers.prefill_stream = FakeStream("prefill", peers.prefill_script)
+                if job.main_decode_cached_tokens is None:
+                    peers.bound = asyncio.Event()
+                    stream = peers.prefill_stream
+                    stream.script = waits_for_bind(stream.script, peers.bound)
+                # the relay (beside prefill) has accepted by now; MainDecode's answer is not
+                # waited for: its hit is bound later
+                peers.relay_accepted_before_prefill.append(
+                    job.pipeline is not Pipeline.P_RLD_MD or peers.relay_stream.first_read.is_set()
                 )
                 return peers.prefill_stream
+
+            async def bind_main_decode(self, request_id, cached_tokens):
+                peers.binds.append((request_id, cached_tokens))
+                peers.bound.set()
 
         return Client()
 
@@ -281,8 +304,8 @@ async def test_p_md_merges_prefills_first_token_with_main_decodes_tokens():
     assert s.ttft_ms > 0 and s.e2e_ms >= s.ttft_ms
     # prefill pushes MainDecode's missing KV from where MainDecode said its hit ends
     p, md = peers.jobs["prefill"], peers.jobs["main_decode"]
-    assert p.main_decode_cached_tokens == 3 and p.relay is None and p.pipeline is Pipeline.P_MD
-    assert p.main_decode == MAIN_DECODE.ref and peers.accepted_before_prefill == [True]
+    assert p.main_decode_cached_tokens is None and p.relay is None and p.pipeline is Pipeline.P_MD
+    assert p.main_decode == MAIN_DECODE.ref and peers.binds == [("req-1", 3)]
     # a sampled request without a seed: the gateway picks one, the same for every stage
     assert md.sampling.seed is not None and p.sampling.seed == md.sampling.seed
     assert "relay" not in peers.jobs and not peers.handoff.batches
@@ -298,7 +321,7 @@ async def test_p_rld_md_drops_what_both_relay_and_main_decode_sent(first_token_l
     prefill = [md_sent] if first_token_last else []
     peers = FakePeers(
         # MainDecode accepts only once the relay's stream is being read too: the gateway must
-        # open both and wait for both at once, or this request never starts
+        # not wait for MainDecode's answer before the relay's, or this request never starts
         md=[
             relay_reading,
             Accepted(0),
@@ -323,7 +346,8 @@ async def test_p_rld_md_drops_what_both_relay_and_main_decode_sent(first_token_l
     s = final.stats
     assert final.finish_reason == "stop" and s.pipeline is Pipeline.P_RLD_MD
     assert (s.completion_tokens, s.rld_tokens, s.md_tokens, s.handoff_at_token) == (6, 3, 2, 3)
-    assert s.relay_instance == "r0" and peers.accepted_before_prefill == [True]
+    assert s.relay_instance == "r0" and peers.relay_accepted_before_prefill == [True]
+    assert peers.binds == [("req-1", 0)]
     r = peers.jobs["relay"]
     assert r.main_decode == MAIN_DECODE.ref and r.handoff_mode is HandoffMode.ONE_SHOT
     assert peers.jobs["prefill"].relay == RELAY.ref
@@ -616,19 +640,21 @@ async def test_with_no_other_main_decode_the_loss_fails_the_request():
 async def test_a_main_decode_failing_before_it_accepts_is_migrated_like_a_later_loss(
     pipeline, refusal
 ):
+    """Prefill, opened beside MainDecode, sent its first token before the loss was read: the
+    request moves from it, nothing of it streamed before the new MainDecode accepted."""
     peers = FakePeers(
         md=[refusal] if refusal else [],
         prefill=[first_token(), TRANSFER],
         relay=[Accepted(), HOLD],
-        later={MAIN_DECODE_1: [[Accepted(0), Tokens(0, (20, 21, 22)), Finished("length", 3, 3)]]},
+        later={MAIN_DECODE_1: [[Accepted(0), Tokens(1, (21, 22)), Finished("length", 3, 2)]]},
     )
     before = migrations("main_decode_lost")
     tokens, final = await asyncio.wait_for(run(peers, job(pipeline, temperature=0.8)), 10)
-    assert flat(tokens) == ([20, 21, 22], [Stage.MAIN_DECODE] * 3)
-    # another MainDecode (m0 excluded) prefills the request itself; prefill is never called
+    assert flat(tokens) == ([20, 21, 22], [Stage.PREFILL] + [Stage.MAIN_DECODE] * 2)
+    # another MainDecode (m0 excluded) prefills the request itself, from the token streamed
     ((address, resumed),) = peers.resumed
-    assert address == MAIN_DECODE_1.ref.address and "prefill" not in peers.jobs
-    assert (resumed.pipeline, resumed.resume_token_ids) == (Pipeline.MD, ())
+    assert address == MAIN_DECODE_1.ref.address and peers.prefill_stream.cancelled
+    assert (resumed.pipeline, resumed.resume_token_ids) == (Pipeline.MD, (20,))
     assert resumed.sampling == peers.jobs["main_decode"].sampling  # the seed drawn once
     assert pipeline is Pipeline.P_MD or peers.relay_stream.cancelled
     assert final.stats.main_decode_instance == "m1" and final.stats.migrations == 1
@@ -642,7 +668,7 @@ async def test_a_main_decode_failing_before_it_accepts_counts_against_the_limit(
     )
     with pytest.raises(PeerError, match="m0: connection reset"):
         await asyncio.wait_for(run(peers, job(Pipeline.P_MD), max_migrations=0), 10)
-    assert not peers.resumed and "prefill" not in peers.jobs
+    assert not peers.resumed and peers.prefill_stream.cancelled
 
 
 async def test_a_relay_failing_before_it_accepts_falls_back_to_p_md_on_the_same_main_decode():
@@ -660,7 +686,8 @@ async def test_a_relay_failing_before_it_accepts_falls_back_to_p_md_on_the_same_
     assert address == MAIN_DECODE.ref.address and peers.md.cancelled
     assert (reopened.pipeline, reopened.resume_token_ids) == (Pipeline.P_MD, ())
     p = peers.jobs["prefill"]
-    assert (p.pipeline, p.relay, p.main_decode_cached_tokens) == (Pipeline.P_MD, None, 3)
+    assert (p.pipeline, p.relay, p.main_decode_cached_tokens) == (Pipeline.P_MD, None, None)
+    assert peers.binds == [("req-1", 3)]  # the reopened MainDecode's hit
     s = final.stats
     assert (s.pipeline, s.handoff_mode, s.relay_instance) == (Pipeline.P_MD, None, "")
     assert s.md_cached_tokens == 3 and s.main_decode_instance == "m0" and s.migrations == 0
@@ -680,7 +707,7 @@ async def test_a_relay_and_then_main_decode_failing_before_accepting_moves_to_an
     tokens, final = await asyncio.wait_for(run(peers, job(Pipeline.P_RLD_MD)), 10)
     assert flat(tokens)[0] == [20, 21]
     assert [a for a, _ in peers.resumed] == [MAIN_DECODE.ref.address, MAIN_DECODE_1.ref.address]
-    assert peers.resumed[1][1].pipeline is Pipeline.MD and "prefill" not in peers.jobs
+    assert peers.resumed[1][1].pipeline is Pipeline.MD and peers.prefill_stream.cancelled
     assert final.stats.main_decode_instance == "m1" and final.stats.migrations == 1
 
 

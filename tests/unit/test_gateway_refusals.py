@@ -9,6 +9,7 @@ import asyncio
 import contextvars
 import random
 import time
+from dataclasses import replace
 
 import pytest
 from prometheus_client import REGISTRY
@@ -30,11 +31,13 @@ from tests.unit.test_gateway_life import (
     TRANSFER,
     FakePeers,
     FakeStream,
+    Signal,
     first_token,
     flat,
     job,
     migrations,
     run,
+    waits_for_bind,
 )
 
 PREFILL_1 = Instance(InstanceRef("p1", "127.0.0.1:7006", Role.PREFILL), 4)
@@ -53,6 +56,7 @@ class TwoPrefills(FakePeers):
         self.kv.hits.append(Hit(PREFILL_1, 0, 0.0))
         self.prefill_scripts = list(prefills)
         self.prefill_calls: list[tuple[str, object]] = []  # (address, job)
+        self.binds: list[tuple[str, int]] = []  # (address, MainDecode's cached tokens)
 
     def prefill(self, address: str):
         assert address in (PREFILL.ref.address, PREFILL_1.ref.address)
@@ -61,15 +65,29 @@ class TwoPrefills(FakePeers):
         class Client:
             def prefill(self, job):
                 peers.prefill_calls.append((address, job))
-                return FakeStream(address, peers.prefill_scripts.pop(0))
+                script = peers.prefill_scripts.pop(0)
+                if job.main_decode_cached_tokens is None:
+                    peers.bound = asyncio.Event()
+                    script = waits_for_bind(script, peers.bound)
+                return FakeStream(address, script)
+
+            async def bind_main_decode(self, request_id, cached_tokens):
+                peers.binds.append((address, cached_tokens))
+                peers.bound.set()
 
         return Client()
 
 
-async def test_a_main_decode_refusing_sends_the_request_to_another_on_the_same_pipeline():
+@pytest.mark.parametrize("first_token_before", [False, True], ids=["refused-first", "token-first"])
+async def test_a_main_decode_refusing_sends_the_request_to_another_on_the_same_pipeline(
+    first_token_before,
+):
+    """Prefill is opened beside MainDecode, so its first token may come before MainDecode's
+    refusal: the request starts over on another MainDecode and the client gets the token once."""
+    sent = asyncio.Event()
     peers = FakePeers(
-        md=[full("m0")],
-        prefill=[first_token(), TRANSFER],
+        md=[sent, full("m0")] if first_token_before else [full("m0")],
+        prefill=[first_token(), Signal(sent), TRANSFER],
         later={MAIN_DECODE_1: [[Accepted(2), Tokens(1, (21, 22)), Finished("length", 3, 2)]]},
     )
     before = migrations("main_decode_lost")
@@ -78,22 +96,34 @@ async def test_a_main_decode_refusing_sends_the_request_to_another_on_the_same_p
     ((address, reopened),) = peers.resumed
     assert address == MAIN_DECODE_1.ref.address
     assert (reopened.pipeline, reopened.resume_token_ids) == (Pipeline.P_MD, ())
-    # prefill, called once the new MainDecode accepted, pushes to it from its hit
-    p = peers.jobs["prefill"]
-    assert p.main_decode == MAIN_DECODE_1.ref and p.main_decode_cached_tokens == 2
+    # prefill, opened again beside the new MainDecode, pushes to it from its hit once bound
+    first, again = peers.prefill_jobs
+    assert first.main_decode == MAIN_DECODE.ref and again.main_decode == MAIN_DECODE_1.ref
+    assert again.main_decode_cached_tokens is None and peers.binds == [("req-1", 2)]
     s = final.stats
     assert (s.pipeline, s.main_decode_instance, s.migrations) == (Pipeline.P_MD, "m1", 0)
+    assert s.md_cached_tokens == 2
     assert migrations("main_decode_lost") == before  # a refusal is no loss
 
 
 @pytest.mark.parametrize("others", [False, True], ids=["alone", "all-full"])
-async def test_with_every_main_decode_full_the_client_is_refused(others):
+async def test_with_every_main_decode_full_the_client_is_refused_before_any_token(others):
+    """Prefill's first token arrives before the refusals: it is never streamed (a refusal is
+    the client's whole answer), and every call opened for the request is stopped."""
+    sent = asyncio.Event()
     later = {MAIN_DECODE_1: [[full("m1")]]} if others else {}
-    peers = FakePeers(md=[full("m0")], prefill=[first_token(), TRANSFER], later=later)
+    peers = FakePeers(
+        md=[sent, full("m0")], prefill=[first_token(), Signal(sent), HOLD], later=later
+    )
+    gateway = Gateway("127.0.0.1:7000", rng=random.Random(7), peers=peers)
+    streamed = []
     with pytest.raises(PeerError) as err:
-        await asyncio.wait_for(run(peers, job(Pipeline.P_MD)), 10)
-    assert err.value.code == "RESOURCE_EXHAUSTED"
-    assert "prefill" not in peers.jobs  # nothing was computed for it
+        async with asyncio.timeout(10):
+            async for event in gateway.generate(job(Pipeline.P_MD)):
+                streamed.append(event)
+    await gateway.close()
+    assert err.value.code == "RESOURCE_EXHAUSTED" and streamed == []
+    assert peers.prefill_stream.cancelled and not peers.binds
     assert [a for a, _ in peers.resumed] == ([MAIN_DECODE_1.ref.address] if others else [])
 
 
@@ -118,7 +148,12 @@ async def test_a_prefill_refusing_sends_the_request_to_another_prefill():
     tokens, final = await asyncio.wait_for(run(peers, job(Pipeline.P_MD)), 10)
     assert flat(tokens) == ([20, 21, 22], [Stage.PREFILL] + [Stage.MAIN_DECODE] * 2)
     (first, first_job), (second, second_job) = peers.prefill_calls
-    assert first != second and first_job == second_job  # the same job, another instance
+    assert first != second  # another instance, the same job (MainDecode's hit bound to it)
+    assert replace(first_job, main_decode_cached_tokens=0) == replace(
+        second_job, main_decode_cached_tokens=0
+    )
+    # MainDecode's hit reached the prefill that computes it: in its job or bound to it
+    assert second_job.main_decode_cached_tokens == 0 or peers.binds[-1] == (second, 0)
     # MainDecode, which accepted, kept its call (its tokens above): it waited for the KV
     assert not peers.resumed and final.stats.main_decode_instance == "m0"
     s = final.stats

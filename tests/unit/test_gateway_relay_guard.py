@@ -71,6 +71,9 @@ class BurstPeers:
             def prefill(self, job):
                 return FakeStream("prefill", [first_token(), TRANSFER])
 
+            async def bind_main_decode(self, request_id, cached_tokens):
+                pass  # the scripted stream does not wait for it
+
         return Client()
 
     def relay(self, address):

@@ -10,6 +10,7 @@ the relay, the whole prompt), equal to a fresh engine's export of the same promp
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 import torch
@@ -236,3 +237,129 @@ async def test_a_sent_link_is_freed_without_waiting_for_the_garbage_collector():
         assert gone() is None, "the link lives on in a reference cycle"
     finally:
         gc.enable()
+
+
+# --- MainDecode's hit bound after the call opened (the gateway does not wait for MainDecode) ---
+
+
+def _later(rid: str, pipeline: Pipeline) -> PrefillJob:
+    relay = RELAY if pipeline is Pipeline.P_RLD_MD else None
+    return PrefillJob(rid, PROMPT, SamplingParams(max_tokens=8), "", pipeline, MD, None, relay)
+
+
+async def _bound_when(node: Node, rid: str, gate: asyncio.Event, cached: int) -> None:
+    from pdd.core.errors import NotFoundError
+
+    await gate.wait()
+    while True:  # NOTE: as the gateway does: the bind may come before the call is open
+        try:
+            node.prefill.bind(rid, cached)
+            return
+        except NotFoundError:
+            await asyncio.sleep(0.001)
+
+
+@pytest.mark.parametrize("when", ["at-once", "mid-prompt", "after-first-token"])
+async def test_a_prefill_bound_later_pushes_exactly_from_the_bound_count(ckpt, reference, when):
+    """Bound before the prompt is computed, while its chunks are, or after its first token: the
+    WAN push is ``[cached, n)`` whichever part of it was computed before the bind."""
+    token, kv = reference
+    md_from = 52
+    async with Node(ckpt) as node:
+        stream = node.prefill.prefill(_later("b1", Pipeline.P_MD))
+        gate = asyncio.Event()
+        binder = asyncio.create_task(_bound_when(node, "b1", gate, md_from))
+        if when == "at-once":
+            gate.set()
+        elif when == "mid-prompt":
+            # NOTE: 16-token chunks: bind once a few are computed, before the prompt's end
+            def computed() -> int:  # engine thread, between two steps
+                eng = node.engine
+                return eng.num_cached_tokens("b1") if eng.holds_request("b1") else 0
+
+            async def some_computed() -> None:
+                # NOTE: usually mid-prompt; the request is held until bound, so never stuck
+                while await node.loop.call(computed) < 64:
+                    await asyncio.sleep(0)
+                gate.set()
+
+            watcher = asyncio.create_task(some_computed())
+        first = await asyncio.wait_for(anext(stream), 60)
+        assert isinstance(first, FirstToken) and first.token_id == token
+        if when == "after-first-token":
+            assert not node.receiver.status("b1").known  # nothing could be pushed yet
+            gate.set()
+        elif when == "mid-prompt":
+            await watcher
+        done = await asyncio.wait_for(anext(stream), 60)
+        await binder
+        assert isinstance(done, TransferDone)
+        received = node.receiver.pop("b1")
+        assert received.output_token_ids == (token,)
+        header = received.header
+        assert (header.start_token, header.num_tokens) == (md_from, 120 - md_from)
+        got = decode_tensor(received.payload, header.layout, header.num_tokens)
+        torch.testing.assert_close(got, kv[md_from:], rtol=1e-4, atol=1e-5)
+        assert done.wan_kv_bytes == header.total_bytes
+        await node.loop.call(lambda: None)
+        assert not node.engine.holds_request("b1")
+
+
+async def test_a_p_rld_md_prefill_feeds_the_relay_before_main_decode_is_bound(ckpt, reference):
+    """The relay's fast link does not wait for MainDecode's answer: the whole prompt is on it
+    while the WAN push still waits for its bind."""
+    token, kv = reference
+    async with Node(ckpt) as node:
+        stream = node.prefill.prefill(_later("b2", Pipeline.P_RLD_MD))
+        first = await asyncio.wait_for(anext(stream), 60)
+        assert first.token_id == token
+        region = await node.fast.wait_complete("b2", 10)
+        assert (region.header.start_token, region.header.num_tokens) == (0, 120)
+        node.fast.release(region.transfer_id)
+        node.prefill.bind("b2", 100)
+        done = await asyncio.wait_for(anext(stream), 60)
+        wan = node.receiver.pop("b2")
+        assert (wan.header.start_token, wan.header.num_tokens) == (100, 20)
+        torch.testing.assert_close(
+            decode_tensor(wan.payload, wan.header.layout, 20), kv[100:], rtol=1e-4, atol=1e-5
+        )
+        assert done.fast_link == "shm"
+
+
+async def test_a_bind_names_what_is_wrong_with_it(ckpt):
+    from pdd.core.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
+
+    async with Node(ckpt) as node:
+        with pytest.raises(NotFoundError, match="'nobody' is not being prefilled here"):
+            node.prefill.bind("nobody", 0)
+        known = node.prefill.prefill(_job("b3", Pipeline.P_MD, 0))
+        later = node.prefill.prefill(_later("b4", Pipeline.P_MD))
+        assert isinstance(await asyncio.wait_for(anext(known), 60), FirstToken)
+        assert isinstance(await asyncio.wait_for(anext(later), 60), FirstToken)
+        with pytest.raises(FailedPreconditionError, match="already"):
+            node.prefill.bind("b3", 0)  # opened with MainDecode's count
+        with pytest.raises(InvalidArgumentError, match="main_decode_cached_tokens"):
+            node.prefill.bind("b4", 121)
+        node.prefill.bind("b4", 120)  # MainDecode holds it all: only the first token crosses
+        with pytest.raises(FailedPreconditionError, match="already"):
+            node.prefill.bind("b4", 3)
+        assert isinstance(await asyncio.wait_for(anext(known), 60), TransferDone)
+        assert isinstance(await asyncio.wait_for(anext(later), 60), TransferDone)
+        received = node.receiver.pop("b4")
+        assert (received.header.start_token, received.header.num_tokens) == (120, 0)
+
+
+async def test_a_prefill_never_bound_gives_up_and_frees_the_request(ckpt):
+    from pdd.core.errors import DeadlineExceededError
+
+    async with Node(ckpt) as node:
+        node.prefill.config = replace(node.prefill.config, bind_timeout_s=0.3)
+        stream = node.prefill.prefill(_later("b5", Pipeline.P_MD))
+        assert isinstance(await asyncio.wait_for(anext(stream), 60), FirstToken)
+        with pytest.raises(DeadlineExceededError, match="not bound within 0.3 s"):
+            await asyncio.wait_for(anext(stream), 60)
+        await node.loop.call(lambda: None)
+        assert not node.engine.holds_request("b5")
+        assert not node.receiver.status("b5").known
+        with pytest.raises(Exception, match="not being prefilled"):
+            node.prefill.bind("b5", 0)

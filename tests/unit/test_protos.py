@@ -117,7 +117,7 @@ def test_buf_breaking_catches_a_removed_field(tmp_path):
                 "PredictHits",
             },
         ),
-        (prefill, "PrefillService", {"Prefill", "DescribeCache"}),
+        (prefill, "PrefillService", {"Prefill", "BindMainDecode", "DescribeCache"}),
         (
             relay,
             "RelayService",

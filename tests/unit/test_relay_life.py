@@ -262,6 +262,31 @@ async def test_request_finishing_on_the_relay_still_hands_its_tokens_over(ckpt, 
         assert held == (len(prompt) + n) // BLOCK * BLOCK
 
 
+async def test_a_main_decode_that_does_not_know_the_request_yet_is_asked_again(ckpt, oracle):
+    """The gateway opens MainDecode and the relay at once and prefill does not wait for
+    MainDecode: the relay may have its KV and ask for MainDecode's before MainDecode's call has
+    even arrived (NOT_FOUND). Within ``main_decode_grace_s`` that is asked again, not taken as
+    lost: the request is handed over as usual."""
+    n = 48
+    async with Stack(ckpt, RelayConfig(main_decode_grace_s=30)) as stack:
+        relay_job, md_job = _jobs("r9", PROMPT, n, HandoffMode.ONE_SHOT)
+        await stack.send_fast("r9", PROMPT, "s")
+        stream = stack.relay.decode(relay_job)
+        relay_events = await read_through(stream, 6)  # MainDecode has not heard of it yet
+        md_events: list = []
+        md_task = await _open_md(stack, md_job, md_events)
+        await stack.push_wan("r9", PROMPT, "s")
+        relay_events += [ev async for ev in stream]
+        await asyncio.wait_for(md_task, 30)
+        handed = relay_events[-1]
+        assert isinstance(handed, HandedOff) and len(stack.peer.batches) == 1
+        at = handed.at_position
+        relayed, md_out = positions(relay_events), positions(md_events)
+        first = stack.prefilled("r9", PROMPT, "s")[1]
+        tokens = [first] + [relayed[p] for p in range(1, at)] + [md_out[p] for p in range(at, n)]
+        oracle.assert_greedy_equal(PROMPT, tokens, _reference(ckpt, PROMPT, n))
+
+
 async def test_a_failed_handoff_fails_the_relay_stream_with_the_peer_error(ckpt):
     # MainDecode decodes a P-MD request itself: it holds the KV but refuses a handoff.
     async with Stack(ckpt, RelayConfig()) as stack:
@@ -289,7 +314,8 @@ async def test_a_main_decode_lost_before_its_kv_leaves_the_relay_decoding_alone(
     """MainDecode's call ends while the relay waits for its KV: the relay decodes on, streams
     every token and finishes the request itself (no handoff), as a single engine would."""
     n = 40
-    async with Stack(ckpt, RelayConfig()) as stack:
+    # NOTE: no grace: MainDecode not knowing the request is taken as lost at once
+    async with Stack(ckpt, RelayConfig(main_decode_grace_s=0)) as stack:
         relay_job, md_job = _jobs("r4", PROMPT, n, HandoffMode.ONE_SHOT)
         md_events: list = []
         md_task = await _open_md(stack, md_job, md_events)

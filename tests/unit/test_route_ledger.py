@@ -101,6 +101,9 @@ class LinkPeers:
                 ]
                 return life.FakeStream("prefill", script)
 
+            async def bind_main_decode(self, request_id, cached_tokens):
+                pass  # the scripted stream does not wait for it
+
         return Client()
 
     def main_decode(self, address):

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "pipeline", "relay", "main_decode", "main_decode_cached_tokens")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "pipeline", "relay", "main_decode", "main_decode_cached_tokens", "main_decode_cached_tokens_later")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class PrefillRequest(_message.Message):
     RELAY_FIELD_NUMBER: _ClassVar[int]
     MAIN_DECODE_FIELD_NUMBER: _ClassVar[int]
     MAIN_DECODE_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAIN_DECODE_CACHED_TOKENS_LATER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -25,7 +26,20 @@ class PrefillRequest(_message.Message):
     relay: _common_pb2.InstanceRef
     main_decode: _common_pb2.InstanceRef
     main_decode_cached_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., pipeline: _Optional[_Union[_common_pb2.Pipeline, str]] = ..., relay: _Optional[_Union[_common_pb2.InstanceRef, _Mapping]] = ..., main_decode: _Optional[_Union[_common_pb2.InstanceRef, _Mapping]] = ..., main_decode_cached_tokens: _Optional[int] = ...) -> None: ...
+    main_decode_cached_tokens_later: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., pipeline: _Optional[_Union[_common_pb2.Pipeline, str]] = ..., relay: _Optional[_Union[_common_pb2.InstanceRef, _Mapping]] = ..., main_decode: _Optional[_Union[_common_pb2.InstanceRef, _Mapping]] = ..., main_decode_cached_tokens: _Optional[int] = ..., main_decode_cached_tokens_later: _Optional[bool] = ...) -> None: ...
+
+class BindMainDecodeRequest(_message.Message):
+    __slots__ = ("request_id", "main_decode_cached_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MAIN_DECODE_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    main_decode_cached_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., main_decode_cached_tokens: _Optional[int] = ...) -> None: ...
+
+class BindMainDecodeResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token", "transfer_done")

@@ -43,6 +43,11 @@ class PrefillServiceStub:
                 request_serializer=pdd_dot_prefill_dot_v1_dot_prefill__service__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=pdd_dot_prefill_dot_v1_dot_prefill__service__pb2.PrefillResponse.FromString,
                 _registered_method=True)
+        self.BindMainDecode = channel.unary_unary(
+                '/pdd.prefill.v1.PrefillService/BindMainDecode',
+                request_serializer=pdd_dot_prefill_dot_v1_dot_prefill__service__pb2.BindMainDecodeRequest.SerializeToString,
+                response_deserializer=pdd_dot_prefill_dot_v1_dot_prefill__service__pb2.BindMainDecodeResponse.FromString,
+                _registered_method=True)
         self.DescribeCache = channel.unary_unary(
                 '/pdd.prefill.v1.PrefillService/DescribeCache',
                 request_serializer=pdd_dot_prefill_dot_v1_dot_prefill__service__pb2.DescribeCacheRequest.SerializeToString,
@@ -65,6 +70,16 @@ class PrefillServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def BindMainDecode(self, request, context):
+        """Tells a Prefill opened with main_decode_cached_tokens_later how many prompt
+        tokens MainDecode holds (its Accepted): the WAN push starts there. The
+        gateway opens prefill beside MainDecode's Decode instead of after it, so
+        the WAN round trip of MainDecode's answer overlaps the prompt's compute.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def DescribeCache(self, request, context):
         """Reports what the instance's cache and pool hold (operators, tests).
         """
@@ -79,6 +94,11 @@ def add_PrefillServiceServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=pdd_dot_prefill_dot_v1_dot_prefill__service__pb2.PrefillRequest.FromString,
                     response_serializer=pdd_dot_prefill_dot_v1_dot_prefill__service__pb2.PrefillResponse.SerializeToString,
+            ),
+            'BindMainDecode': grpc.unary_unary_rpc_method_handler(
+                    servicer.BindMainDecode,
+                    request_deserializer=pdd_dot_prefill_dot_v1_dot_prefill__service__pb2.BindMainDecodeRequest.FromString,
+                    response_serializer=pdd_dot_prefill_dot_v1_dot_prefill__service__pb2.BindMainDecodeResponse.SerializeToString,
             ),
             'DescribeCache': grpc.unary_unary_rpc_method_handler(
                     servicer.DescribeCache,
@@ -117,6 +137,33 @@ class PrefillService:
             '/pdd.prefill.v1.PrefillService/Prefill',
             pdd_dot_prefill_dot_v1_dot_prefill__service__pb2.PrefillRequest.SerializeToString,
             pdd_dot_prefill_dot_v1_dot_prefill__service__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BindMainDecode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdd.prefill.v1.PrefillService/BindMainDecode',
+            pdd_dot_prefill_dot_v1_dot_prefill__service__pb2.BindMainDecodeRequest.SerializeToString,
+            pdd_dot_prefill_dot_v1_dot_prefill__service__pb2.BindMainDecodeResponse.FromString,
             options,
             channel_credentials,
             insecure,
