@@ -284,8 +284,10 @@ class Prefill:
         held = finished = False
         try:
             t0 = time.perf_counter()
-            cached = await self._admit(job)
+            # NOTE: held from before the admission: cancelled while the engine thread adds the
+            # request (a refusal elsewhere stops the call within ms), it must still be dropped.
             held = True
+            cached = await self._admit(job)
             out = await self._compute(job, queue, feed)
             prefill_ms = (time.perf_counter() - t0) * 1000
             log.info(

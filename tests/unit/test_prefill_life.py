@@ -209,6 +209,25 @@ async def test_a_request_ended_after_its_first_token_is_dropped(ckpt):
         assert first.prompt_tokens == 120
 
 
+async def test_a_request_cancelled_while_being_admitted_is_dropped(ckpt):
+    """The gateway stops a prefill call within ms when MainDecode refuses the request (prefill is
+    opened beside it): cancelled while the engine thread is adding it, the request must still go."""
+    import threading
+
+    async with Node(ckpt) as node:
+        gate = threading.Event()
+        node.loop.submit(gate.wait)  # NOTE: the engine thread is busy: the admission waits
+        task = asyncio.ensure_future(anext(node.prefill.prefill(_later("r6", Pipeline.P_MD))))
+        for _ in range(10):
+            await asyncio.sleep(0)  # NOTE: into its admission, queued behind the gate
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        gate.set()  # the admission runs now, and adds the request
+        await node.loop.call(lambda: None)
+        assert not node.engine.holds_request("r6")
+
+
 async def test_a_sent_link_is_freed_without_waiting_for_the_garbage_collector():
     """A link's KV buffer (the request's whole range) must go when the request does, by
     reference count: no cycle through the generator feeding it (``pdd bench soak`` saw prefill's
