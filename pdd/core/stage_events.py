@@ -159,6 +159,8 @@ class Finished:
     md_tokens: int = 0
     wan_kv_bytes: int = 0
     extend_ms: float = 0.0
+    # The relay finished without handing its tokens to MainDecode (it took MainDecode for lost).
+    alone: bool = False
 
 
 PrefillEvent = FirstToken | TransferDone

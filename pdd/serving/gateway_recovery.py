@@ -292,7 +292,9 @@ class Recovery:
 
     async def _relay_ended(self, run: Run) -> None:
         """The relay's stream is over: a loss waiting on it moves the request now; a re-homed
-        MainDecode still waiting for the handoff is stopped if the relay finished the request."""
+        MainDecode still waiting for the handoff is stopped if the relay finished the request;
+        one the relay took for lost and finished without, still waiting, gets the tokens as a
+        finished request (its DRC keeps them for the session's next turn)."""
         if run.pending and run.finish is None:
             await self._migrate(run, run.pending)
         elif run.rehomed and run.finish is not None:
@@ -300,6 +302,14 @@ class Recovery:
             if (md := run.streaming.pop(Stage.MAIN_DECODE, None)) is not None:
                 md.cancel()
             run.rehomed = False
+        elif run.relay_alone and run.finish is not None and Stage.MAIN_DECODE in run.streaming:
+            # NOTE: the client has every token: a MainDecode gone meanwhile just ends its call
+            try:
+                await self._take_over(run, "relay_finished_alone_gateway_handoff", finished=True)
+            except (PeerError, UnavailableError) as exc:
+                log.warning("finished_handoff_failed", error=str(exc)[:200])
+                if (md := run.streaming.pop(Stage.MAIN_DECODE, None)) is not None:
+                    md.cancel()
 
     async def _migrate(self, run: Run, loss: Loss) -> None:
         """Move the request to another live MainDecode from the tokens streamed so far (every
@@ -395,8 +405,9 @@ class Recovery:
             run.lost.add(run.plan.main_decode.ref.instance_id)
             await self._migrate(run, Loss(MAIN_DECODE_LOST, exc))
 
-    async def _take_over(self, run: Run, event: str) -> None:
-        """Hand the request to MainDecode ourselves: token IDs are all it needs besides its KV."""
+    async def _take_over(self, run: Run, event: str, *, finished: bool = False) -> None:
+        """Hand the request to MainDecode ourselves: token IDs are all it needs besides its KV
+        (``finished``: the request ended; MainDecode keeps them in its DRC, emits nothing)."""
         plan, tokens = run.plan, tuple(run.merge.emitted)
         log.warning(event, at=len(tokens), main_decode=plan.main_decode.ref.instance_id)
         HANDOFFS.labels(
@@ -404,7 +415,14 @@ class Recovery:
         ).inc()
         call = self.peers.main_decode(plan.main_decode.ref.address).token_handoff()
         run.calls.append(call)
-        batch = HandoffBatch(run.job.request_id, 0, tokens, final=True, mode=plan.handoff_mode)
+        batch = HandoffBatch(
+            run.job.request_id,
+            0,
+            tokens,
+            final=True,
+            request_finished=finished,
+            mode=plan.handoff_mode,
+        )
         await call.send(batch)
         await call.done(wait=True)
         run.stats.handoff_at_token = len(tokens)

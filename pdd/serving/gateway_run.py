@@ -133,6 +133,8 @@ class Run:
     rehomed: bool = False
     # MainDecode has not accepted yet (prefill was opened without its hit): tokens wait here.
     md_unanswered: bool = False
+    # The relay finished the request without handing it to MainDecode (it took it for lost).
+    relay_alone: bool = False
     # P-MD re-routed through the relay at its KV deadline: the relay resumes from what was
     # streamed and finishes the request.
     rerouted: bool = False
@@ -313,6 +315,7 @@ def apply_event(run: Run, stage: Stage, event: object) -> list[TokenEvent]:
             run.relay_done = True
         case Finished():
             run.relay_done = run.relay_done or stage is Stage.RELAY
+            run.relay_alone = run.relay_alone or (stage is Stage.RELAY and event.alone)
             run.finish = event.finish_reason or run.finish
             run.completion_tokens = max(run.completion_tokens or 0, event.completion_tokens)
     return []

@@ -39,6 +39,7 @@ import asyncio
 import functools
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import replace
 from typing import Any
 
 import structlog
@@ -278,7 +279,7 @@ class Relay:
                 await self._go_alone(life, exc)
         metrics.RELAY_ALONE.labels("finished").inc()
         log.warning("relay_finished_alone", completion_tokens=out.position + 1)
-        return finished
+        return replace(finished, alone=True)
 
     async def _go_alone(self, life: RelayLife, error: PeerError) -> None:
         """MainDecode is lost: decode on (resumed, if the handoff had paused it), unpaced."""

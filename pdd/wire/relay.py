@@ -72,7 +72,9 @@ def event_to_pb(ev: RelayEvent) -> pb.DecodeResponse:
         )
     return pb.DecodeResponse(
         finished=pb.Finished(
-            finish_reason=finish_to_pb(ev.finish_reason), completion_tokens=ev.completion_tokens
+            finish_reason=finish_to_pb(ev.finish_reason),
+            completion_tokens=ev.completion_tokens,
+            alone=ev.alone,
         )
     )
 
@@ -88,5 +90,6 @@ def event_from_pb(msg: pb.DecodeResponse) -> RelayEvent:
         mode = handoff_from_pb(h.mode) or HandoffMode.ONE_SHOT
         return HandedOff(h.at_position, mode, h.rounds, h.handoff_ms)
     if which == "finished":
-        return Finished(finish_from_pb(msg.finished.finish_reason), msg.finished.completion_tokens)
+        f = msg.finished
+        return Finished(finish_from_pb(f.finish_reason), f.completion_tokens, alone=f.alone)
     raise FailedPreconditionError(f"the relay sent an event this gateway does not know: {which!r}")

@@ -625,6 +625,24 @@ async def test_with_no_other_main_decode_the_loss_fails_the_request():
     assert err.value.code == "UNAVAILABLE" and not peers.resumed
 
 
+async def test_a_relay_that_finished_alone_hands_main_decode_the_tokens_as_finished():
+    """The relay took MainDecode for lost and finished the request without a handoff
+    (``Finished.alone``), but MainDecode is alive and waits for one: the gateway hands it every
+    token as a finished request (its DRC keeps them) instead of leaving the call open until the
+    stage deadline, though the client has every token."""
+    peers = FakePeers(
+        md=[],
+        prefill=[first_token(), TRANSFER],
+        relay=[Accepted(), Tokens(1, (21, 22, 23)), Finished("length", 4, alone=True)],
+    )
+    peers.md.script = [Accepted(0), peers.handed, Finished("length", 4, 0)]
+    tokens, final = await asyncio.wait_for(run(peers, job(Pipeline.P_RLD_MD)), 10)
+    assert flat(tokens) == ([20, 21, 22, 23], [Stage.PREFILL] + [Stage.RELAY] * 3)
+    assert final.finish_reason == "length" and final.stats.rld_tokens == 3
+    (batch,) = peers.handoff.batches
+    assert batch.final and batch.request_finished and batch.token_ids == (20, 21, 22, 23)
+
+
 # --- a stage failing before it accepts the request ---------------------------------------------
 
 

@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from pdd.gen.common.v1 import common_pb2 as pdd_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n pdd/relay/v1/relay_service.proto\x12\x0cpdd.relay.v1\x1a\x1apdd/common/v1/common.proto\"\xff\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.pdd.common.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12/\n\x0bmain_decode\x18\x05 \x01(\x0b\x32\x1a.pdd.common.v1.InstanceRef\x12\x30\n\x0chandoff_mode\x18\x06 \x01(\x0e\x32\x1a.pdd.common.v1.HandoffMode\x12\x18\n\x10resume_token_ids\x18\x07 \x03(\r\"\xcd\x01\n\x0e\x44\x65\x63odeResponse\x12*\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x0b\x32\x16.pdd.relay.v1.AcceptedH\x00\x12+\n\x06tokens\x18\x02 \x01(\x0b\x32\x19.pdd.common.v1.TokenDeltaH\x00\x12-\n\nhanded_off\x18\x03 \x01(\x0b\x32\x17.pdd.relay.v1.HandedOffH\x00\x12*\n\x08\x66inished\x18\x04 \x01(\x0b\x32\x16.pdd.relay.v1.FinishedH\x00\x42\x07\n\x05\x65vent\"\x1f\n\x08\x41\x63\x63\x65pted\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\"n\n\tHandedOff\x12\x13\n\x0b\x61t_position\x18\x01 \x01(\r\x12(\n\x04mode\x18\x02 \x01(\x0e\x32\x1a.pdd.common.v1.HandoffMode\x12\x0e\n\x06rounds\x18\x03 \x01(\r\x12\x12\n\nhandoff_ms\x18\x04 \x01(\x01\"Y\n\x08\x46inished\x12\x32\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1b.pdd.common.v1.FinishReason\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xb3\x01\n\x16PrepareTransferRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x06layout\x18\x02 \x01(\x0b\x32\x17.pdd.common.v1.KvLayout\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x33\n\ntransports\x18\x05 \x03(\x0e\x32\x1f.pdd.relay.v1.FastLinkTransport\"h\n\x0cRdmaEndpoint\x12\x13\n\x0bremote_addr\x18\x01 \x01(\x04\x12\x0c\n\x04rkey\x18\x02 \x01(\r\x12\x0e\n\x06qp_num\x18\x03 \x01(\r\x12\x0b\n\x03lid\x18\x04 \x01(\r\x12\x0b\n\x03gid\x18\x05 \x01(\x0c\x12\x0b\n\x03psn\x18\x06 \x01(\r\"\xc0\x01\n\x17PrepareTransferResponse\x12\x32\n\ttransport\x18\x01 \x01(\x0e\x32\x1f.pdd.relay.v1.FastLinkTransport\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12*\n\x04rdma\x18\x03 \x01(\x0b\x32\x1a.pdd.relay.v1.RdmaEndpointH\x00\x12\x12\n\x08shm_name\x18\x04 \x01(\tH\x00\x12\x10\n\x08lease_ms\x18\x05 \x01(\rB\n\n\x08\x65ndpoint\"\x88\x01\n\rPushKvRequest\x12\x31\n\x06header\x18\x01 \x01(\x0b\x32\x1f.pdd.common.v1.KvTransferHeaderH\x00\x12\'\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x16.pdd.common.v1.KvChunkH\x00\x12\x13\n\x0btransfer_id\x18\x03 \x01(\tB\x06\n\x04item\"A\n\x0ePushKvResponse\x12\x16\n\x0e\x62ytes_received\x18\x01 \x01(\x04\x12\x17\n\x0f\x63hunks_received\x18\x02 \x01(\r\"\x9c\x01\n\x17\x43ompleteTransferRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12/\n\x06header\x18\x03 \x01(\x0b\x32\x1f.pdd.common.v1.KvTransferHeader\x12\x18\n\x10output_token_ids\x18\x04 \x03(\r\x12\r\n\x05\x63rc32\x18\x05 \x01(\r\",\n\x18\x43ompleteTransferResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\"Q\n\x14\x44\x65scribeCacheRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x12\n\ncache_salt\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"\x94\x01\n\x15\x44\x65scribeCacheResponse\x12\x1c\n\x14\x63\x61\x63hed_prefix_tokens\x18\x01 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x02 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x03 \x01(\r\x12\x18\n\x10request_holds_kv\x18\x04 \x01(\x08\x12\x12\n\nblock_size\x18\x05 \x01(\r*\x90\x01\n\x11\x46\x61stLinkTransport\x12#\n\x1f\x46\x41ST_LINK_TRANSPORT_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x46\x41ST_LINK_TRANSPORT_RDMA\x10\x01\x12\x1b\n\x17\x46\x41ST_LINK_TRANSPORT_SHM\x10\x02\x12\x1b\n\x17\x46\x41ST_LINK_TRANSPORT_TCP\x10\x03\x32\xb9\x03\n\x0cRelayService\x12\x45\n\x06\x44\x65\x63ode\x12\x1b.pdd.relay.v1.DecodeRequest\x1a\x1c.pdd.relay.v1.DecodeResponse0\x01\x12^\n\x0fPrepareTransfer\x12$.pdd.relay.v1.PrepareTransferRequest\x1a%.pdd.relay.v1.PrepareTransferResponse\x12\x45\n\x06PushKv\x12\x1b.pdd.relay.v1.PushKvRequest\x1a\x1c.pdd.relay.v1.PushKvResponse(\x01\x12\x61\n\x10\x43ompleteTransfer\x12%.pdd.relay.v1.CompleteTransferRequest\x1a&.pdd.relay.v1.CompleteTransferResponse\x12X\n\rDescribeCache\x12\".pdd.relay.v1.DescribeCacheRequest\x1a#.pdd.relay.v1.DescribeCacheResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n pdd/relay/v1/relay_service.proto\x12\x0cpdd.relay.v1\x1a\x1apdd/common/v1/common.proto\"\xff\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.pdd.common.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12/\n\x0bmain_decode\x18\x05 \x01(\x0b\x32\x1a.pdd.common.v1.InstanceRef\x12\x30\n\x0chandoff_mode\x18\x06 \x01(\x0e\x32\x1a.pdd.common.v1.HandoffMode\x12\x18\n\x10resume_token_ids\x18\x07 \x03(\r\"\xcd\x01\n\x0e\x44\x65\x63odeResponse\x12*\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x0b\x32\x16.pdd.relay.v1.AcceptedH\x00\x12+\n\x06tokens\x18\x02 \x01(\x0b\x32\x19.pdd.common.v1.TokenDeltaH\x00\x12-\n\nhanded_off\x18\x03 \x01(\x0b\x32\x17.pdd.relay.v1.HandedOffH\x00\x12*\n\x08\x66inished\x18\x04 \x01(\x0b\x32\x16.pdd.relay.v1.FinishedH\x00\x42\x07\n\x05\x65vent\"\x1f\n\x08\x41\x63\x63\x65pted\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\"n\n\tHandedOff\x12\x13\n\x0b\x61t_position\x18\x01 \x01(\r\x12(\n\x04mode\x18\x02 \x01(\x0e\x32\x1a.pdd.common.v1.HandoffMode\x12\x0e\n\x06rounds\x18\x03 \x01(\r\x12\x12\n\nhandoff_ms\x18\x04 \x01(\x01\"h\n\x08\x46inished\x12\x32\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1b.pdd.common.v1.FinishReason\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\r\n\x05\x61lone\x18\x03 \x01(\x08\"\xb3\x01\n\x16PrepareTransferRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x06layout\x18\x02 \x01(\x0b\x32\x17.pdd.common.v1.KvLayout\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x33\n\ntransports\x18\x05 \x03(\x0e\x32\x1f.pdd.relay.v1.FastLinkTransport\"h\n\x0cRdmaEndpoint\x12\x13\n\x0bremote_addr\x18\x01 \x01(\x04\x12\x0c\n\x04rkey\x18\x02 \x01(\r\x12\x0e\n\x06qp_num\x18\x03 \x01(\r\x12\x0b\n\x03lid\x18\x04 \x01(\r\x12\x0b\n\x03gid\x18\x05 \x01(\x0c\x12\x0b\n\x03psn\x18\x06 \x01(\r\"\xc0\x01\n\x17PrepareTransferResponse\x12\x32\n\ttransport\x18\x01 \x01(\x0e\x32\x1f.pdd.relay.v1.FastLinkTransport\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12*\n\x04rdma\x18\x03 \x01(\x0b\x32\x1a.pdd.relay.v1.RdmaEndpointH\x00\x12\x12\n\x08shm_name\x18\x04 \x01(\tH\x00\x12\x10\n\x08lease_ms\x18\x05 \x01(\rB\n\n\x08\x65ndpoint\"\x88\x01\n\rPushKvRequest\x12\x31\n\x06header\x18\x01 \x01(\x0b\x32\x1f.pdd.common.v1.KvTransferHeaderH\x00\x12\'\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x16.pdd.common.v1.KvChunkH\x00\x12\x13\n\x0btransfer_id\x18\x03 \x01(\tB\x06\n\x04item\"A\n\x0ePushKvResponse\x12\x16\n\x0e\x62ytes_received\x18\x01 \x01(\x04\x12\x17\n\x0f\x63hunks_received\x18\x02 \x01(\r\"\x9c\x01\n\x17\x43ompleteTransferRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12/\n\x06header\x18\x03 \x01(\x0b\x32\x1f.pdd.common.v1.KvTransferHeader\x12\x18\n\x10output_token_ids\x18\x04 \x03(\r\x12\r\n\x05\x63rc32\x18\x05 \x01(\r\",\n\x18\x43ompleteTransferResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\"Q\n\x14\x44\x65scribeCacheRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x12\n\ncache_salt\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"\x94\x01\n\x15\x44\x65scribeCacheResponse\x12\x1c\n\x14\x63\x61\x63hed_prefix_tokens\x18\x01 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x02 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x03 \x01(\r\x12\x18\n\x10request_holds_kv\x18\x04 \x01(\x08\x12\x12\n\nblock_size\x18\x05 \x01(\r*\x90\x01\n\x11\x46\x61stLinkTransport\x12#\n\x1f\x46\x41ST_LINK_TRANSPORT_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x46\x41ST_LINK_TRANSPORT_RDMA\x10\x01\x12\x1b\n\x17\x46\x41ST_LINK_TRANSPORT_SHM\x10\x02\x12\x1b\n\x17\x46\x41ST_LINK_TRANSPORT_TCP\x10\x03\x32\xb9\x03\n\x0cRelayService\x12\x45\n\x06\x44\x65\x63ode\x12\x1b.pdd.relay.v1.DecodeRequest\x1a\x1c.pdd.relay.v1.DecodeResponse0\x01\x12^\n\x0fPrepareTransfer\x12$.pdd.relay.v1.PrepareTransferRequest\x1a%.pdd.relay.v1.PrepareTransferResponse\x12\x45\n\x06PushKv\x12\x1b.pdd.relay.v1.PushKvRequest\x1a\x1c.pdd.relay.v1.PushKvResponse(\x01\x12\x61\n\x10\x43ompleteTransfer\x12%.pdd.relay.v1.CompleteTransferRequest\x1a&.pdd.relay.v1.CompleteTransferResponse\x12X\n\rDescribeCache\x12\".pdd.relay.v1.DescribeCacheRequest\x1a#.pdd.relay.v1.DescribeCacheResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdd.relay.v1.relay_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FASTLINKTRANSPORT']._serialized_start=1909
-  _globals['_FASTLINKTRANSPORT']._serialized_end=2053
+  _globals['_FASTLINKTRANSPORT']._serialized_start=1924
+  _globals['_FASTLINKTRANSPORT']._serialized_end=2068
   _globals['_DECODEREQUEST']._serialized_start=79
   _globals['_DECODEREQUEST']._serialized_end=334
   _globals['_DECODERESPONSE']._serialized_start=337
@@ -43,25 +43,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HANDEDOFF']._serialized_start=577
   _globals['_HANDEDOFF']._serialized_end=687
   _globals['_FINISHED']._serialized_start=689
-  _globals['_FINISHED']._serialized_end=778
-  _globals['_PREPARETRANSFERREQUEST']._serialized_start=781
-  _globals['_PREPARETRANSFERREQUEST']._serialized_end=960
-  _globals['_RDMAENDPOINT']._serialized_start=962
-  _globals['_RDMAENDPOINT']._serialized_end=1066
-  _globals['_PREPARETRANSFERRESPONSE']._serialized_start=1069
-  _globals['_PREPARETRANSFERRESPONSE']._serialized_end=1261
-  _globals['_PUSHKVREQUEST']._serialized_start=1264
-  _globals['_PUSHKVREQUEST']._serialized_end=1400
-  _globals['_PUSHKVRESPONSE']._serialized_start=1402
-  _globals['_PUSHKVRESPONSE']._serialized_end=1467
-  _globals['_COMPLETETRANSFERREQUEST']._serialized_start=1470
-  _globals['_COMPLETETRANSFERREQUEST']._serialized_end=1626
-  _globals['_COMPLETETRANSFERRESPONSE']._serialized_start=1628
-  _globals['_COMPLETETRANSFERRESPONSE']._serialized_end=1672
-  _globals['_DESCRIBECACHEREQUEST']._serialized_start=1674
-  _globals['_DESCRIBECACHEREQUEST']._serialized_end=1755
-  _globals['_DESCRIBECACHERESPONSE']._serialized_start=1758
-  _globals['_DESCRIBECACHERESPONSE']._serialized_end=1906
-  _globals['_RELAYSERVICE']._serialized_start=2056
-  _globals['_RELAYSERVICE']._serialized_end=2497
+  _globals['_FINISHED']._serialized_end=793
+  _globals['_PREPARETRANSFERREQUEST']._serialized_start=796
+  _globals['_PREPARETRANSFERREQUEST']._serialized_end=975
+  _globals['_RDMAENDPOINT']._serialized_start=977
+  _globals['_RDMAENDPOINT']._serialized_end=1081
+  _globals['_PREPARETRANSFERRESPONSE']._serialized_start=1084
+  _globals['_PREPARETRANSFERRESPONSE']._serialized_end=1276
+  _globals['_PUSHKVREQUEST']._serialized_start=1279
+  _globals['_PUSHKVREQUEST']._serialized_end=1415
+  _globals['_PUSHKVRESPONSE']._serialized_start=1417
+  _globals['_PUSHKVRESPONSE']._serialized_end=1482
+  _globals['_COMPLETETRANSFERREQUEST']._serialized_start=1485
+  _globals['_COMPLETETRANSFERREQUEST']._serialized_end=1641
+  _globals['_COMPLETETRANSFERRESPONSE']._serialized_start=1643
+  _globals['_COMPLETETRANSFERRESPONSE']._serialized_end=1687
+  _globals['_DESCRIBECACHEREQUEST']._serialized_start=1689
+  _globals['_DESCRIBECACHEREQUEST']._serialized_end=1770
+  _globals['_DESCRIBECACHERESPONSE']._serialized_start=1773
+  _globals['_DESCRIBECACHERESPONSE']._serialized_end=1921
+  _globals['_RELAYSERVICE']._serialized_start=2071
+  _globals['_RELAYSERVICE']._serialized_end=2512
 # @@protoc_insertion_point(module_scope)

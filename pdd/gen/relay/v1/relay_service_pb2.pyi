@@ -68,12 +68,14 @@ class HandedOff(_message.Message):
     def __init__(self, at_position: _Optional[int] = ..., mode: _Optional[_Union[_common_pb2.HandoffMode, str]] = ..., rounds: _Optional[int] = ..., handoff_ms: _Optional[float] = ...) -> None: ...
 
 class Finished(_message.Message):
-    __slots__ = ("finish_reason", "completion_tokens")
+    __slots__ = ("finish_reason", "completion_tokens", "alone")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ALONE_FIELD_NUMBER: _ClassVar[int]
     finish_reason: _common_pb2.FinishReason
     completion_tokens: int
-    def __init__(self, finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
+    alone: bool
+    def __init__(self, finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., completion_tokens: _Optional[int] = ..., alone: _Optional[bool] = ...) -> None: ...
 
 class PrepareTransferRequest(_message.Message):
     __slots__ = ("request_id", "layout", "num_tokens", "total_bytes", "transports")
