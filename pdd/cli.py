@@ -145,6 +145,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             metrics_port_base=args.metrics_port_base,
             gateway_flags=tuple(f for k in args.api_key for f in ("--api-key", k)),
             restart=args.restart,
+            tls_dir=args.tls_dir,
         )
     )
     done = threading.Event()
@@ -472,6 +473,12 @@ def _dispatch(argv: list[str]) -> int:
         help="Prometheus /metrics of the services on consecutive ports from here, 0 = free ports",
     )
     up.add_argument("--no-metrics", dest="metrics", action="store_false", help="no /metrics ports")
+    up.add_argument(
+        "--tls-dir",
+        default="",
+        help="a `make certs` folder: every service speaks mutual TLS with its own role's "
+        "certificate and takes each RPC only from the roles that call it (--tls-authorize)",
+    )
     up.add_argument(
         "--restart",
         choices=("on-failure", "no"),

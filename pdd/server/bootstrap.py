@@ -26,6 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pdd.server import tls
+from pdd.server.authorization import AuthorizationInterceptor
 from pdd.server.config import ServerConfig
 from pdd.server.interceptors import ContextInterceptor
 from pdd.server.telemetry_interceptor import TelemetryInterceptor
@@ -78,10 +79,12 @@ class GrpcServer:
             ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
             ("grpc.http2.max_ping_strikes", 0),
         ]
-        # NOTE: telemetry outermost: it sees the status code ContextInterceptor maps errors to.
-        self._server = grpc.aio.server(
-            interceptors=[TelemetryInterceptor(), ContextInterceptor()], options=options
-        )
+        # NOTE: telemetry outermost: it sees the status code ContextInterceptor maps errors to;
+        # authorization innermost, inside the call's log context.
+        interceptors = [TelemetryInterceptor(), ContextInterceptor()]
+        if config.tls.authorize:
+            interceptors.append(AuthorizationInterceptor())
+        self._server = grpc.aio.server(interceptors=interceptors, options=options)
         self._health = health.aio.HealthServicer()
         self.port = 0
 
@@ -110,6 +113,7 @@ class GrpcServer:
             address=f"{self.config.host}:{self.port}",
             tls=self.tls.enabled,
             mutual_tls=self.tls.require_client_cert,
+            authorized_roles=self.tls.authorize,
         )
         return self.port
 

@@ -44,6 +44,11 @@ TLS = Settings(
     Flag("key", "PEM private key"),
     Flag("ca", "PEM CA that peers chain to"),
     Flag("require_client_cert", "require client certificates: mutual TLS", name="tls-client-auth"),
+    Flag(
+        "authorize",
+        "take each RPC only from the roles that call it (the client certificate's name)",
+        name="tls-authorize",
+    ),
     Flag("server_name", "name outgoing channels verify instead of the dialled host"),
     prefix="tls",
     title="tls (every inter-service gRPC channel; off unless a file is named)",

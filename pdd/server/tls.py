@@ -38,6 +38,9 @@ class TlsConfig:
     # NOTE: kubelet's native gRPC probes cannot speak TLS; when > 0 a second, plaintext
     # listener on this port serves grpc.health.v1 only (no other service, no data).
     health_port: int = 0
+    # Servers take each RPC only from the roles that call it in a request's life, the role being
+    # the caller's certificate name (``pdd.server.authorization``); needs mutual TLS.
+    authorize: bool = False
 
     def __post_init__(self) -> None:
         if bool(self.cert) != bool(self.key):
@@ -45,6 +48,11 @@ class TlsConfig:
         if self.require_client_cert and not (self.cert and self.ca):
             raise ValueError(
                 "tls_client_auth: needs --tls-cert, --tls-key and --tls-ca (the CA clients must chain to)"
+            )
+        if self.authorize and not self.require_client_cert:
+            raise ValueError(
+                "tls_authorize: needs mutual TLS (--tls-client-auth): the role is read from the "
+                "client's certificate"
             )
         if self.server_name and not self.enabled:
             raise ValueError(

@@ -138,6 +138,10 @@ class ClusterSpec:
         return f"{rate}, {self.link.delay_ms:g} ms one-way{jitter}"
 
 
+# The certificate stems ``StackConfig.tls_dir`` must hold, one per service role.
+TLS_ROLES = ("kvstore", "prefill", "relay", "main-decode", "gateway")
+
+
 @dataclass(frozen=True)
 class StackConfig:
     model: str = "smollm2"
@@ -163,6 +167,10 @@ class StackConfig:
     gateway_flags: tuple[str, ...] = ()
     # Extra environment of every service process (each reads only its own variables).
     env: Mapping[str, str] = field(default_factory=dict)
+    # A folder of ``make certs`` (``ca.crt``, ``<role>.crt/.key``): every service then speaks
+    # mutual TLS with its own role's certificate and takes each RPC only from the roles that call
+    # it (``--tls-authorize``). "" = as ``env`` says (plaintext unless PDD_TLS_* are set).
+    tls_dir: str = ""
     log_dir: Path = Path("pdd-logs")
     key_prefix: str = "pdd"
     # "on-failure": a service (or the embedded Redis) that exits non-zero is restarted with
@@ -188,6 +196,16 @@ class StackConfig:
             )
         if not self.start_timeout_s > 0:
             raise ValueError(f"start_timeout_s: must be > 0, got {self.start_timeout_s}")
+        if self.tls_dir:
+            lacking = [
+                n
+                for n in ("ca.crt", *(f"{r}.{x}" for r in TLS_ROLES for x in ("crt", "key")))
+                if not (Path(self.tls_dir) / n).is_file()
+            ]
+            if lacking:
+                raise ValueError(
+                    f"tls_dir: {self.tls_dir} lacks {', '.join(lacking)} (`make certs` writes them)"
+                )
         if self.clusters:
             names = [c.name for c in self.clusters]
             dup = sorted({n for n in names if names.count(n) > 1})
@@ -204,6 +222,23 @@ class StackConfig:
     def remote_clusters(self) -> tuple[ClusterSpec, ...]:
         """Every remote cluster, the default shape's one "remote" included."""
         return self.clusters or (ClusterSpec(DEFAULT_CLUSTER, self.wan, self.main_decode),)
+
+
+def role_tls_flags(folder: str, name: str) -> list[str]:
+    """Mutual TLS with the certificate of process ``name``'s role (``main_decode-1`` →
+    ``main-decode.crt``), and role authorization."""
+    role = name.split("-")[0].replace("_", "-")
+    base = Path(folder)
+    return [
+        "--tls-cert",
+        str(base / f"{role}.crt"),
+        "--tls-key",
+        str(base / f"{role}.key"),
+        "--tls-ca",
+        str(base / "ca.crt"),
+        "--tls-client-auth",
+        "--tls-authorize",
+    ]
 
 
 def _print_now(line: str) -> None:
@@ -256,6 +291,8 @@ class Stack:
         for attempt in range(3):
             # NOTE: a cluster's link asks for its /metrics itself (a plain TCP proxy: no TLS).
             full = args if module == "services.wan_link" else [*args, *self._metrics_flags(name)]
+            if self.config.tls_dir and module != "services.wan_link":
+                full = [*full, *role_tls_flags(self.config.tls_dir, name)]
             try:
                 p = start_module(
                     name,

@@ -52,10 +52,17 @@ def identity(folder, name: str, **over) -> TlsConfig:
 
 @pytest.fixture
 async def kvstore(redis_url, key_prefix, pki, request):
-    """A kvstore server speaking TLS (mutual TLS when the test is marked with ``mtls``)."""
-    mtls = getattr(request, "param", False)
+    """A kvstore server speaking TLS (param True: mutual TLS; "authorize": mutual TLS and role
+    authorization, ``test_tls_authorization``)."""
+    param = getattr(request, "param", False)
     folder, _ = pki
-    served = identity(folder, "kvstore", require_client_cert=mtls, health_port=free_port())
+    served = identity(
+        folder,
+        "kvstore",
+        require_client_cert=bool(param),
+        authorize=param == "authorize",
+        health_port=free_port(),
+    )
     config = KvstoreConfig(
         server=ServerConfig(port=0, grace_s=0.5, tls=served),
         redis_url=redis_url,
