@@ -134,7 +134,8 @@ class _Instance:
         self.engine, self.runner = engine, runner
 
 
-def _job(rid: str, pipeline: Pipeline, md_from: int) -> PrefillJob:
+def _job(rid: str, pipeline: Pipeline, md_from: int | None) -> PrefillJob:
+    """``md_from`` None: MainDecode's hit is bound later (``Prefill.bind``)."""
     relay = RELAY if pipeline is Pipeline.P_RLD_MD else None
     return PrefillJob(rid, PROMPT, SamplingParams(max_tokens=8), "", pipeline, MD, md_from, relay)
 
@@ -217,7 +218,7 @@ async def test_a_request_cancelled_while_being_admitted_is_dropped(ckpt):
     async with Node(ckpt) as node:
         gate = threading.Event()
         node.loop.submit(gate.wait)  # NOTE: the engine thread is busy: the admission waits
-        task = asyncio.ensure_future(anext(node.prefill.prefill(_later("r6", Pipeline.P_MD))))
+        task = asyncio.ensure_future(anext(node.prefill.prefill(_job("r6", Pipeline.P_MD, None))))
         for _ in range(10):
             await asyncio.sleep(0)  # NOTE: into its admission, queued behind the gate
         task.cancel()
@@ -261,11 +262,6 @@ async def test_a_sent_link_is_freed_without_waiting_for_the_garbage_collector():
 # --- MainDecode's hit bound after the call opened (the gateway does not wait for MainDecode) ---
 
 
-def _later(rid: str, pipeline: Pipeline) -> PrefillJob:
-    relay = RELAY if pipeline is Pipeline.P_RLD_MD else None
-    return PrefillJob(rid, PROMPT, SamplingParams(max_tokens=8), "", pipeline, MD, None, relay)
-
-
 async def _bound_when(node: Node, rid: str, gate: asyncio.Event, cached: int) -> None:
     from pdd.core.errors import NotFoundError
 
@@ -285,7 +281,7 @@ async def test_a_prefill_bound_later_pushes_exactly_from_the_bound_count(ckpt, r
     token, kv = reference
     md_from = 52
     async with Node(ckpt) as node:
-        stream = node.prefill.prefill(_later("b1", Pipeline.P_MD))
+        stream = node.prefill.prefill(_job("b1", Pipeline.P_MD, None))
         gate = asyncio.Event()
         binder = asyncio.create_task(_bound_when(node, "b1", gate, md_from))
         if when == "at-once":
@@ -329,7 +325,7 @@ async def test_a_p_rld_md_prefill_feeds_the_relay_before_main_decode_is_bound(ck
     while the WAN push still waits for its bind."""
     token, kv = reference
     async with Node(ckpt) as node:
-        stream = node.prefill.prefill(_later("b2", Pipeline.P_RLD_MD))
+        stream = node.prefill.prefill(_job("b2", Pipeline.P_RLD_MD, None))
         first = await asyncio.wait_for(anext(stream), 60)
         assert first.token_id == token
         region = await node.fast.wait_complete("b2", 10)
@@ -352,7 +348,7 @@ async def test_a_bind_names_what_is_wrong_with_it(ckpt):
         with pytest.raises(NotFoundError, match="'nobody' is not being prefilled here"):
             node.prefill.bind("nobody", 0)
         known = node.prefill.prefill(_job("b3", Pipeline.P_MD, 0))
-        later = node.prefill.prefill(_later("b4", Pipeline.P_MD))
+        later = node.prefill.prefill(_job("b4", Pipeline.P_MD, None))
         assert isinstance(await asyncio.wait_for(anext(known), 60), FirstToken)
         assert isinstance(await asyncio.wait_for(anext(later), 60), FirstToken)
         with pytest.raises(FailedPreconditionError, match="already"):
@@ -373,7 +369,7 @@ async def test_a_prefill_never_bound_gives_up_and_frees_the_request(ckpt):
 
     async with Node(ckpt) as node:
         node.prefill.config = replace(node.prefill.config, bind_timeout_s=0.3)
-        stream = node.prefill.prefill(_later("b5", Pipeline.P_MD))
+        stream = node.prefill.prefill(_job("b5", Pipeline.P_MD, None))
         assert isinstance(await asyncio.wait_for(anext(stream), 60), FirstToken)
         with pytest.raises(DeadlineExceededError, match="not bound within 0.3 s"):
             await asyncio.wait_for(anext(stream), 60)
