@@ -1,22 +1,21 @@
 """``Linear``: the projection every layer of the model uses, with an optional oneDNN-prepacked weight.
 
-The weight is stored transposed (``weight_t [in, out]``) and multiplied with
-``torch.mm``: on CPU, MKL's GEMM is 1.3-2.5x faster that way than
-``F.linear``'s ``x @ W.T`` for decode-sized batches. A tied LM head therefore
-keeps its own transposed copy of the embedding.
+The weight is stored transposed (``weight_t [in, out]``), the layout ``torch.mm``
+(MKL's GEMM) wants. ``pack`` adds a second copy in oneDNN's blocked layout (what vLLM's
+CPU backend multiplies by), and every matmul then takes it: measured on this project's
+64M-parameter benchmark model's shapes, two threads, on an AMD EPYC (AVX-512) host, oneDNN
+runs 440-520 GFLOP/s from 65 to 4,096 rows where MKL's GEMM runs 150-220 (MKL takes a
+slower code path on non-Intel CPUs), 1.3-3x faster at 1-8 rows, and 3.3x for the LM head's
+single row. That was the engine's whole prefill gap to vLLM (``docs/engine-performance.md``).
+The cost is a second copy of every weight; ``weight_t`` serves when packing is unsupported.
 
-``pack`` adds a second copy of the weight in oneDNN's blocked layout (what
-vLLM's CPU backend does too). Multiplying by it skips the per-call packing that
-MKL's GEMM does, which dominates at decode sizes: measured on this project's
-64M-parameter benchmark model, one thread, the whole step's GEMMs are 1.2-1.5x
-faster for 2-48 rows. For a single row MKL's GEMV is faster still, so one-row
-matmuls keep using ``weight_t``. The cost is a second copy of every weight.
-
-NOTE: oneDNN builds (JIT-compiles) and caches one primitive per distinct row count, each holding
-a few hundred KiB; prefill chunks of every length made that cache grow a process's resident
-memory by hundreds of MB before it reached its 1,024-entry capacity (`pdd bench soak`'s prefill
-+14 %). Only decode-sized batches (``MAX_PACKED_ROWS``), where packing pays, take the packed
-path, which bounds the cache; prefill-sized matmuls are within a few percent either way.
+NOTE: oneDNN builds (JIT-compiles) and caches one primitive per distinct row count, each
+holding ~0.6 MiB; prefill chunks of every length once grew a process's resident memory by
+hundreds of MB before that cache reached its 1,024 entries (`pdd bench soak`'s prefill
++14 %). So rows up to ``MAX_EXACT_ROWS`` (decode batches) are multiplied as they come and
+taller inputs are padded to a multiple of 64 rows up to 256, of 128 up to ``MAX_CALL_ROWS``,
+and cut into slices of that above: at most 81 primitives per weight shape. Padding costs at
+most 127 rows' work; slicing would cost a copy of the output (11 % of a prefill, measured).
 """
 
 from __future__ import annotations
@@ -38,10 +37,10 @@ def packing_supported(weight: torch.Tensor) -> bool:
 class Linear(nn.Module):
     """``x @ W.T + b`` with ``W.T`` stored contiguous as ``weight_t [in, out]``; ``x`` is 2-D."""
 
-    # NOTE: a single row goes to MKL's GEMV on weight_t (faster than oneDNN there).
-    MIN_PACKED_ROWS = 2
-    # NOTE: above this, MKL's GEMM on weight_t (as fast there); bounds oneDNN's primitive cache.
-    MAX_PACKED_ROWS = 64
+    # NOTE: up to this many rows, one oneDNN primitive per row count (decode batches).
+    MAX_EXACT_ROWS = 64
+    # NOTE: taller inputs go in slices of this many rows (each padded, see ``padded_rows``).
+    MAX_CALL_ROWS = 2048
     # the batch size oneDNN picks its blocked layout for (it serves every other size too)
     PACK_HINT_ROWS = 16
 
@@ -61,8 +60,29 @@ class Linear(nn.Module):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and self.MIN_PACKED_ROWS <= x.shape[0] <= self.MAX_PACKED_ROWS:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        if self.bias is None:
-            return torch.mm(x, self.weight_t)
-        return torch.addmm(self.bias, x, self.weight_t)
+        if self.packed is None:
+            if self.bias is None:
+                return torch.mm(x, self.weight_t)
+            return torch.addmm(self.bias, x, self.weight_t)
+        if x.shape[0] <= self.MAX_CALL_ROWS:
+            return self._padded(x)
+        return torch.cat([self._padded(part) for part in x.split(self.MAX_CALL_ROWS)])
+
+    @classmethod
+    def padded_rows(cls, rows: int) -> int:
+        """The row count a ``rows``-row input is multiplied as (one oneDNN primitive each)."""
+        if rows <= cls.MAX_EXACT_ROWS:
+            return rows
+        step = 64 if rows <= 256 else 128
+        return -(-rows // step) * step
+
+    def _padded(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        padded = self.padded_rows(rows)
+        if padded == rows:
+            return self._packed(x)
+        x = torch.nn.functional.pad(x, (0, 0, 0, padded - rows))  # [padded, in]
+        return self._packed(x)[:rows]
+
+    def _packed(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
