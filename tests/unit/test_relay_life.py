@@ -27,6 +27,7 @@ from pdd.core.stage_events import (
     HandedOff,
     HandoffAck,
     HandoffBatch,
+    KvReadiness,
     RelayJob,
 )
 from pdd.engine.config import EngineConfig
@@ -348,6 +349,15 @@ async def test_a_rehomed_main_decode_rebuilds_the_kv_and_continues_from_the_fina
     gateway's final batch (the relay's tokens, taken from it): one unbroken greedy output."""
     n, k = 40, 3
     async with Stack(ckpt, RelayConfig()) as stack:
+        kv_ready = stack.peer.wait_kv_ready
+
+        async def lost_main_decode(request_id: str, timeout_ms: int) -> KvReadiness:
+            await asyncio.sleep(timeout_ms / 1000)
+            return KvReadiness(False, 0.0)
+
+        # NOTE: the relay's MainDecode is the lost one the gateway re-homes from: the relay must
+        # not hear that the new one has the KV, or it hands over itself, racing the gateway.
+        stack.peer.wait_kv_ready = lost_main_decode
         relay_job, _ = _jobs("r5", PROMPT, n, HandoffMode.ONE_SHOT)
         await stack.send_fast("r5", PROMPT, "s")
         stream = stack.relay.decode(relay_job)
@@ -359,7 +369,7 @@ async def test_a_rehomed_main_decode_rebuilds_the_kv_and_continues_from_the_fina
         )
         md_events: list = []
         md_task = await _open_md(stack, rehome, md_events)
-        readiness = await stack.peer.wait_kv_ready("r5", 30_000)
+        readiness = await kv_ready("r5", 30_000)
         assert readiness.ready
         relay_events += await read_through(stream, k + 5)  # the relay stays the stream meanwhile
         await stream.aclose()  # NOTE: the gateway takes the request from the relay
