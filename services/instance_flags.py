@@ -49,7 +49,7 @@ ENGINE = Settings(
     Flag("max_num_batched_tokens", "per-step token budget"),
     Flag("dtype", "compute/KV dtype, '' = the checkpoint's"),
     Flag("device", "cpu | cuda[:N] | auto"),
-    Flag("prepack_weights", "a oneDNN-prepacked weight copy for decode-sized batches"),
+    Flag("prepack_weights", "multiply by a oneDNN-prepacked weight copy (CPU float32)"),
     title="engine",
 )
 
@@ -76,9 +76,7 @@ def add_instance_flags(parser: argparse.ArgumentParser, role: Role) -> None:
         **({"cluster": "remote"} if main_decode else {}),
     )
     INSTANCE.add(parser, kvstore_address=KVSTORE_ADDRESS, model=MODEL)
-    # NOTE: prefill never decodes: packed weights would buy it nothing but a second copy of
-    # the weights and oneDNN's per-shape primitive cache (resident memory growing in the soak).
-    ENGINE.add(parser, **({"prepack_weights": False} if role is Role.PREFILL else {}))
+    ENGINE.add(parser)
     ADMISSION.add(parser)
 
 
