@@ -220,6 +220,9 @@ def measure_prefill(testbed, chip: dict, *, sessions: int = 4, seed: int = 7) ->
         rps=2.0,
         seed=seed,
         prompt_tokens=1024,
+        # NOTE: the testbed model's context, as `pdd demo` has it: the default (8192) made
+        # sessions whose later turns the stack refused (INVALID_ARGUMENT), 3 of 16 prefills.
+        max_context_tokens=4096,
         vocab_high=4096,
         concurrent_sessions=2,
     )
