@@ -21,7 +21,8 @@ class EngineConfig:
     dtype: str | None = None  # compute and KV dtype; None → the checkpoint's (float32 for GGUF)
     device: str = "cpu"  # "cpu", "cuda", "cuda:N" or "auto" (CUDA when available)
     enable_prefix_caching: bool = True
-    # CPU float32: also keep every weight oneDNN-prepacked (2x weight memory; faster batched decode)
+    # CPU float32: multiply by a oneDNN-prepacked copy of every weight (2x weight memory;
+    # prefill 2.2x and decode 1.3-3x faster than MKL's GEMM on the AMD host measured, linear.py)
     prepack_weights: bool = True
     # CPU float32: decode attention reads K/V in place with the compiled paged kernel (`paged_decode`);
     # falls back to gather + SDPA when off, unsupported or the build fails
