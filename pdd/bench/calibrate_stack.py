@@ -212,6 +212,7 @@ def measure_prefill(testbed, chip: dict, *, sessions: int = 4, seed: int = 7) ->
     the engine fit computes for its (cached, new) tokens. Fresh one-at-a-time prompts say less:
     what the stage adds grows with the cached prefix and with the requests beside it.
     """
+    from pdd.bench.demo import PRESETS
     from pdd.bench.trace import TraceConfig, generate
 
     cfg = TraceConfig(
@@ -222,7 +223,7 @@ def measure_prefill(testbed, chip: dict, *, sessions: int = 4, seed: int = 7) ->
         prompt_tokens=1024,
         # NOTE: the testbed model's context, as `pdd demo` has it: the default (8192) made
         # sessions whose later turns the stack refused (INVALID_ARGUMENT), 3 of 16 prefills.
-        max_context_tokens=4096,
+        max_context_tokens=PRESETS["quick"].max_context_tokens,
         vocab_high=4096,
         concurrent_sessions=2,
     )
