@@ -76,6 +76,7 @@ from pdd.serving.concurrency_limit import GradientConfig, GradientLimit
 from pdd.serving.gateway_peers import REQUEST_DEADLINE, GrpcPeers, Peers
 from pdd.serving.gateway_recovery import Recovery, is_refusal
 from pdd.serving.gateway_run import (
+    AskAgain,
     KvDeadline,
     Rehomed,
     Run,
@@ -490,6 +491,8 @@ class Gateway(Recovery):
                     await self._on_rehomed(run, stream)
                 case KvDeadline():
                     await self._on_kv_deadline(run)
+                case AskAgain() as again:
+                    self.on_ask_again(run, again)
         for ev in delivered(run, ready):
             yield ev
         if run.pending is not None and run.finish is None:

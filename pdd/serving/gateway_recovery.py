@@ -22,7 +22,9 @@ replaying prompt + streamed tokens on another instance, with the output unchange
 A stage *refusing* a request at its admission (RESOURCE_EXHAUSTED: it is full, nothing of the
 request ran there) is not a loss: the request goes to another live instance of that role
 (``_refused_main_decode``, ``_refused_prefill``; a refusing relay already means P-MD), or, with
-none left, its client is refused with RESOURCE_EXHAUSTED. Refusals are not moves.
+none left, its client is refused with RESOURCE_EXHAUSTED — except that the only MainDecode is
+asked again for a short while when prefill admitted the request (``_ask_again``: the two admit
+on their own, so in a flood each can hold what the other refused). Refusals are not moves.
 Moves are limited per request (``max_migrations``); beyond it, or with no MainDecode left, the
 original error stands. Each move is logged (``migrated``, ``rehomed``) and counted
 (``pdd_migrations_total{cause}``).
@@ -43,6 +45,7 @@ from pdd.core.stage_events import HandoffBatch
 from pdd.serving.gateway_run import (
     MAIN_DECODE_LOST,
     PREFILL_LOST,
+    AskAgain,
     KvDeadline,
     Loss,
     Rehomed,
@@ -56,6 +59,10 @@ from pdd.telemetry.metrics import HANDOFFS, MIGRATIONS
 from pdd.wire.call import EventStream
 
 log = structlog.get_logger(__name__)
+
+# Waits before asking a full MainDecode again, when no other one is left (``_ask_again``): the
+# last answer comes ~0.7 s after the first refusal.
+MAIN_DECODE_FULL_WAITS_S = (0.02, 0.05, 0.1, 0.2, 0.3)
 
 
 def is_refusal(error: BaseException) -> bool:
@@ -145,7 +152,6 @@ class Recovery:
             # NOTE: nothing reached the client yet (tokens wait for MainDecode's Accepted).
             if is_refusal(error):
                 await self._refused_main_decode(run, error)
-                await self._start(run)
             else:  # NOTE: no relay head start worth keeping: the request moves whole
                 run.lost.add(run.plan.main_decode.ref.instance_id)
                 await self._migrate(run, Loss(MAIN_DECODE_LOST, error))
@@ -185,14 +191,19 @@ class Recovery:
 
     async def _refused_main_decode(self, run: Run, error: Exception) -> None:
         """MainDecode refused the request before accepting it: every call is stopped and the
-        plan moves to another live MainDecode (the caller starts the request again on the same
-        pipeline); with none left, ``error`` (RESOURCE_EXHAUSTED) is the client's answer."""
+        request starts again on the same pipeline on another live MainDecode. With none left, a
+        request whose prefill is still open asks the same MainDecode again after a short wait
+        (``_ask_again``); past those waits ``error`` (RESOURCE_EXHAUSTED) is the client's answer.
+        """
         source = run.plan.main_decode.ref.instance_id
+        target = await self._next_main_decode(run, exclude=source)
+        if target is None:
+            if self._ask_again(run):
+                return
+            stop_calls(run)
+            raise error
         run.lost.add(source)  # NOTE: never asked again for this request
         stop_calls(run)
-        target = await self._next_main_decode(run)
-        if target is None:
-            raise error
         log.info(
             "refused_rerouted",
             role="main_decode",
@@ -201,6 +212,43 @@ class Recovery:
         )
         run.plan = replace(run.plan, main_decode=target)
         run.stats.main_decode_instance = target.ref.instance_id
+        await self._start(run)
+
+    def _ask_again(self, run: Run) -> bool:
+        """Whether the refusing MainDecode, the only one, will be asked again: only while the
+        request's prefill call is open, up to ``MAIN_DECODE_FULL_WAITS_S``. Prefill and
+        MainDecode admit each request on their own, so under a flood each may hold the requests
+        the other refused; those the other refuses are refused to their clients at once, which
+        frees their places here within ms. Refusing every request the two did not both admit
+        would refuse everyone. Prefill's call stays open (waiting for its bind) meanwhile."""
+        waits = MAIN_DECODE_FULL_WAITS_S
+        if Stage.PREFILL not in run.streaming or run.md_full_waits >= len(waits):
+            return False
+        delay_s = waits[run.md_full_waits]
+        run.md_full_waits += 1
+        run.streaming.pop(Stage.MAIN_DECODE, None)  # NOTE: its end is no loss
+        queue, attempt = run.queue, run.md_full_waits
+
+        async def later() -> None:
+            await asyncio.sleep(delay_s)
+            queue.put_nowait(AskAgain(attempt))
+
+        run.readers.append(asyncio.create_task(later()))
+        log.info("refused_asked_again", main_decode=run.stats.main_decode_instance, in_s=delay_s)
+        return True
+
+    def on_ask_again(self, run: Run, item: AskAgain) -> None:
+        """The wait after a MainDecode refusal is over: open its call again, unless the request
+        moved on meanwhile (prefill refused or lost: the request is refused or moved)."""
+        if (
+            item.attempt != run.md_full_waits
+            or not run.md_unanswered
+            or Stage.MAIN_DECODE in run.streaming
+            or Stage.PREFILL not in run.streaming
+        ):
+            return
+        plan = run.plan
+        add_reader(run, Stage.MAIN_DECODE, self._open_decode(run, plan.main_decode, plan.pipeline))
 
     async def _refused_prefill(self, run: Run, error: Exception) -> None:
         """Prefill refused the request before computing any of it: another live prefill takes

@@ -84,7 +84,14 @@ class KvDeadline:
     """A P-MD request's KV deadline passed (``Gateway.kv_deadline_s`` after its first token)."""
 
 
-StageItem = StageEvent | StageFailed | StageEnded | Rehomed | KvDeadline
+@dataclass(frozen=True)
+class AskAgain:
+    """The wait after the only MainDecode refused the request is over (``attempt``: which)."""
+
+    attempt: int
+
+
+StageItem = StageEvent | StageFailed | StageEnded | Rehomed | KvDeadline | AskAgain
 
 MAIN_DECODE_LOST = "main_decode_lost"
 PREFILL_LOST = "prefill_lost"
@@ -133,6 +140,8 @@ class Run:
     rehomed: bool = False
     # MainDecode has not accepted yet (prefill was opened without its hit): tokens wait here.
     md_unanswered: bool = False
+    # Times the only MainDecode, full, was asked again (``Recovery._ask_again``).
+    md_full_waits: int = 0
     # The relay finished the request without handing it to MainDecode (it took it for lost).
     relay_alone: bool = False
     # P-MD re-routed through the relay at its KV deadline: the relay resumes from what was

@@ -125,8 +125,10 @@ class FakeHandoff:
 def waits_for_bind(script: list, bound: asyncio.Event) -> list:
     """A prefill script as prefill runs it when opened without MainDecode's hit: nothing after
     its first token (its TransferDone) before the gateway's bind (the script's own signals
-    right after the token go first)."""
+    right after the token go first); one without a first token (a refusal) waits for nothing."""
     at = next((i + 1 for i, item in enumerate(script) if isinstance(item, FirstToken)), 0)
+    if not at:
+        return list(script)
     while at and at < len(script) and isinstance(script[at], Signal):
         at += 1
     return [*script[:at], bound, *script[at:]]

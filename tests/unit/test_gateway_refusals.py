@@ -23,6 +23,7 @@ from pdd.server.tls import TlsConfig
 from pdd.serving.channels import Channels
 from pdd.serving.gateway import Gateway
 from pdd.serving.gateway_peers import REQUEST_DEADLINE, GrpcPeers
+from pdd.serving.gateway_recovery import MAIN_DECODE_FULL_WAITS_S
 from tests.unit.test_gateway_life import (
     HOLD,
     MAIN_DECODE,
@@ -109,9 +110,12 @@ async def test_a_main_decode_refusing_sends_the_request_to_another_on_the_same_p
 @pytest.mark.parametrize("others", [False, True], ids=["alone", "all-full"])
 async def test_with_every_main_decode_full_the_client_is_refused_before_any_token(others):
     """Prefill's first token arrives before the refusals: it is never streamed (a refusal is
-    the client's whole answer), and every call opened for the request is stopped."""
+    the client's whole answer), and every call opened for the request is stopped. The last
+    MainDecode left is asked again once per wait before the client is refused."""
     sent = asyncio.Event()
-    later = {MAIN_DECODE_1: [[full("m1")]]} if others else {}
+    asks = len(MAIN_DECODE_FULL_WAITS_S)
+    last = MAIN_DECODE_1 if others else MAIN_DECODE
+    later = {last: [[full(last.ref.instance_id)] for _ in range(asks + others)]}
     peers = FakePeers(
         md=[sent, full("m0")], prefill=[first_token(), Signal(sent), HOLD], later=later
     )
@@ -124,7 +128,48 @@ async def test_with_every_main_decode_full_the_client_is_refused_before_any_toke
     await gateway.close()
     assert err.value.code == "RESOURCE_EXHAUSTED" and streamed == []
     assert peers.prefill_stream.cancelled and not peers.binds
-    assert [a for a, _ in peers.resumed] == ([MAIN_DECODE_1.ref.address] if others else [])
+    assert [a for a, _ in peers.resumed] == [last.ref.address] * (asks + others)
+    assert len(peers.prefill_jobs) == 1 + others  # asked again beside the same prefill call
+
+
+async def test_the_only_main_decode_full_is_asked_again_while_prefill_holds_the_request():
+    """In a flood prefill and MainDecode may each admit what the other refused: the only
+    MainDecode, full, is asked again after a short wait beside the same prefill call, and the
+    request is served (no move, nothing streamed before MainDecode accepted)."""
+    sent = asyncio.Event()
+    peers = FakePeers(
+        md=[sent, full("m0")],
+        prefill=[first_token(), Signal(sent), TRANSFER],
+        later={
+            MAIN_DECODE: [
+                [full("m0")],
+                [Accepted(2), Tokens(1, (21, 22)), Finished("length", 3, 2)],
+            ]
+        },
+    )
+    t0 = time.monotonic()
+    tokens, final = await asyncio.wait_for(run(peers, job(Pipeline.P_MD)), 10)
+    assert time.monotonic() - t0 >= sum(MAIN_DECODE_FULL_WAITS_S[:2])
+    assert flat(tokens) == ([20, 21, 22], [Stage.PREFILL] + [Stage.MAIN_DECODE] * 2)
+    assert [(a, j.pipeline) for a, j in peers.resumed] == [
+        (MAIN_DECODE.ref.address, Pipeline.P_MD)
+    ] * 2
+    assert len(peers.prefill_jobs) == 1 and peers.binds == [("req-1", 2)]
+    s = final.stats
+    assert (s.main_decode_instance, s.migrations, s.md_cached_tokens) == ("m0", 0, 2)
+
+
+async def test_a_prefill_refusal_ends_the_wait_for_a_full_main_decode_at_once():
+    """Refused by both stages: the client is refused at once (nothing holds the request, so
+    there is nothing to wait for) and the full MainDecode is not asked again."""
+    peers = FakePeers(md=[full("m0")], prefill=[full("p0")], later={MAIN_DECODE: [[HOLD]]})
+    t0 = time.monotonic()
+    with pytest.raises(PeerError) as err:
+        await asyncio.wait_for(run(peers, job(Pipeline.P_MD)), 10)
+    assert err.value.code == "RESOURCE_EXHAUSTED"
+    assert time.monotonic() - t0 < sum(MAIN_DECODE_FULL_WAITS_S)
+    await asyncio.sleep(sum(MAIN_DECODE_FULL_WAITS_S[:2]))  # a stray wait would ask by now
+    assert not peers.resumed
 
 
 async def test_a_relay_refusing_falls_back_to_p_md_on_the_same_main_decode():
