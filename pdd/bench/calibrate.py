@@ -161,6 +161,20 @@ def _decode_step_ms(engine, prompts: list[list[int]], steps: int) -> float:
     return float(np.median(times))
 
 
+def fit_extend(slopes: dict[int, float]) -> tuple[float, float]:
+    """Per-token extend cost at no prefix and the prefix at which it doubles, from the slopes
+    (ms a token) measured after two prefix lengths: slope(c) = a · (1 + c / attention). A slope
+    that does not grow (noise) gives (the smaller slope, 0: no attention term)."""
+    (c1, s1), (c2, s2) = sorted(slopes.items())
+    if s2 <= s1 or s1 <= 0:
+        return max(min(s1, s2), 0.0), 0.0
+    growth = (s2 - s1) / (c2 - c1)  # ms a token, per token of prefix
+    a = s1 - c1 * growth
+    if a <= 0:  # NOTE: steeper than linear from zero: keep the measured slope, no growth term
+        return s1, 0.0
+    return a, a / growth
+
+
 def measure_engine(
     model: str, *, threads: int = 1, kv_cache_mb: int = 256, quick: bool = False
 ) -> dict:
@@ -209,14 +223,18 @@ def measure_engine(
                 rows.append((1, batch, batch * ctx / 1e6))
                 ys.append(_decode_step_ms(engine, [ids(ctx) for _ in range(batch)], steps))
         s0, s1, s2 = _fit(rows, ys)
-        # Extend by k: k new tokens after a cached 512-token prefix (one chunk), vs the step alone.
-        ks = (8, 32, 128)
+        # Extend by k: k new tokens after a cached prefix (one chunk), at two prefix lengths:
+        # the slope over k at each, and how it grows with the prefix (attention) between them.
+        ks, prefixes = (8, 32, 128), (512, 2048)
         ext = {}
-        for k in ks:
-            base = ids(512)
-            engine.generate([base], one)  # cached now
-            ext[k] = _timed(lambda b=base, k=k: engine.generate([b + ids(k)], one))
-        _, per_k = _fit([(1, k) for k in ks], [ext[k] for k in ks])
+        for c in prefixes:
+            for k in ks:
+                base = ids(c)
+                engine.generate([base], one)  # cached now
+                ext[c, k] = _timed(lambda b=base, k=k: engine.generate([b + ids(k)], one))
+        per_k, ext_attention = fit_extend(
+            {c: _fit([(1, k) for k in ks], [ext[c, k] for k in ks])[1] for c in prefixes}
+        )
         kv_tokens = kv_cache_mb * 2**20 // kv_bytes_per_token(model)
     finally:
         torch.set_num_threads(before)
@@ -244,7 +262,13 @@ def measure_engine(
         "decode_ms_per_mtok": (s2, f"{how}: the fit's context term"),
         "extend_ms_per_token": (
             per_k,
-            f"{how}: {ks} tokens after a cached 512: {[round(ext[k], 2) for k in ks]} ms, slope",
+            f"{how}: {ks} tokens after a cached {prefixes}: "
+            f"{[round(t, 2) for t in ext.values()]} ms; the slope over k at each, at no prefix",
+        ),
+        "extend_attention_tokens": (
+            ext_attention,
+            f"{how}: the prefix at which that slope doubles (from the two slopes; 0: no growth "
+            "measured)",
         ),
         "kv_budget_tokens": (
             int(kv_tokens),
@@ -312,12 +336,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--stack",
         action="store_true",
-        help="also the stack's cost per request, per decode step and per prefill (~2 min: pdd bench)",
+        help="also the stack's cost per request, per decode step and per prefill (~1.5 min a repeat)",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="with --stack: measure the stack this many times and keep each number's median",
     )
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
-    if a.threads < 1 or a.kv_cache_mb < 1:
-        p.error("--threads and --kv-cache-mb: must be >= 1")
+    if a.threads < 1 or a.kv_cache_mb < 1 or a.repeats < 1:
+        p.error("--threads, --kv-cache-mb and --repeats: must be >= 1")
     from pathlib import Path
 
     if not Path(a.out).resolve().parent.is_dir():
@@ -332,12 +362,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     kw = {}
     if a.stack:
-        from pdd.bench.calibrate_stack import measure_prefill, measure_stack, measure_stream
+        from pdd.bench.calibrate_stack import (
+            measure_prefill,
+            measure_stack,
+            measure_stream,
+            median_of,
+        )
 
-        over = {k: measure_stack(tb, chip, mode) for k, mode in OVERHEADS.items()}
-        over.update(measure_stream(tb, chip))
-        over["prefill_stack_factor"] = measure_prefill(tb, chip)
-        kw["overheads"] = over
+        runs = []
+        for _ in range(a.repeats):
+            over = {k: measure_stack(tb, chip, mode) for k, mode in OVERHEADS.items()}
+            over.update(measure_stream(tb, chip))
+            over["prefill_stack_factor"] = measure_prefill(tb, chip)
+            runs.append(over)
+        kw["overheads"] = median_of(runs)
     write_profile(
         a.out,
         chip,

@@ -113,7 +113,7 @@ def measure_stack(
     if want == "p-md":
         compute = v.prefill_overhead_ms + v.prefill_ms(n, 0) + step
     else:
-        compute = step + n * v.extend_ms_per_token + 2 * testbed.wan_delay_ms
+        compute = step + v.extend_chunk_ms(n, 0) + 2 * testbed.wan_delay_ms
     med = float(np.median(ttfdt))
     how = (
         f"measured by `pdd bench calibrate --stack`, {time.strftime('%Y-%m-%d')}: {len(ttfdt)} "
@@ -236,3 +236,22 @@ def measure_prefill(testbed, chip: dict, *, sessions: int = 4, seed: int = 7) ->
         f"included), median of each ÷ the engine fit's ms for its tokens; {_load()}"
     )
     return max(1.0, factor), how
+
+
+def median_of(runs: list[dict[str, tuple[float, str]]]) -> dict[str, tuple[float, str]]:
+    """Each number as the median of ``runs`` (the stack's figures move run to run on a shared
+    host, and the replay is as sensitive to them as to the model): the median run's source, with
+    every run's value."""
+    out = {}
+    for key in runs[0]:
+        values = [r[key][0] for r in runs]
+        if len(runs) == 1:
+            out[key] = runs[0][key]
+            continue
+        mid = sorted(range(len(runs)), key=lambda i: values[i])[len(runs) // 2]
+        spread = ", ".join(f"{v:.3g}" for v in values)
+        out[key] = (
+            values[mid],
+            f"median of {len(runs)} runs ({spread}); that run: {runs[mid][key][1]}",
+        )
+    return out

@@ -3,8 +3,8 @@
 ``DecodeInstance`` (relay, MainDecode, IDC decode): every step decodes one token for each running
 sequence and takes up to ``prefill_chunk_tokens`` of queued prefill/extend work (a local prefill,
 a handoff's extension) into the same step, whose time is the chip profile's
-``decode_ms(batch, context) + chunk tokens × extend_ms_per_token`` plus what the served stage adds
-to every step (``stream_ms``: its serving loop and its core's neighbours, from the profile). KV
+``decode_ms(batch, context) + extend_chunk_ms(chunk tokens, context before them)`` plus what the
+served stage adds to every step (``stream_ms``: its serving loop and its core's neighbours, from the profile). KV
 memory is one budget of ``kv_budget_tokens``: locked cache hits + every admitted sequence's
 reservation (prompt + output) + the radix cache, whose LRU entries are evicted to make room; a
 sequence that does not fit waits.
@@ -57,6 +57,11 @@ class Seq:
     end_step: int = 0
     stopped: bool = False
     left: int = 0  # prefill tokens still to compute
+
+    @property
+    def cached(self) -> int:
+        """Context before its prefill/extend part: what that part's attention reads."""
+        return max(0, self.ctx - self.prefill)
 
 
 @dataclass(eq=False)
@@ -167,7 +172,7 @@ class DecodeInstance:
                 break
             n = min(s.left, budget)
             budget -= n
-            chunk_ms += n * self.chip.extend_ms_per_token
+            chunk_ms += self.chip.extend_chunk_ms(n, s.cached + s.prefill - s.left)
             self._chunked.append((s, n))
         ms = self.chip.decode_ms(max(self.running, 1), self.context) + chunk_ms + self.stream_ms
         self.busy = True

@@ -21,6 +21,8 @@ The cost model of one chip (an *instance*: the unit that runs one batch):
   decode step     step_ms + ms_per_seq × batch + ms_per_mtok × (context tokens in the batch) / 1e6
                   (+ the profile's ``md_`` / ``relay_stream_ms_per_step``: the served stage's cost)
   extend by k     a prefill chunk of k tokens on the decode chip: its step + k × extend_ms_per_token
+                  × (1 + (cached + k/2) / extend_attention_tokens) (a calibrated chip; the report's
+                  figure, measured at its own context, has no attention term)
   KV budget       ``kv_budget_tokens`` of KV per instance: running requests and the radix cache
                   share it, so the batch and the hit rate are both bounded by it.
 """
@@ -58,6 +60,10 @@ class ChipProfile:
     extend_ms_per_token: float
     kv_budget_tokens: int
     max_batch: int
+    # Context length at which an extended token costs twice ``extend_ms_per_token`` (attention
+    # over the cached prefix); 0: the per-token figure already holds at the context it is used
+    # at (the report's, measured at its own context).
+    extend_attention_tokens: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -91,6 +97,12 @@ class ChipProfile:
             + self.decode_ms_per_seq * batch
             + self.decode_ms_per_mtok * context_tokens / 1e6
         )
+
+    def extend_chunk_ms(self, tokens: float, cached: float) -> float:
+        """``tokens`` known tokens extended after ``cached`` tokens of context, inside a decode
+        step (a local prefill's chunk, a handoff's extension): what they add to the step."""
+        grow = self.extend_attention_tokens
+        return tokens * self.extend_ms_per_token * (1 + (cached + tokens / 2) / grow if grow else 1)
 
     def extend_ms(self, k: int) -> float:
         """Extend-decode of ``k`` known tokens alone: one step plus ``k`` tokens' worth."""

@@ -268,3 +268,57 @@ def test_cli_bad_input_is_one_line(argv, msg, capsys):
 def test_config_rejects_bad_fields(field, value):
     with pytest.raises(ValueError, match=field):
         SimConfig(**{field: value})
+
+
+def test_calibrate_fits_the_extend_slope_and_its_growth_with_the_prefix():
+    from pdd.bench.calibrate import fit_extend
+
+    a, att = 0.04, 800.0
+    per_token, attention = fit_extend({c: a * (1 + c / att) for c in (512, 2048)})
+    assert per_token == pytest.approx(a) and attention == pytest.approx(att)
+    # a slope that does not grow (noise): the smaller one, and no attention term
+    assert fit_extend({512: 0.06, 2048: 0.05}) == (0.05, 0.0)
+
+
+def test_a_local_prefill_after_a_long_prefix_costs_its_attention():
+    """MainDecode's local prefill of k tokens after c cached ones: with a calibrated attention
+    term its step grows with c, as the engine's does; the report's chip (no term) stays flat."""
+    from pdd.bench.sim_engine import DecodeInstance, Seq
+
+    chip = load_profile("testbed").chips["cpu"]
+    grown = replace(chip, extend_attention_tokens=800.0)
+    assert grown.extend_chunk_ms(40, 2000) == pytest.approx(
+        40 * chip.extend_ms_per_token * (1 + 2020 / 800)
+    )
+    flat = replace(chip, extend_attention_tokens=0.0)
+    assert flat.extend_chunk_ms(40, 2000) == pytest.approx(40 * chip.extend_ms_per_token)
+
+    def first_token_s(c: int, k: int, profile) -> float:
+        loop = EventLoop()
+        inst = DecodeInstance(loop, profile, "md")
+        seen = []
+        inst.submit(Seq(ctx=c + k, tokens=0, reserve=c + k + 1, prefill=k, first=seen.append))
+        loop.run()
+        return seen[0]
+
+    assert first_token_s(2000, 40, grown) > 2 * first_token_s(0, 40, grown)
+    assert first_token_s(2000, 40, flat) == pytest.approx(first_token_s(0, 40, flat))
+
+
+def test_calibrate_keeps_each_stack_number_as_the_median_of_its_runs(capsys):
+    from pdd.bench.calibrate import main as calibrate_main
+    from pdd.bench.calibrate_stack import median_of
+
+    runs = [
+        {"a": (3.0, "run 0"), "b": (1.0, "b0")},
+        {"a": (1.0, "run 1"), "b": (5.0, "b1")},
+        {"a": (2.0, "run 2"), "b": (9.0, "b2")},
+    ]
+    got = median_of(runs)
+    assert got["a"][0] == 2.0 and got["a"][1].endswith("that run: run 2")
+    assert "median of 3 runs (3, 1, 2)" in got["a"][1]
+    assert got["b"][0] == 5.0 and got["b"][1].endswith("b1")
+    assert median_of(runs[:1]) == runs[0]
+    with pytest.raises(SystemExit) as exited:
+        calibrate_main(["--stack", "--repeats", "0", "--out", "p.json"])
+    assert exited.value.code == 2 and "--repeats" in capsys.readouterr().err

@@ -31,33 +31,39 @@ def test_the_simulator_orders_the_modes_as_the_bench_measured(rows):
     assert rows["cdc-pd", "RLD share %"]["simulated"] == 0
 
 
-def test_with_the_measured_stack_cost_all_but_pdds_p90_are_within_tolerance(rows):
+def test_with_the_measured_stack_cost_every_figure_is_within_tolerance(rows):
     # The profile's request_overhead_ms / md_request_overhead_ms / prefill_stack_factor
-    # (`pdd bench calibrate --stack`).
-    keep = [k for k in rows if k != ("pdd", "TTFDT P90 ms")]
-    assert len(keep) == 8
-    bad = {k: round(rows[k]["error"], 2) for k in keep if abs(rows[k]["error"]) > TOLERANCE}
+    # (`pdd bench calibrate --stack`, each the median of 3 runs), and MainDecode's local prefill
+    # attending to its cached prefix (``extend_attention_tokens``).
+    assert len(rows) == 9
+    bad = {k: round(r["error"], 2) for k, r in rows.items() if abs(r["error"]) > TOLERANCE}
     assert not bad
 
 
 def test_the_stack_cost_is_what_closed_the_gap(rows):
+    """Without the stack's own cost per request every mode's P50 falls by over 15 % of the
+    recorded figure, and PDD's (its MD-only requests: a few ms of compute) out of tolerance."""
     prof = load_profile("testbed")
     assert prof.request_overhead_ms > 0 and prof.md_request_overhead_ms > 0
     bare = replace(prof, request_overhead_ms=0.0, md_request_overhead_ms=0.0)
     without = {(r["mode"], r["metric"]): r for r in validate(profile_obj=bare)}
-    for mode in ("idc-pd", "cdc-pd"):
+    for mode in ("idc-pd", "cdc-pd", "pdd"):
         key = (mode, "TTFDT P50 ms")
-        assert without[key]["error"] < -TOLERANCE < rows[key]["error"]
+        assert rows[key]["error"] - without[key]["error"] > 0.15
+    assert without["pdd", "TTFDT P50 ms"]["error"] < -TOLERANCE
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known gap: PDD's P90 TTFDT is 21 % low in the simulation (the tolerance is 20 %; "
-    "its P50 19.7 % low): recorded and calibrated back to back on a quiet host, see the README",
-)
-def test_within_tolerance_of_the_recorded_run(rows):
-    bad = {k: round(r["error"], 2) for k, r in rows.items() if abs(r["error"]) > TOLERANCE}
-    assert not bad
+def test_the_local_prefills_attention_is_what_brought_pdds_p50_in(rows):
+    """MainDecode's local prefill of an MD-only request attends to its cached prefix (1-3 K
+    tokens here): priced flat at the no-prefix slope, PDD's P50 falls out of tolerance."""
+    prof = load_profile("testbed")
+    chip = prof.chips["cpu"]
+    assert chip.extend_attention_tokens > 0
+    flat = replace(prof, chips={"cpu": replace(chip, extend_attention_tokens=0.0)})
+    without = {(r["mode"], r["metric"]): r for r in validate(profile_obj=flat)}
+    assert (
+        without["pdd", "TTFDT P50 ms"]["error"] < -TOLERANCE < rows["pdd", "TTFDT P50 ms"]["error"]
+    )
 
 
 def test_profiles_give_every_number_a_source():
