@@ -242,12 +242,11 @@ def median_of(runs: list[dict[str, tuple[float, str]]]) -> dict[str, tuple[float
     """Each number as the median of ``runs`` (the stack's figures move run to run on a shared
     host, and the replay is as sensitive to them as to the model): the median run's source, with
     every run's value."""
+    if len(runs) == 1:
+        return runs[0]
     out = {}
     for key in runs[0]:
         values = [r[key][0] for r in runs]
-        if len(runs) == 1:
-            out[key] = runs[0][key]
-            continue
         mid = sorted(range(len(runs)), key=lambda i: values[i])[len(runs) // 2]
         spread = ", ".join(f"{v:.3g}" for v in values)
         out[key] = (

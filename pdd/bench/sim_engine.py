@@ -4,7 +4,8 @@
 sequence and takes up to ``prefill_chunk_tokens`` of queued prefill/extend work (a local prefill,
 a handoff's extension) into the same step, whose time is the chip profile's
 ``decode_ms(batch, context) + extend_chunk_ms(chunk tokens, context before them)`` plus what the
-served stage adds to every step (``stream_ms``: its serving loop and its core's neighbours, from the profile). KV
+served stage adds to every step (``stream_ms``: its serving loop and its core's neighbours, from
+the profile). KV
 memory is one budget of ``kv_budget_tokens``: locked cache hits + every admitted sequence's
 reservation (prompt + output) + the radix cache, whose LRU entries are evicted to make room; a
 sequence that does not fit waits.
