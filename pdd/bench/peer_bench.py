@@ -28,6 +28,7 @@ import json
 import os
 import queue
 import random
+import shutil
 import signal
 import statistics
 import subprocess
@@ -340,6 +341,8 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         if "vllm" in engines:
             engines["vllm"].close()
+        # NOTE: the random weights are ~250 MB a run; the logs beside them stay.
+        shutil.rmtree(model_dir, ignore_errors=True)
     print()
     _print_table(results, list(engines))
     report = {

@@ -45,6 +45,7 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import signal
 import statistics
 import sys
@@ -430,7 +431,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{cfg.rounds} alternating rounds, {cfg.threads} threads; work dir {workdir}",
         flush=True,
     )
-    report = asyncio.run(run(cfg, workdir))
+    try:
+        report = asyncio.run(run(cfg, workdir))
+    finally:
+        # NOTE: the random weights are ~250 MB a run; logs and profiles stay.
+        shutil.rmtree(workdir / "model", ignore_errors=True)
     print()
     for line in table(report["results"]):
         print(line)
