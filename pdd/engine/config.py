@@ -27,6 +27,9 @@ class EngineConfig:
     # CPU float32: decode attention reads K/V in place with the compiled paged kernel (`paged_decode`);
     # falls back to gather + SDPA when off, unsupported or the build fails
     paged_decode_kernel: bool = True
+    # CPU float32: RMSNorm with the residual add, SiLU·mul and RoPE as compiled fused ops
+    # (`fused`); eager PyTorch ops when off, unsupported or the build fails
+    fused_ops: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:

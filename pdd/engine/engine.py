@@ -37,6 +37,7 @@ from pdd.engine.block_manager import BlockManager
 from pdd.engine.checkpoint import Checkpoint, build_model, load_checkpoint
 from pdd.engine.config import EngineConfig
 from pdd.engine.errors import EngineStalledError, KvCapacityError
+from pdd.engine.fused import enabled as fused_ops_enabled
 from pdd.engine.grammar import Grammars, advance_grammar, follow_grammar
 from pdd.engine.kv_cache import KvCache
 from pdd.engine.kv_wire import KvPayload
@@ -85,6 +86,7 @@ class Engine:
         self.model = build_model(ckpt, self.dtype, self.device)
         if config.prepack_weights:
             self.model.pack_weights()
+        self.model.use_fused(fused_ops_enabled(config.fused_ops, self.device, self.dtype))
         self.kv = KvCache(
             mc.num_layers,
             num_blocks,

@@ -6,6 +6,12 @@ K/V lives. q/k/v and gate/up are fused into one matmul each (loaded from the
 Hugging Face tensors by ``load_hf_weights``); logits are computed only for the
 rows that are sampled. Every projection is a ``linear.Linear`` (weight stored
 transposed; oneDNN-prepacked too after ``pack_weights``).
+
+After ``use_fused(True)`` (CPU float32 with the compiled kernels, see ``fused``) the forward
+carries the residual stream itself, vLLM-style: each layer's output is added into it and
+normalized for the next block in one op, SiLU·mul and RoPE are one op each, and the layers'
+modules are called without ``nn.Module.__call__``'s hooks. The arithmetic is the eager
+forward's (same adds, same order); only the norm's and SiLU's inner rounding may differ.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdd.engine import fused
 from pdd.engine.attention import AttentionMetadata, paged_attention
 from pdd.engine.kv_cache import KvCache
 from pdd.engine.linear import Linear
@@ -49,6 +56,7 @@ class Attention(nn.Module):
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
         )
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.fused = False  # RoPE as one compiled op (``LlamaModel.use_fused``)
 
     def forward(
         self,
@@ -59,12 +67,15 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         n, h, kv = x.shape[0], self.num_heads, self.num_kv_heads
-        qkv = self.qkv_proj(x).view(n, h + 2 * kv, self.head_dim)  # [N, H + 2KV, D]
+        qkv = self.qkv_proj.forward(x).view(n, h + 2 * kv, self.head_dim)  # [N, H + 2KV, D]
         qk = qkv[:, : h + kv]  # [N, H + KV, D]: q and k, rotated together and in place
-        apply_rotary(qk, cos, sin, out=qk)
+        if self.fused:
+            fused.rope_(qk, cos, sin)
+        else:
+            apply_rotary(qk, cos, sin, out=qk)
         new_kv = qkv[:, h:].view(n, 2, kv, self.head_dim)  # [N, 2, KV, D]: a view, no copy
         out = paged_attention(qkv[:, :h], new_kv, cache, self.layer, meta)  # [N, H, D]
-        return self.o_proj(out.reshape(n, self.q_size))
+        return self.o_proj.forward(out.reshape(n, self.q_size))
 
 
 class MLP(nn.Module):
@@ -102,6 +113,13 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.fused = False
+
+    def use_fused(self, on: bool) -> None:
+        """Run the compiled fused ops (``fused``; CPU float32 only) or the eager ones."""
+        self.fused = on
+        for layer in self.layers:
+            layer.self_attn.fused = on
 
     def forward(
         self,
@@ -116,6 +134,8 @@ class LlamaModel(nn.Module):
 
         ``logit_rows [S]``: the rows to turn into logits; None for every row.
         """
+        if self.fused:
+            return self._forward_fused(input_ids, cos, sin, cache, meta, logit_rows)
         x = self.embed_tokens(input_ids)  # [N, hidden]
         for layer in self.layers:
             x = layer(x, cos, sin, cache, meta)
@@ -123,6 +143,31 @@ class LlamaModel(nn.Module):
             x = x.index_select(0, logit_rows)  # [S, hidden]
         x = self.norm(x)
         return self.lm_head(x).float()
+
+    def _forward_fused(self, input_ids, cos, sin, cache, meta, logit_rows) -> torch.Tensor:
+        """``forward`` on the fused ops: the residual stream is updated in place."""
+        layers, eps = self.layers, self.config.rms_norm_eps
+        residual = self.embed_tokens(input_ids)  # [N, hidden]: a fresh tensor, ours to update
+        x = fused.rms_norm(residual, layers[0].input_layernorm.weight, eps)
+        for i, layer in enumerate(layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            x = fused.add_rms_norm_(
+                residual,
+                attn.forward(x, cos, sin, cache, meta),
+                layer.post_attention_layernorm.weight,
+                eps,
+            )
+            # the next block's norm: the next layer's input norm, or the model's final one
+            norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
+            x = fused.add_rms_norm_(
+                residual,
+                mlp.down_proj.forward(fused.silu_mul(mlp.gate_up_proj.forward(x))),
+                norm.weight,
+                eps,
+            )  # [N, hidden]
+        if logit_rows is not None:
+            x = x.index_select(0, logit_rows)  # [S, hidden]
+        return self.lm_head.forward(x).float()
 
     def pack_weights(self) -> bool:
         """Prepack every projection for oneDNN (CPU float32; see ``linear``); False if unsupported."""

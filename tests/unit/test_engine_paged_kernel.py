@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from pdd.engine import Engine, EngineConfig, SamplingParams, paged_decode, tiny_model
+from pdd.engine import Engine, EngineConfig, SamplingParams, kernels, paged_decode, tiny_model
 from pdd.engine.attention import AttentionMetadata, _decode
 from pdd.engine.kv_cache import KvCache
 
@@ -29,7 +29,7 @@ CKPT = tiny_model(11, num_layers=2, num_heads=8, num_kv_heads=2)
 
 @pytest.fixture(scope="module", autouse=True)
 def kernel():
-    paged_decode.load()  # raises (fails every test here) when the build fails
+    kernels.load()  # raises (fails every test here) when the build fails
 
 
 def _reference(q, cache, table, lens) -> torch.Tensor:
@@ -187,10 +187,10 @@ def test_kernel_decode_step_builds_no_mask_and_no_gather_buffer():
 
 def test_a_stale_build_lock_does_not_hang_the_next_build(tmp_path):
     """A builder killed mid-build leaves torch's lock file behind; the next process must not wait on it."""
-    built = paged_decode.build_directory()
+    built = kernels.build_directory()
     shutil.copytree(built, tmp_path / built.name)  # an up-to-date build: ninja has nothing to do
     (tmp_path / built.name / "lock").touch()
-    code = "from pdd.engine import paged_decode; paged_decode.load(); import torch; print(torch.ops.pdd.paged_decode)"
+    code = "from pdd.engine import kernels; kernels.load(); import torch; print(torch.ops.pdd.paged_decode)"
     done = subprocess.run(
         [sys.executable, "-c", code],
         env={**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)},
@@ -203,11 +203,11 @@ def test_a_stale_build_lock_does_not_hang_the_next_build(tmp_path):
 
 
 def test_a_failed_build_falls_back_to_gather_and_sdpa(tmp_path):
-    """A compiler that fails: the engine still serves, on the old path, and says why."""
+    """A compiler that fails: the engine still serves, on the eager paths, and says why."""
     code = (
         "from pdd.engine import Engine, EngineConfig, SamplingParams, tiny_model\n"
         "engine = Engine(tiny_model(11, num_layers=2, num_heads=8, num_kv_heads=2), EngineConfig(num_blocks=16))\n"
-        "assert not engine.runner.paged_kernel\n"
+        "assert not engine.runner.paged_kernel and not engine.model.fused\n"
         "print('tokens', len(engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4))[0]))\n"
     )
     done = subprocess.run(
@@ -218,8 +218,7 @@ def test_a_failed_build_falls_back_to_gather_and_sdpa(tmp_path):
         env={**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path), "CXX": "false"},
     )
     assert done.returncode == 0, done.stderr
-    assert (
-        "paged_decode_fallback" in done.stdout + done.stderr
-        and "build_failed" in done.stdout + done.stderr
-    )
+    said = done.stdout + done.stderr
+    assert "paged_decode_fallback" in said and "fused_ops_fallback" in said
+    assert "build_failed" in said
     assert "tokens 4" in done.stdout
