@@ -39,8 +39,16 @@ INSTANCE = Settings(
         "tensor_parallel_size",
         "vLLM's tensor-parallel degree (--engine vllm; its workers are processes of their own)",
     ),
+    Flag(
+        "burst_wait_ms",
+        "an idle engine's first step waits up to this long for a burst's other requests; 0 = none",
+    ),
+    Flag("burst_gap_ms", "the burst is over when no request arrives within this long"),
     title="instance",
 )
+# NOTE: prefill gathers a burst before its first step (see pdd.serving.engine_loop): a burst's
+# requests reach it a few ms apart, and its steps are long. The decoders step at once.
+PREFILL_BURST_WAIT_MS = 10.0
 ENGINE = Settings(
     EngineConfig,
     Flag("block_size", "tokens per KV block"),
@@ -75,7 +83,12 @@ def add_instance_flags(parser: argparse.ArgumentParser, role: Role) -> None:
         address="",
         **({"cluster": "remote"} if main_decode else {}),
     )
-    INSTANCE.add(parser, kvstore_address=KVSTORE_ADDRESS, model=MODEL)
+    INSTANCE.add(
+        parser,
+        kvstore_address=KVSTORE_ADDRESS,
+        model=MODEL,
+        **({"burst_wait_ms": PREFILL_BURST_WAIT_MS} if role is Role.PREFILL else {}),
+    )
     ENGINE.add(parser)
     ADMISSION.add(parser)
 

@@ -29,7 +29,7 @@ from pdd.engine.engine import Engine
 from pdd.engine.protocol import EngineBackend, EngineKind
 from pdd.server.tls import TlsConfig, open_channel
 from pdd.serving.admission import AdmissionConfig
-from pdd.serving.engine_loop import EngineLoop
+from pdd.serving.engine_loop import Coalesce, EngineLoop
 from pdd.serving.membership import DEFAULT_LEASE_TTL_MS, Membership
 from pdd.serving.model_spec import load_model
 from pdd.telemetry import metrics
@@ -74,12 +74,20 @@ class InstanceConfig:
     admission: AdmissionConfig = AdmissionConfig()
     # vLLM's tensor-parallel degree (its workers are processes of their own); our engine: 1.
     tensor_parallel_size: int = 1
+    # An idle engine's first step waits for a burst (``engine_loop.Coalesce``): while requests
+    # keep arriving, each within burst_gap_ms of the last, for up to burst_wait_ms; 0 = at once.
+    burst_wait_ms: float = 0.0
+    burst_gap_ms: float = 2.0
 
     def __post_init__(self) -> None:
         if self.lease_ttl_ms < 300:
             raise ValueError(f"lease_ttl_ms: must be >= 300, got {self.lease_ttl_ms}")
         if self.threads < 0:
             raise ValueError(f"threads: must be >= 0, got {self.threads}")
+        if self.burst_wait_ms < 0:
+            raise ValueError(f"burst_wait_ms: must be >= 0, got {self.burst_wait_ms}")
+        if self.burst_gap_ms <= 0:
+            raise ValueError(f"burst_gap_ms: must be > 0, got {self.burst_gap_ms}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size: must be >= 1, got {self.tensor_parallel_size}")
         if self.tensor_parallel_size > 1 and self.engine_kind is not EngineKind.VLLM:
@@ -114,9 +122,16 @@ class EngineInstance:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.engine = await asyncio.to_thread(self._build_engine)
-        self.runner = EngineLoop(self.engine)
+        self.runner = EngineLoop(self.engine, self._coalesce())
         await self.runner.start()
         metrics.LIVE.watch_engine(cfg.ref.instance_id, cfg.ref.role.value, lambda: self.engine)
+
+    def _coalesce(self) -> Coalesce | None:
+        cfg = self.config
+        if cfg.burst_wait_ms == 0:
+            return None
+        wait_s = cfg.burst_wait_ms / 1000
+        return Coalesce(max_s=wait_s, gap_s=min(cfg.burst_gap_ms / 1000, wait_s))
 
     def _build_engine(self) -> EngineBackend:
         """The chosen engine, its model loaded (on a worker thread: minutes for vLLM)."""

@@ -6,6 +6,12 @@ thread steps on its own while the engine has schedulable work, running queued ca
 steps, and hands each step's outputs to the event loop (``call_soon_threadsafe``), which routes
 them to the asyncio queue of the request they belong to (the items: ``pdd.serving.mailbox``).
 
+An idle engine that gets work may wait a moment for more before its first step (``Coalesce``,
+prefill's default): a burst's requests reach it a few ms apart, and a first step over only the
+first of them made the rest wait that whole step — and in a one-host stack, MainDecode then
+decoded that one request alone on the cores the rest's prefill needed (measured: 16 requests at
+once, prefill's steps 1 + 15 requests, 40 + 632 ms, against 335 ms for all 16 in one).
+
 NOTE: the engine never waits for the event loop between steps: the loop's work of a step
 (routing outputs, one gRPC write per stream) overlaps the next step instead of following it.
 An earlier loop ran each step as an executor call awaited by a task, so every step also waited
@@ -25,6 +31,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import structlog
@@ -42,9 +49,23 @@ class _Stop:
     """The engine thread's last work item."""
 
 
+@dataclass(frozen=True)
+class Coalesce:
+    """How an idle engine's first step waits for a burst: while calls keep arriving, each within
+    ``gap_s`` of the last, for at most ``max_s`` in all. A lone request pays ``gap_s``."""
+
+    max_s: float
+    gap_s: float
+
+    def __post_init__(self) -> None:
+        if not 0 < self.gap_s <= self.max_s:
+            raise ValueError(f"gap_s: need 0 < gap_s <= max_s, got {self.gap_s}, {self.max_s}")
+
+
 class EngineLoop:
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, coalesce: Coalesce | None = None) -> None:
         self.engine = engine
+        self.coalesce = coalesce
         # Work for the engine thread between steps: (fn, future or None), or _Stop.
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
@@ -119,11 +140,16 @@ class EngineLoop:
 
     def _work(self) -> None:
         last_step: float | None = None  # when the previous step ended, if the engine stayed busy
+        idle = True  # the engine had nothing to step when it last looked
         while True:
             if not self._run_calls():
                 return
             try:
                 schedulable = self.engine.has_schedulable()
+                if schedulable and idle and self.coalesce is not None:
+                    if not self._gather_burst(self.coalesce):
+                        return
+                idle = not schedulable
                 if schedulable:
                     with self._watch_lock:
                         watched = tuple(self._watched)
@@ -154,6 +180,19 @@ class EngineLoop:
                 self._wakeup.clear()
                 if self._calls.empty():
                     self._wakeup.wait(STALL_WAIT_S)
+
+    def _gather_burst(self, coalesce: Coalesce) -> bool:
+        """Run the calls that keep arriving (each within ``gap_s``, ``max_s`` in all) before an
+        idle engine's first step; False once told to stop."""
+        deadline = time.perf_counter() + coalesce.max_s
+        while (left := deadline - time.perf_counter()) > 0:
+            # NOTE: clear, then check the queue: a call that landed in between sets it again.
+            self._wakeup.clear()
+            if self._calls.empty() and not self._wakeup.wait(min(coalesce.gap_s, left)):
+                return True  # the burst is over
+            if not self._run_calls():
+                return False
+        return True
 
     def _run_calls(self) -> bool:
         """Run every queued call (each future gets its result); False once told to stop."""

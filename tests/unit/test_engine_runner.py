@@ -1,4 +1,5 @@
-"""EngineLoop's measured step interval (what MainDecode reports to the relay for pacing)."""
+"""EngineLoop: its measured step interval (what MainDecode reports to the relay for pacing) and
+an idle engine gathering a burst before its first step (``Coalesce``, prefill's default)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,11 @@ import asyncio
 import time
 from dataclasses import dataclass
 
+import pytest
+
 from pdd.engine import Engine, EngineConfig
 from pdd.engine.sampling import SamplingParams
-from pdd.serving.engine_loop import EngineLoop
+from pdd.serving.engine_loop import Coalesce, EngineLoop
 from pdd.serving.model_spec import load_model
 
 
@@ -28,6 +31,7 @@ class SlowEngine:
         self.step_s = step_s
         self.left: dict[str, int] = {}
         self.done = 0
+        self.batches: list[list[str]] = []  # the requests of every step, in order
 
     def add(self, rid: str, tokens: int) -> None:
         self.left[rid] = tokens
@@ -42,6 +46,7 @@ class SlowEngine:
         return rid in self.left
 
     def step(self) -> list[_Out]:
+        self.batches.append(sorted(self.left))
         time.sleep(self.step_s)
         outs = []
         for rid in list(self.left):
@@ -94,3 +99,78 @@ async def test_interval_measured_on_a_real_engine():
         assert runner.step_interval_s > 0
     finally:
         await runner.stop()
+
+
+async def _burst(coalesce: Coalesce | None, count: int, spacing_s: float) -> SlowEngine:
+    """``count`` requests of 3 steps each, ``spacing_s`` apart, into an idle loop; run to the end."""
+    engine = SlowEngine(0.2)
+    runner = EngineLoop(engine, coalesce)
+    await runner.start()
+    try:
+        queues = []
+        for i in range(count):
+            queues.append(runner.open(f"r{i}"))
+            runner.submit(engine.add, f"r{i}", 3)
+            await asyncio.sleep(spacing_s)
+        for q in queues:
+            await _drain(q)
+    finally:
+        await runner.stop()
+    return engine
+
+
+async def test_an_idle_engine_gathers_a_burst_into_its_first_step():
+    engine = await _burst(Coalesce(max_s=3.0, gap_s=0.4), count=5, spacing_s=0.05)
+    assert engine.batches[0] == ["r0", "r1", "r2", "r3", "r4"]
+    assert len(engine.batches) == 3  # all five together, three steps
+
+
+async def test_without_gathering_the_first_request_steps_alone():
+    """The same burst, no ``Coalesce``: the first step holds only the first arrival."""
+    engine = await _burst(None, count=5, spacing_s=0.05)
+    assert engine.batches[0] == ["r0"]
+
+
+async def test_the_gathering_wait_is_bounded_by_max_s():
+    """Requests that keep coming (each within the gap) do not hold the first step past max_s."""
+    engine = await _burst(Coalesce(max_s=0.3, gap_s=0.25), count=12, spacing_s=0.1)
+    first = engine.batches[0]
+    assert "r0" in first and len(first) < 12  # the step began before the stream of arrivals ended
+
+
+async def test_a_busy_engine_does_not_wait_for_more():
+    """Gathering is only for an idle engine's first step: one already stepping takes a new
+    request into its next step, however long the gap."""
+    engine = SlowEngine(0.05)
+    runner = EngineLoop(engine, Coalesce(max_s=5.0, gap_s=2.0))
+    await runner.start()
+    try:
+        a, b = runner.open("a"), runner.open("b")
+        await runner.call(engine.add, "a", 40)  # the loop gathers for 2 s, then steps
+        await a.get()  # a's first token: the engine is stepping now
+        steps = len(engine.batches)
+        await runner.call(engine.add, "b", 2)
+        await _drain(b)
+        joined = next(i for i, batch in enumerate(engine.batches) if "b" in batch)
+        # NOTE: a 2 s wait would be ~40 steps of 0.05 s; "b" joins within a step or two.
+        assert joined - steps <= 3
+        await _drain(a)
+    finally:
+        await runner.stop()
+
+
+async def test_stop_ends_a_gathering_wait():
+    engine = SlowEngine(0.01)
+    runner = EngineLoop(engine, Coalesce(max_s=30.0, gap_s=30.0))
+    await runner.start()
+    runner.submit(engine.add, "r", 3)
+    await asyncio.sleep(0.1)  # the thread is waiting for more
+    started = time.perf_counter()
+    await runner.stop()
+    assert time.perf_counter() - started < 5.0  # not the 30 s wait
+    assert engine.batches == []  # stopped before the first step
+
+
+def test_a_gap_longer_than_the_wait_is_refused():
+    with pytest.raises(ValueError, match="gap_s"):
+        Coalesce(max_s=0.01, gap_s=0.02)

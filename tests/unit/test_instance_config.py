@@ -1,7 +1,10 @@
 """An engine service's instance settings (``pdd.serving.engine_instance.InstanceConfig``):
-tensor parallelism is vLLM's (its workers are processes of its own); our engine runs on one."""
+tensor parallelism is vLLM's (its workers are processes of its own); our engine runs on one;
+prefill gathers a burst before an idle first step, the decoders do not."""
 
 from __future__ import annotations
+
+import argparse
 
 import pytest
 
@@ -9,6 +12,7 @@ from pdd.core.instance import InstanceRef, Role
 from pdd.engine.config import EngineConfig
 from pdd.engine.protocol import EngineKind
 from pdd.serving.engine_instance import InstanceConfig
+from services.instance_flags import PREFILL_BURST_WAIT_MS, add_instance_flags
 
 
 def config(**kw) -> InstanceConfig:
@@ -22,3 +26,16 @@ def test_tensor_parallel_is_for_the_vllm_engine_only():
         config(tensor_parallel_size=2)
     with pytest.raises(ValueError, match=r"^tensor_parallel_size: must be >= 1"):
         config(engine_kind=EngineKind.VLLM, tensor_parallel_size=0)
+
+
+def test_burst_gathering_settings_are_validated_and_prefill_gathers_by_default():
+    with pytest.raises(ValueError, match=r"^burst_wait_ms: must be >= 0"):
+        config(burst_wait_ms=-1)
+    with pytest.raises(ValueError, match=r"^burst_gap_ms: must be > 0"):
+        config(burst_wait_ms=10, burst_gap_ms=0)
+    defaults = {}
+    for role in (Role.PREFILL, Role.RELAY, Role.MAIN_DECODE):
+        parser = argparse.ArgumentParser()
+        add_instance_flags(parser, role)
+        defaults[role] = parser.parse_args([]).burst_wait_ms
+    assert defaults == {Role.PREFILL: PREFILL_BURST_WAIT_MS, Role.RELAY: 0, Role.MAIN_DECODE: 0}
