@@ -54,6 +54,7 @@ from pdd.testbed.link_emulator import LinkConfig, LinkEmulator
 # 8 layers x K,V x 4 heads x 64 dims x bf16 = 8 KiB per token: sizes come out exact in MiB.
 _LAYOUT = KvLayout(KvDtype.BFLOAT16, num_layers=8, num_kv_heads=4, head_dim=64)  # 8 KiB per token
 _MIB = 1 << 20
+_PROBE_MAX_BYTES = 512 * _MIB  # the raw probe's most bytes, whatever the link
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,9 @@ async def _raw_link(config: LinkConfig, probe_s: float) -> dict[str, float]:
         writer.close()
 
     server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    size = max(_MIB, int(config.bytes_per_s * probe_s))
+    # NOTE: capped and written in pieces: a fast link's probe_s of bytes at once (12.5 GB at
+    # 100 Gbit/s) was allocated whole and got the bench killed for memory.
+    size = min(_PROBE_MAX_BYTES, max(_MIB, int(config.bytes_per_s * probe_s)))
     async with LinkEmulator(config, f"127.0.0.1:{server.sockets[0].getsockname()[1]}") as em:
         host, port = em.address.rsplit(":", 1)
         reader, writer = await asyncio.open_connection(host, int(port))
@@ -121,8 +124,10 @@ async def _raw_link(config: LinkConfig, probe_s: float) -> dict[str, float]:
             await writer.drain()
             await reader.readexactly(1)
             rtts.append(time.monotonic() - start)
-        writer.write(bytes(size))
-        await writer.drain()
+        piece = bytes(_MIB)
+        for offset in range(0, size, _MIB):
+            writer.write(piece[: min(_MIB, size - offset)])
+            await writer.drain()
         writer.write_eof()
         await reader.read()
         writer.close()

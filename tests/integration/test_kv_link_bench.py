@@ -58,3 +58,24 @@ def test_bench_writes_configured_and_achieved_figures(tmp_path, capsys, restore_
         "emulator_rtt_within_5pct",
         "fast_link_ge_50pct_memcpy",
     }
+
+
+async def test_a_fast_links_probe_is_capped_and_streamed(monkeypatch):
+    """100 Gbit/s × 1 s of probe was 12.5 GB allocated at once (the bench was killed for memory):
+    the probe is capped, and written a MiB at a time."""
+    from pdd.testbed import link_bench
+    from pdd.testbed.link_emulator import LinkConfig
+
+    monkeypatch.setattr(link_bench, "_PROBE_MAX_BYTES", 8 * link_bench._MIB)
+    written = []
+    real_bytes = bytes
+
+    def spy_bytes(n=0):
+        if isinstance(n, int):
+            written.append(n)
+        return real_bytes(n)
+
+    monkeypatch.setattr(link_bench, "bytes", spy_bytes, raising=False)
+    raw = await link_bench._raw_link(LinkConfig(mbps=100_000, delay_ms=0), probe_s=1.0)
+    assert raw["emulator_bytes"] == 8 * link_bench._MIB
+    assert max(written) <= link_bench._MIB  # never the whole probe in one buffer
