@@ -282,6 +282,7 @@ class Prefill:
         if feed.fast is not None:
             tasks.append(asyncio.create_task(self._send_fast(job, feed.fast, first)))
         held = finished = False
+        rest: asyncio.Task | None = None
         try:
             t0 = time.perf_counter()
             # NOTE: held from before the admission: cancelled while the engine thread adds the
@@ -296,9 +297,13 @@ class Prefill:
             first.set_result((out.token_id,))
             # NOTE: the token leaves before any housekeeping: awaiting the engine thread first let it
             # wait behind the event loop's other work (the KV pushes starting) — 10-150 ms of TTFT.
+            # NOTE: the part computed with the token is exported beside the token's way out, on
+            # its own task: it must not wait for the caller to come back for the next event.
+            rest = asyncio.create_task(self._feed_links(job, feed, n))
             yield FirstToken(
                 out.token_id, n, cached, prefill_ms, out.logprob, out.prompt_logprobs or ()
             )
+            await rest
             await self._await_bound(job, feed)  # NOTE: the KV stays in the engine until then
             await self.runner.call(self.engine.release, rid)
             held = False
@@ -307,6 +312,8 @@ class Prefill:
             yield done
         finally:
             ticket.release()
+            if rest is not None:
+                rest.cancel()  # NOTE: a no-op once done; the engine call itself still runs
             self._close(rid, tasks, first, held=held, finished=finished)
 
     # --- the steps of a request's life --------------------------------------------------------
@@ -423,28 +430,44 @@ class Prefill:
         return cached
 
     async def _compute(self, job: PrefillJob, queue: asyncio.Queue, feed: _Feed) -> StepOutput:
-        """Feed the links each computed part of the prompt; the sampled first token's output."""
+        """Feed the links each computed part of the prompt; the sampled first token's output.
+
+        NOTE: the last part — computed in the step that sampled the token — is left to
+        ``_feed_links``, run beside the token's way out: a burst's requests end in one step, and each
+        token waiting for its own export, queued on the engine thread behind the others', held
+        the burst's last first token back by every export before it (~40 ms for 16 × 128 tokens).
+        """
         rid, n = job.request_id, len(job.prompt_token_ids)
         while True:
-            out: StepOutput | None = None
-            match await queue.get():
-                case Computed(tokens=tokens):
-                    upto = min(tokens, n)
-                case StepOutput() as out:
-                    upto = n
-                case StepFailed(error=error):
-                    raise error
-                case item:
-                    raise TypeError(f"unexpected item on {rid}'s queue: {item!r}")
-            if upto > feed.exported and feed.links:
-                filled = await self.runner.call(self._export, rid, feed.exported, upto, feed.links)
-                for link, nbytes in zip(feed.links, filled, strict=True):
-                    link.source.advance(nbytes)
-            feed.exported = max(feed.exported, upto)
-            if feed.bound is not None and feed.bound.done():
-                await self._join_wan(job, feed)
+            items = [await queue.get()]
+            while not queue.empty():  # a step's Computed and its output arrive together
+                items.append(queue.get_nowait())
+            upto, out = feed.exported, None
+            for item in items:
+                match item:
+                    case Computed(tokens=tokens):
+                        upto = max(upto, min(tokens, n))
+                    case StepOutput():
+                        out = item
+                    case StepFailed(error=error):
+                        raise error
+                    case _:
+                        raise TypeError(f"unexpected item on {rid}'s queue: {item!r}")
             if out is not None:
                 return out
+            await self._feed_links(job, feed, upto)
+
+    async def _feed_links(self, job: PrefillJob, feed: _Feed, upto: int) -> None:
+        """Export the computed tokens ``[feed.exported, upto)`` into every link joined so far."""
+        if upto > feed.exported and feed.links:
+            filled = await self.runner.call(
+                self._export, job.request_id, feed.exported, upto, feed.links
+            )
+            for link, nbytes in zip(feed.links, filled, strict=True):
+                link.source.advance(nbytes)
+        feed.exported = max(feed.exported, upto)
+        if feed.bound is not None and feed.bound.done():
+            await self._join_wan(job, feed)
 
     async def _transfer_done(self, job: PrefillJob, tasks: list[asyncio.Task]) -> TransferDone:
         # NOTE: both links run to their end before either's failure counts: a lost MainDecode

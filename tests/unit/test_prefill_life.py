@@ -378,3 +378,34 @@ async def test_a_prefill_never_bound_gives_up_and_frees_the_request(ckpt):
         assert not node.receiver.status("b5").known
         with pytest.raises(Exception, match="not being prefilled"):
             node.prefill.bind("b5", 0)
+
+
+async def test_the_first_token_leaves_before_the_last_part_is_exported(ckpt, reference):
+    """The part computed with the token is exported after the token is handed on: in a burst that
+    ends in one step, each token used to wait for its own export behind the others' on the engine
+    thread. The relay and MainDecode still get every token's KV."""
+    token, kv = reference
+    order: list[tuple] = []
+    async with Node(ckpt) as node:
+        export = node.prefill._export
+
+        def spy(rid, start, end, links):
+            order.append(("export", start, end))
+            return export(rid, start, end, links)
+
+        node.prefill._export = spy
+        stream = node.prefill.prefill(_job("t1", Pipeline.P_RLD_MD, 40))
+        first = await asyncio.wait_for(anext(stream), 60)
+        order.append(("token", first.token_id))
+        done = await asyncio.wait_for(anext(stream), 60)
+        assert first.token_id == token and done.fast_link == "shm"
+        last = max(i for i, (what, *_) in enumerate(order) if what == "export")
+        assert order[last] == ("export", 112, 120)  # the 16-token chunks' last part
+        assert order.index(("token", token)) < last
+        region = await node.fast.wait_complete("t1", 10)
+        assert (region.header.start_token, region.header.num_tokens) == (0, 120)
+        node.fast.release(region.transfer_id)
+        wan = node.receiver.pop("t1")
+        torch.testing.assert_close(
+            decode_tensor(wan.payload, wan.header.layout, 80), kv[40:], rtol=1e-4, atol=1e-5
+        )
