@@ -110,6 +110,15 @@ class Oracle:
         top = self.next_logits(tokens).topk(2).values
         return float(top[0] - top[1])
 
+    def assert_engines_agree(
+        self, ours, reference, prompts: Sequence[Sequence[int]], params
+    ) -> None:
+        """Engine ``ours`` generates what engine ``reference`` does, prompt by prompt, up to a
+        near-tie of this oracle (two float paths of one engine, e.g. a kernel on and off)."""
+        pairs = zip(ours.generate(prompts, params), reference.generate(prompts, params))
+        for prompt, (a, b) in zip(prompts, pairs, strict=True):
+            self.assert_greedy_equal(prompt, a, b)
+
     def assert_greedy_equal(
         self, prompt: Sequence[int], ours: Sequence[int], reference: Sequence[int] | None = None
     ) -> None:

@@ -154,11 +154,7 @@ def test_engine_decodes_the_same_with_and_without_the_kernel(llama_oracle):
     with_kernel = Engine(CKPT, EngineConfig(**config))
     without = Engine(CKPT, EngineConfig(**config, paged_decode_kernel=False))
     assert with_kernel.runner.paged_kernel and not without.runner.paged_kernel
-    params = SamplingParams(max_tokens=24)
-    for prompt, ours, reference in zip(
-        prompts, with_kernel.generate(prompts, params), without.generate(prompts, params)
-    ):
-        oracle.assert_greedy_equal(prompt, ours, reference)
+    oracle.assert_engines_agree(with_kernel, without, prompts, SamplingParams(max_tokens=24))
 
 
 def test_env_switch_and_unsupported_pools_fall_back(monkeypatch):
