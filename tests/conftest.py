@@ -18,6 +18,7 @@ Any other difference fails.
 from __future__ import annotations
 
 import os
+import shutil
 import uuid
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -33,6 +34,25 @@ from pdd.engine.checkpoint_record import Checkpoint
 from pdd.testbed.launcher import free_port  # noqa: F401 — tests import it from here
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+# The compiled kernels' tests (``pytestmark = NEEDS_KERNELS``): they fail, not skip, when the build
+# fails on a machine with a C++ compiler (a broken build must not pass as a skip), and are skipped
+# only where no compiler exists at all (the engine then runs eager PyTorch).
+NEEDS_KERNELS = [
+    pytest.mark.skipif(
+        shutil.which(os.environ.get("CXX", "c++")) is None,
+        reason="no C++ compiler: the engine runs eager PyTorch",
+    ),
+    pytest.mark.usefixtures("kernels_built"),
+]
+
+
+@pytest.fixture(scope="session")
+def kernels_built() -> None:
+    from pdd.engine import kernels
+
+    kernels.load()  # raises (fails every test that uses it) when the build fails
 
 
 @pytest.fixture(autouse=True)

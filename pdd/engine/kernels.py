@@ -45,6 +45,7 @@ class Use:
 
 def enabled(use: Use, requested: bool, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``use`` should run on the kernels here (building them if needed); logs why once."""
+    error = ""
     if not requested:
         reason = "disabled_by_config"
     elif os.environ.get(use.env_switch, "1") == "0":
@@ -56,24 +57,18 @@ def enabled(use: Use, requested: bool, device: torch.device, dtype: torch.dtype)
     else:
         try:
             load()
+            reason = ""
         except Exception as exc:
-            if (use.event, "build_failed") not in _logged:
-                _logged.add((use.event, "build_failed"))
-                log.warning(
-                    use.fallback_event,
-                    path=use.fallback_path,
-                    reason="build_failed",
-                    error=str(exc)[-2000:],
-                )
-            return False
-        reason = None
-    if (use.event, str(reason)) not in _logged:
-        _logged.add((use.event, str(reason)))
-        if reason is None:
+            reason, error = "build_failed", str(exc)[-2000:]
+    if (use.event, reason) not in _logged:
+        _logged.add((use.event, reason))
+        if not reason:
             log.info(use.event, path=use.path)
+        elif error:
+            log.warning(use.fallback_event, path=use.fallback_path, reason=reason, error=error)
         else:
             log.info(use.fallback_event, path=use.fallback_path, reason=reason)
-    return reason is None
+    return not reason
 
 
 def load() -> None:

@@ -6,9 +6,7 @@ are skipped only where no C++ compiler exists at all.
 
 from __future__ import annotations
 
-import os
 import random
-import shutil
 
 import pytest
 import torch
@@ -18,18 +16,11 @@ from pdd.engine import Engine, EngineConfig, SamplingParams, fused, kernels, tin
 from pdd.engine.attention import AttentionMetadata
 from pdd.engine.kv_cache import KvCache
 from pdd.engine.rope import RotaryTable, apply_rotary
+from tests.conftest import NEEDS_KERNELS
 
-pytestmark = pytest.mark.skipif(
-    shutil.which(os.environ.get("CXX", "c++")) is None,
-    reason="no C++ compiler: the engine runs the eager ops",
-)
+pytestmark = NEEDS_KERNELS
 
 CKPT = tiny_model(11, num_layers=2, num_heads=8, num_kv_heads=2)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def built():
-    kernels.load()  # raises (fails every test here) when the build fails
 
 
 # rows × hidden: a decode batch, ragged widths (a vector tail), and a prefill past the

@@ -18,18 +18,11 @@ import torch
 from pdd.engine import Engine, EngineConfig, SamplingParams, kernels, paged_decode, tiny_model
 from pdd.engine.attention import AttentionMetadata, _decode
 from pdd.engine.kv_cache import KvCache
+from tests.conftest import NEEDS_KERNELS
 
-pytestmark = pytest.mark.skipif(
-    shutil.which(os.environ.get("CXX", "c++")) is None,
-    reason="no C++ compiler: the engine falls back to gather + SDPA",
-)
+pytestmark = NEEDS_KERNELS
 
 CKPT = tiny_model(11, num_layers=2, num_heads=8, num_kv_heads=2)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def kernel():
-    kernels.load()  # raises (fails every test here) when the build fails
 
 
 def _reference(q, cache, table, lens) -> torch.Tensor:
