@@ -12,7 +12,11 @@ from pdd.core.instance import InstanceRef, Role
 from pdd.engine.config import EngineConfig
 from pdd.engine.protocol import EngineKind
 from pdd.serving.engine_instance import InstanceConfig
-from services.instance_flags import PREFILL_BURST_WAIT_MS, add_instance_flags
+from services.instance_flags import (
+    PREFILL_BURST_GAP_MS,
+    PREFILL_BURST_WAIT_MS,
+    add_instance_flags,
+)
 
 
 def config(**kw) -> InstanceConfig:
@@ -37,5 +41,10 @@ def test_burst_gathering_settings_are_validated_and_prefill_gathers_by_default()
     for role in (Role.PREFILL, Role.RELAY, Role.MAIN_DECODE):
         parser = argparse.ArgumentParser()
         add_instance_flags(parser, role)
-        defaults[role] = parser.parse_args([]).burst_wait_ms
-    assert defaults == {Role.PREFILL: PREFILL_BURST_WAIT_MS, Role.RELAY: 0, Role.MAIN_DECODE: 0}
+        args = parser.parse_args([])
+        defaults[role] = (args.burst_wait_ms, args.burst_gap_ms)
+    assert defaults == {
+        Role.PREFILL: (PREFILL_BURST_WAIT_MS, PREFILL_BURST_GAP_MS),
+        Role.RELAY: (0, 2.0),
+        Role.MAIN_DECODE: (0, 2.0),
+    }
