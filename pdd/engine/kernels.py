@@ -1,7 +1,8 @@
 """The engine's compiled CPU kernels: one library built from ``csrc/*.cpp`` on first use.
 
 ``csrc/paged_decode.cpp`` (decode attention read in place from the paged pool) and
-``csrc/fused_ops.cpp`` (RMSNorm with the residual add, SiLU·mul, RoPE in place) are compiled
+``csrc/fused_ops.cpp`` (RMSNorm with the residual add, SiLU·mul, RoPE in place) and
+``csrc/decode_forward.cpp`` (a whole decode step's forward in one call, on those) are compiled
 together with ``torch.utils.cpp_extension`` (a C++ compiler and ninja are needed; ~15 s) into
 ``pdd_kernels-torch<version>/`` under ``TORCH_EXTENSIONS_DIR`` (default
 ``~/.cache/torch_extensions``): later processes load the built library in well under a second,
@@ -24,7 +25,7 @@ import torch
 log = structlog.get_logger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = (CSRC / "paged_decode.cpp", CSRC / "fused_ops.cpp")
+SOURCES = (CSRC / "paged_decode.cpp", CSRC / "fused_ops.cpp", CSRC / "decode_forward.cpp")
 
 _lock = threading.Lock()
 _loaded = False

@@ -12,6 +12,10 @@ carries the residual stream itself, vLLM-style: each layer's output is added int
 normalized for the next block in one op, SiLU·mul and RoPE are one op each, and the layers'
 modules are called without ``nn.Module.__call__``'s hooks. The arithmetic is the eager
 forward's (same adds, same order); only the norm's and SiLU's inner rounding may differ.
+A step of decode rows only, every one sampled, with every projection prepacked and the paged
+decode kernel on, runs that same fused forward in one compiled call (``decode_forward``,
+``csrc/decode_forward.cpp``): the same ops in the same order, so the same logits bit for bit,
+without ~140 op calls from Python a step, and the GIL released once for the whole forward.
 """
 
 from __future__ import annotations
@@ -114,12 +118,31 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.fused = False
+        # (weights, biases) of ``decode_forward`` when it can run (see ``use_fused``), else None
+        self._decode_args: tuple[list[torch.Tensor], list[torch.Tensor | None]] | None = None
 
     def use_fused(self, on: bool) -> None:
         """Run the compiled fused ops (``fused``; CPU float32 only) or the eager ones."""
         self.fused = on
         for layer in self.layers:
             layer.self_attn.fused = on
+        self._decode_args = self._decode_forward_args() if on else None
+
+    def _decode_forward_args(self) -> tuple[list, list] | None:
+        """Every layer's weights and biases in ``decode_forward``'s order; None unless every
+        projection is prepacked (the op multiplies only oneDNN-packed weights)."""
+        projections = [m for m in self.modules() if isinstance(m, Linear)]
+        if any(p.packed is None for p in projections):
+            return None
+        weights, biases = [], []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            weights += [layer.input_layernorm.weight, attn.qkv_proj.packed, attn.o_proj.packed]
+            weights += [layer.post_attention_layernorm.weight]
+            weights += [mlp.gate_up_proj.packed, mlp.down_proj.packed]
+            biases += [attn.qkv_proj.bias, attn.o_proj.bias]
+            biases += [mlp.gate_up_proj.bias, mlp.down_proj.bias]
+        return weights, biases
 
     def forward(
         self,
@@ -134,6 +157,32 @@ class LlamaModel(nn.Module):
 
         ``logit_rows [S]``: the rows to turn into logits; None for every row.
         """
+        n = input_ids.shape[0]
+        if (
+            self._decode_args is not None
+            and logit_rows is None
+            and meta.num_decode == n
+            and meta.decode_context_lens is not None
+            and n <= Linear.MAX_CALL_ROWS
+        ):
+            weights, biases = self._decode_args
+            return torch.ops.pdd.decode_forward(
+                input_ids,
+                cos,
+                sin,
+                self.embed_tokens.weight,
+                weights,
+                biases,
+                self.norm.weight,
+                self.lm_head.packed,
+                cache.data,
+                meta.slot_mapping,
+                meta.decode_block_tables,
+                meta.decode_context_lens,
+                self.config.num_heads,
+                Linear.padded_rows(n),
+                self.config.rms_norm_eps,
+            )  # [N, V]: _forward_fused's logits, in one call
         if self.fused:
             return self._forward_fused(input_ids, cos, sin, cache, meta, logit_rows)
         x = self.embed_tokens(input_ids)  # [N, hidden]
@@ -171,7 +220,9 @@ class LlamaModel(nn.Module):
 
     def pack_weights(self) -> bool:
         """Prepack every projection for oneDNN (CPU float32; see ``linear``); False if unsupported."""
-        return all([m.pack() for m in self.modules() if isinstance(m, Linear)])
+        packed = all([m.pack() for m in self.modules() if isinstance(m, Linear)])
+        self.use_fused(self.fused)  # NOTE: decode_forward holds the packed weights: renew them
+        return packed
 
     @torch.no_grad()
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:

@@ -27,6 +27,7 @@
 
 #include <cmath>
 
+#include "ops.h"
 #include "vec.h"
 
 namespace {
@@ -126,6 +127,10 @@ at::Tensor norm(const at::Tensor& x, const c10::optional<at::Tensor>& delta, con
   return out;
 }
 
+}  // namespace
+
+namespace pdd_ops {
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   // NOTE: x is only read here (norm_row writes x only when given a delta).
   return norm(x.contiguous(), c10::nullopt, weight, eps, "rms_norm");
@@ -169,7 +174,7 @@ void rope_(at::Tensor& x, const at::Tensor& cos_in, const at::Tensor& sin_in) {
   });
 }
 
-}  // namespace
+}  // namespace pdd_ops
 
 TORCH_LIBRARY_FRAGMENT(pdd, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
@@ -179,8 +184,8 @@ TORCH_LIBRARY_FRAGMENT(pdd, m) {
 }
 
 TORCH_LIBRARY_IMPL(pdd, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("add_rms_norm_", &add_rms_norm_);
-  m.impl("silu_mul", &silu_mul);
-  m.impl("rope_", &rope_);
+  m.impl("rms_norm", &pdd_ops::rms_norm);
+  m.impl("add_rms_norm_", &pdd_ops::add_rms_norm_);
+  m.impl("silu_mul", &pdd_ops::silu_mul);
+  m.impl("rope_", &pdd_ops::rope_);
 }

@@ -17,6 +17,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "ops.h"
 #include "vec.h"
 
 #include <algorithm>
@@ -156,6 +157,10 @@ PDD_CLONES void attend_any(const float* q, const float* kv, const int64_t* table
   attend<0>(q, kv, table, ctx, geo, out, scratch);
 }
 
+}  // namespace
+
+namespace pdd_ops {
+
 at::Tensor paged_decode(const at::Tensor& q_in, const at::Tensor& blocks, const at::Tensor& block_tables,
                         const at::Tensor& context_lens, double scale) {
   TORCH_CHECK(q_in.device().is_cpu() && blocks.device().is_cpu(), "paged_decode: CPU tensors only");
@@ -232,10 +237,10 @@ at::Tensor paged_decode(const at::Tensor& q_in, const at::Tensor& blocks, const 
   return out;
 }
 
-}  // namespace
+}  // namespace pdd_ops
 
 TORCH_LIBRARY_FRAGMENT(pdd, m) {
   m.def("paged_decode(Tensor q, Tensor blocks, Tensor block_tables, Tensor context_lens, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(pdd, CPU, m) { m.impl("paged_decode", &paged_decode); }
+TORCH_LIBRARY_IMPL(pdd, CPU, m) { m.impl("paged_decode", &pdd_ops::paged_decode); }
