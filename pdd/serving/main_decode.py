@@ -40,7 +40,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable
 
 import structlog
 
@@ -300,16 +300,21 @@ class MainDecode:
     async def _receive_kv(self, state: DecodeLife) -> None:
         try:
             kv = await self.receiver.wait_complete(state.job.request_id, self.kv_timeout_s)
-            await self._import(state, kv)
             if state.job.pipeline is Pipeline.P_MD:
-                await self._start_from_first(state, kv.output_token_ids)
+                await self._start_from_first(state, kv)
+            else:
+                t0 = time.perf_counter()
+                await self.runner.call(self._import_range, state, kv)
+                self._imported(state, kv, t0)
         except Exception as exc:  # noqa: BLE001 — surfaced on the request's stream
             state.queue.put_nowait(Failed(exc))
 
-    async def _import(self, state: DecodeLife, kv: ReceivedKv) -> None:
+    def _import_range(self, state: DecodeLife, kv: ReceivedKv) -> None:
+        """On the engine thread: write the received range into the request's KV."""
+        import_range(self.engine, state.job.request_id, kv.header, kv.payload)
+
+    def _imported(self, state: DecodeLife, kv: ReceivedKv, t0: float) -> None:
         rid = state.job.request_id
-        t0 = time.perf_counter()
-        await self.runner.call(import_range, self.engine, rid, kv.header, kv.payload)
         self.receiver.pop(rid)
         state.wan_bytes = kv.wire_bytes
         metrics.WAN_BYTES.labels("received").inc(kv.wire_bytes)
@@ -323,11 +328,19 @@ class MainDecode:
             import_ms=round((time.perf_counter() - t0) * 1000, 2),
         )
 
-    async def _start_from_first(self, state: DecodeLife, first: Sequence[int]) -> None:
-        """P-MD: append prefill's first token(s) and speak from the next output."""
+    async def _start_from_first(self, state: DecodeLife, kv: ReceivedKv) -> None:
+        """P-MD: import the prompt's KV, append prefill's first token(s), speak from the next
+        output.
+
+        NOTE: the import and the append are one engine call: each call waits for the step in
+        progress, and a burst's imports land while MainDecode steps the requests already in."""
+        first = list(kv.output_token_ids)
         t0 = time.perf_counter()
         # NOTE: expedited: the client waits on this first decode step (TTFDT).
-        await self._append(state, 0, list(first), expedite=True)
+        await self._append(
+            state, 0, first, expedite=True, before=lambda: self._import_range(state, kv)
+        )
+        self._imported(state, kv, t0)
         state.extend_s += time.perf_counter() - t0
         state.queue.put_nowait(EmitFrom(len(first)))
 
@@ -439,20 +452,29 @@ class MainDecode:
         state.extend_s += time.perf_counter() - t0
 
     async def _append(
-        self, state: DecodeLife, start: int, token_ids: list[int], *, expedite: bool
+        self,
+        state: DecodeLife,
+        start: int,
+        token_ids: list[int],
+        *,
+        expedite: bool,
+        before: Callable[[], None] | None = None,
     ) -> bool:
         """Make ``token_ids`` the outputs from ``start`` (extend: computed in one pass); what
         MainDecode decoded ahead is kept where it agrees and dropped from the first disagreement.
 
         ``expedite``: the client is waiting on this extension (the relay has stopped, or it is
-        P-MD's first decode step), so it gets an engine step of its own. False when the engine
-        no longer holds the request (it finished, or was aborted): nothing was appended.
+        P-MD's first decode step), so it gets an engine step of its own. ``before``: run first, in
+        the same engine call (P-MD's import). False when the engine no longer holds the request
+        (it finished, or was aborted): nothing was appended.
         """
         rid = state.job.request_id
 
         def run() -> bool | None:
             if not self.engine.holds_request(rid):
                 return None
+            if before is not None:
+                before()
             try:
                 rolled_back = self.engine.append_tokens(rid, token_ids, start)
             except ValueError as exc:

@@ -358,3 +358,27 @@ async def test_duplicated_out_of_order_and_foreign_batches_get_clear_answers(ckp
         start, tokens = _tokens(events)
         assert start == 8 and events[-1].completion_tokens == n
         oracle.assert_greedy_equal(PROMPT + ref[:8], tokens, ref[8:])
+
+
+async def test_p_md_imports_the_kv_and_appends_the_first_token_in_one_engine_call(ckpt, oracle):
+    """Each engine call waits for the step in progress: a P-MD request whose KV lands while
+    MainDecode is stepping others pays that wait once, not once for the import and again for
+    its first token."""
+    n = 6
+    async with Node(ckpt) as node:
+        calls: list[str] = []
+        real_call = node.loop.call
+
+        async def counted(fn, *args, **kwargs):
+            calls.append(fn.__qualname__)
+            return await real_call(fn, *args, **kwargs)
+
+        node.loop.call = counted
+        stream = node.md.decode(DecodeJob("r1", tuple(PROMPT), _greedy(n), SALT, Pipeline.P_MD))
+        assert await anext(stream) == Accepted(0)
+        first = await node.push("r1", PROMPT, 0)
+        events = await asyncio.wait_for(_rest(stream), 60)
+        _, tokens = _tokens(events)
+        assert events[-1].wan_kv_bytes > 0
+        oracle.assert_greedy_equal(PROMPT, [first, *tokens], _single(ckpt, PROMPT, n))
+        assert calls == ["MainDecode._admit.<locals>.admit", "MainDecode._append.<locals>.run"]
