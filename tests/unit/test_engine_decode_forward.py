@@ -100,7 +100,9 @@ def test_malformed_inputs_are_refused_naming_the_op_and_field():
             model.lm_head.packed, kv, torch.tensor([16, 17]), tables, lens, num_heads, 2, 1e-6,
         )  # fmt: skip
 
-    with pytest.raises(RuntimeError, match=r"decode_forward: weights must hold 6 tensors per layer"):
+    with pytest.raises(
+        RuntimeError, match=r"decode_forward: weights must hold 6 tensors per layer"
+    ):
         call(weights=weights[:-1])
     with pytest.raises(RuntimeError, match=r"decode_forward: biases must hold 4 entries per layer"):
         call(biases=biases[:-1])
