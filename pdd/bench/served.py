@@ -23,7 +23,9 @@ submitted at once, streaming, greedy, exactly ``--output-len`` tokens each (``ig
 
 Contenders alternate round by round, so a noisy moment on the shared machine hits all alike;
 the ratios within one run are the figures to read (``served_overhead`` prints them against
-vLLM's server: throughput, TTFT, TPOT, CPU per token). A round's number is output tokens / wall
+vLLM's server: throughput, TTFT, TPOT, CPU per token; ``served_budget`` where a round's time
+goes — TTFT, handoff, decode per token, tail, and the hops the stack's services log — against
+the round the 1.2× target allows). A round's number is output tokens / wall
 time (prefill included). Beside it: TTFT and TPOT P50, the P50 of the time from a request's
 last token to the end of its stream (``tail``: what the client waits for after the last token),
 and the CPU seconds each process spent per output token, from its own ``/proc/<pid>/stat``
@@ -59,6 +61,7 @@ from pdd.bench.cpu import process_cpu_s
 from pdd.bench.metrics import percentile
 from pdd.bench.py_spy import PySpy
 from pdd.bench.record import RequestResult
+from pdd.bench.served_budget import budget_table, logged_hops, request_hops
 from pdd.bench.served_contenders import (
     CLIENT,
     STACK_CONTENDERS,
@@ -201,6 +204,9 @@ class Round:
     tpot_ms: tuple[float, ...]
     tail_ms: tuple[float, ...]
     cpu_s: Mapping[str, float | None]
+    # first → second token, and the decode interval per token after it (``served_budget``)
+    handoff_ms: tuple[float, ...] = ()
+    decode_ms: tuple[float, ...] = ()
 
     @property
     def tok_s(self) -> float:
@@ -226,6 +232,8 @@ def summarize(rounds: Sequence[Round]) -> dict:
         "ttft_p50_ms": p50("ttft_ms"),
         "tpot_p50_ms": p50("tpot_ms"),
         "tail_p50_ms": p50("tail_ms"),
+        "handoff_p50_ms": p50("handoff_ms"),
+        "decode_p50_ms": p50("decode_ms"),
         "cpu_ms_per_token": {
             n: None if s is None or not tokens else 1000.0 * s / tokens for n, s in cpu.items()
         },
@@ -272,6 +280,7 @@ def make_round(
     contender: str, conc: int, wall_s: float, recs: Sequence[RequestResult], cpu_s, output_len: int
 ) -> Round:
     ok = [r for r in recs if r.ok and len(r.output_token_ids) == output_len]
+    hops = [request_hops(r) for r in ok]
     return Round(
         contender,
         conc,
@@ -282,6 +291,8 @@ def make_round(
         tuple(r.tpot_ms for r in ok if r.tpot_ms is not None),
         tuple(r.e2el_ms - r.token_times_ms[-1] for r in ok if r.token_times_ms and r.e2el_ms),
         dict(cpu_s),
+        tuple(h for h, _ in hops if h is not None),
+        tuple(d for _, d in hops if d is not None),
     )
 
 
@@ -320,6 +331,7 @@ async def run(cfg: ServedConfig, workdir: Path) -> dict:
         for conc in cfg.concurrency:
             done: dict[str, list[Round]] = {n: [] for n in names}
             same = {n: 0 for n in names}
+            request_ids: dict[str, list[str]] = {n: [] for n in names}
             for k in range(cfg.rounds):
                 prompts = fresh.take(conc)
                 outputs = {}
@@ -333,6 +345,7 @@ async def run(cfg: ServedConfig, workdir: Path) -> dict:
                     r = make_round(name, conc, wall, recs, cpu_s, cfg.output_len)
                     done[name].append(r)
                     outputs[name] = recs
+                    request_ids[name] += [x.request_id for x in recs]
                     rounds.append(asdict(r) | {"busy_before": round(busy, 3)})
                     first_error = next((x.error_message for x in recs if not x.ok), "")
                     print(
@@ -348,6 +361,8 @@ async def run(cfg: ServedConfig, workdir: Path) -> dict:
             ref = _reference(names)
             for n in names:
                 results[conc][n]["same_outputs_as"] = f"{ref} {same[n]}/{conc * cfg.rounds}"
+                if (log_dir := contenders.log_dir(n)) is not None:
+                    results[conc][n]["logged_hops"] = logged_hops(log_dir, request_ids[n])
     finally:
         if spy is not None:
             profile = spy.stop()
@@ -439,11 +454,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     for line in table(report["results"]):
         print(line)
-    overhead = overhead_table(report["results"])
-    if overhead:
-        print()
-    for line in overhead:
-        print(line)
+    for extra in (
+        overhead_table(report["results"]),
+        budget_table(report["results"], cfg.output_len),
+    ):
+        if extra:
+            print("", *extra, sep="\n")
     for name, top in report["profile"].items():
         print(f"\n{name}: self / inclusive share of its py-spy samples")
         for frame, own, incl in top:

@@ -331,6 +331,15 @@ class Contenders:
         if self.stack is not None:
             self.stack.stop()
 
+    def log_dir(self, name: str) -> Path | None:
+        """Where the services serving ``name`` write their logs (None: not a stack)."""
+        server = route(name).server
+        if server == "stack" and self.stack is not None:
+            return self.stack.config.log_dir
+        if server == "stack-vllm" and self.vllm_stack is not None:
+            return self.workdir / "logs-vllm"
+        return None
+
     async def round(self, name: str, prompts: list[list[int]], tag: str) -> tuple[float, list]:
         """Serve ``prompts`` all at once on ``name``; (wall seconds, one record per prompt)."""
         cfg, how = self.cfg, route(name)
