@@ -90,7 +90,9 @@ def budget_table(
             if all(p is not None for p in parts):
                 left = (target_round - sum(parts)) / (output_len - 2)
             hops = " ".join(
-                f"{hop}={_ms(v)}" for hop, v in (s.get("logged_hops") or {}).items() if v
+                f"{hop}={_ms(v)}"
+                for hop, v in (s.get("logged_hops") or {}).items()
+                if v is not None
             )
             round_ms = 1000.0 * n * output_len / s["median_tok_s"]
             rows.append(

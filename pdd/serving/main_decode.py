@@ -337,9 +337,11 @@ class MainDecode:
         first = list(kv.output_token_ids)
         t0 = time.perf_counter()
         # NOTE: expedited: the client waits on this first decode step (TTFDT).
-        await self._append(
+        if not await self._append(
             state, 0, first, expedite=True, before=lambda: self._import_range(state, kv)
-        )
+        ):
+            self.receiver.pop(state.job.request_id)  # NOTE: gone meanwhile: nothing imported
+            return
         self._imported(state, kv, t0)
         state.extend_s += time.perf_counter() - t0
         state.queue.put_nowait(EmitFrom(len(first)))
