@@ -258,6 +258,9 @@ def tokens_to_pb(ev: Tokens, stage: int) -> common_pb2.TokenDelta:
 
 
 def tokens_from_pb(msg: common_pb2.TokenDelta) -> Tokens:
+    # NOTE: once per streamed token at the gateway: the (usual) empty logprobs cost nothing
+    if not msg.logprobs and not msg.prompt_logprobs:
+        return Tokens(msg.start_position, tuple(msg.token_ids))
     return Tokens(
         msg.start_position,
         tuple(msg.token_ids),

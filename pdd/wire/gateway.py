@@ -129,15 +129,19 @@ def event_to_pb(
     ev: TokenEvent | FinalEvent, request_id: str, text: str = ""
 ) -> pb.GenerateResponse:
     if isinstance(ev, TokenEvent):
-        return pb.GenerateResponse(
-            token_ids=list(ev.token_ids),
+        msg = pb.GenerateResponse(
+            token_ids=ev.token_ids,
             text=text,
             stage=stage_to_pb(ev.stage),
             start_position=ev.start_position,
             request_id=request_id,
-            logprobs=[logprob_to_pb(lp) for lp in ev.logprobs],
-            prompt_logprobs=[logprob_to_pb(lp) for lp in ev.prompt_logprobs],
         )
+        # NOTE: once per streamed token: the (usual) empty logprobs cost nothing
+        if ev.logprobs:
+            msg.logprobs.extend(logprob_to_pb(lp) for lp in ev.logprobs)
+        if ev.prompt_logprobs:
+            msg.prompt_logprobs.extend(logprob_to_pb(lp) for lp in ev.prompt_logprobs)
+        return msg
     return pb.GenerateResponse(
         finish_reason=finish_to_pb(ev.finish_reason),
         stats=stats_to_pb(ev.stats),

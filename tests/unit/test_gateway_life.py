@@ -44,6 +44,7 @@ MAIN_DECODE_2 = Instance(InstanceRef("m2", "127.0.0.1:7005", Role.MAIN_DECODE, "
 PROMPT = tuple(range(1, 9))
 
 HOLD = object()  # script item: the stream stays open (no event) until it is cancelled
+TURN = object()  # script item: the read takes one turn of the event loop (a busy gateway's read)
 
 
 class Signal:
@@ -55,7 +56,8 @@ class Signal:
 
 class FakeStream:
     """An ``EventStream`` stand-in. Script items: a domain event (returned by ``read``), an
-    ``asyncio.Event`` (wait for it), a ``Signal``, an exception (raised by ``read``), ``HOLD``.
+    ``asyncio.Event`` (wait for it), a ``Signal``, an exception (raised by ``read``), ``HOLD``,
+    ``TURN``.
     Cancelled, a pending or later ``read`` raises CANCELLED, as a cancelled gRPC call does."""
 
     def __init__(self, peer: str, script: list) -> None:
@@ -76,6 +78,8 @@ class FakeStream:
             if item is HOLD:
                 self.script.insert(0, HOLD)
                 await self._until(self._cancel)
+            elif item is TURN:
+                await asyncio.sleep(0)
             elif isinstance(item, asyncio.Event):
                 await self._until(item)
             elif isinstance(item, Signal):
@@ -888,6 +892,37 @@ async def test_tokens_queued_while_the_client_is_behind_go_out_as_one_event():
     assert (rest[0].start_position, rest[0].token_ids) == (1, tuple(range(21, 28)))
     assert rest[0].stage is Stage.MAIN_DECODE and rest[0].logprobs == tuple(lp[1:])
     assert final.stats.completion_tokens == 8 and final.stats.md_tokens == 7
+
+
+async def test_a_stream_that_keeps_up_gets_each_token_as_it_came():
+    """MainDecode's tokens 30 ms apart (an engine's steps): each goes out alone, none waits."""
+    gates = [asyncio.Event() for _ in range(4)]
+    peers = FakePeers(
+        md=[Accepted(0), *[x for p in range(1, 5) for x in (gates[p - 1], Tokens(p, (20 + p,)))]]
+        + [Finished("length", 5, 4)],
+        prefill=[first_token(), TRANSFER],
+    )
+    for i, gate in enumerate(gates):
+        asyncio.get_running_loop().call_later(0.03 * (i + 1), gate.set)
+    tokens, final = await asyncio.wait_for(run(peers, job(Pipeline.P_MD)), 10)
+    assert [ev.token_ids for ev in tokens] == [(20,), (21,), (22,), (23,), (24,)]
+    assert final.stats.completion_tokens == 5
+
+
+async def test_tokens_read_in_consecutive_turns_share_one_write():
+    """A saturated gateway: each read of MainDecode's stream takes one turn of the event loop.
+    The stream waits one turn before it writes, so the next read's token joins the write instead
+    of paying a message of its own (the whole of ``pdd bench gateway``'s gain at one token a
+    message); every token still arrives once, in order."""
+    peers = FakePeers(
+        md=[Accepted(0), *[x for p in range(1, 9) for x in (TURN, Tokens(p, (20 + p,)))]]
+        + [Finished("length", 9, 8)],
+        prefill=[first_token(), TRANSFER],
+    )
+    tokens, final = await asyncio.wait_for(run(peers, job(Pipeline.P_MD)), 10)
+    assert flat(tokens)[0] == list(range(20, 29))
+    assert len(tokens) <= 3, [ev.token_ids for ev in tokens]
+    assert final.stats.completion_tokens == 9
 
 
 async def test_the_gateway_exports_its_in_flight_bound():
