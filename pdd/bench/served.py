@@ -16,6 +16,8 @@ submitted at once, streaming, greedy, exactly ``--output-len`` tokens each (``ig
 - ``grpc-p-md`` / ``grpc-p-rld-md``: the gateway's ``Generate`` with the pipeline forced;
 - ``http-p-md`` / ``http-p-rld-md``: the gateway's ``/v1/completions`` (``stream: true``), the
   pipeline forced by the ``X-PDD-Pipeline`` header;
+- ``grpc-md`` / ``http-md``: the same, pipeline MD (MainDecode prefills too, as for a high-hit
+  request): the stack's hops without disaggregation's KV export, push and import;
 - ``engine``: our engine in this process, stepped until every request is done (no hops at all);
 - ``vllm``: vLLM's ``/v1/completions``, streaming, token-id prompts;
 - ``stack-vllm`` / ``stack-vllm-http``: the same stack with ``--engine vllm`` (no relay), run on

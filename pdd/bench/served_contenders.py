@@ -38,7 +38,16 @@ if TYPE_CHECKING:
     from pdd.bench.served import ServedConfig
 
 CLIENT = "client"  # this process: the bench's own client side, not counted in a total
-STACK_CONTENDERS = ("grpc-p-md", "http-p-md", "grpc-p-rld-md", "http-p-rld-md")
+# NOTE: ``*-md``: the gateway routes straight to MainDecode, which prefills too (the pipeline a
+# high-hit request takes): the stack's hops without disaggregation's export, push and import.
+STACK_CONTENDERS = (
+    "grpc-p-md",
+    "http-p-md",
+    "grpc-p-rld-md",
+    "http-p-rld-md",
+    "grpc-md",
+    "http-md",
+)
 __all__ = ["CLIENT", "STACK_CONTENDERS", "VLLM_STACK_CONTENDERS", "children_of"]
 
 

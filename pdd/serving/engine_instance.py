@@ -121,9 +121,8 @@ class EngineInstance:
         cfg = self.config
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        self.engine = await asyncio.to_thread(self._build_engine)
-        self.runner = EngineLoop(self.engine, self._coalesce())
-        await self.runner.start()
+        self.runner = await EngineLoop.build(self._build_engine, self._coalesce())
+        self.engine = self.runner.engine
         metrics.LIVE.watch_engine(cfg.ref.instance_id, cfg.ref.role.value, lambda: self.engine)
 
     def _coalesce(self) -> Coalesce | None:

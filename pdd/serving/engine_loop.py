@@ -86,6 +86,36 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._work, name="engine", daemon=True)
         self._thread.start()
 
+    @classmethod
+    async def build(cls, build: Callable[[], Any], coalesce: Coalesce | None = None) -> EngineLoop:
+        """A started loop whose engine ``build()`` makes on the engine thread itself.
+
+        NOTE: the engine thread is then the process's only OpenMP master. libgomp counts every
+        thread pool's workers against the CPUs, and once they outnumber them every parallel
+        region's workers stop spinning (an engine built on an executor thread leaves a second
+        pool behind: 3 threads on 2 CPUs)."""
+        loop = cls(None, coalesce)
+        loop._loop = asyncio.get_running_loop()
+        built: asyncio.Future = loop._loop.create_future()
+
+        def work() -> None:
+            try:
+                loop.engine = build()
+            except BaseException as exc:  # noqa: BLE001 — it belongs to the caller
+                loop._post(_settle, built, None, exc)
+                return
+            loop._post(_settle, built, loop.engine, None)
+            loop._work()
+
+        loop._thread = threading.Thread(target=work, name="engine", daemon=True)
+        loop._thread.start()
+        try:
+            await asyncio.shield(built)
+        except BaseException:
+            loop._stopped = True
+            raise
+        return loop
+
     async def stop(self) -> None:
         if self._stopped:
             return

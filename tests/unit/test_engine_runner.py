@@ -174,3 +174,30 @@ async def test_stop_ends_a_gathering_wait():
 def test_a_gap_longer_than_the_wait_is_refused():
     with pytest.raises(ValueError, match="gap_s"):
         Coalesce(max_s=0.01, gap_s=0.02)
+
+
+async def test_an_engine_built_by_the_loop_is_built_and_stepped_on_one_thread():
+    """``EngineLoop.build``: construction runs on the engine thread, the thread every step and
+    call then runs on (one OpenMP master per process), and a failed build is the caller's error."""
+    import threading
+
+    threads: dict[str, int] = {}
+
+    def build() -> SlowEngine:
+        threads["build"] = threading.get_ident()
+        return SlowEngine(0.001)
+
+    runner = await EngineLoop.build(build)
+    engine = runner.engine
+    assert isinstance(engine, SlowEngine) and threads["build"] != threading.get_ident()
+    q = runner.open("r")
+    await runner.call(engine.add, "r", 2)
+    await asyncio.wait_for(_drain(q), 5)
+    assert await runner.call(threading.get_ident) == threads["build"]
+    await runner.stop()
+
+    def broken() -> SlowEngine:
+        raise ValueError("model: no such file")
+
+    with pytest.raises(ValueError, match="model: no such file"):
+        await asyncio.wait_for(EngineLoop.build(broken), 5)

@@ -20,6 +20,7 @@ def test_every_contender_has_a_route():
     assert route("stack-vllm") == Route("stack-vllm", "grpc", "p-md")
     assert route("stack-vllm-http") == Route("stack-vllm", "http", "p-md")
     assert route("grpc-p-rld-md") == Route("stack", "grpc", "p-rld-md")
+    assert route("http-md") == Route("stack", "http", "md")
     assert route("http-p-md") == Route("stack", "http", "p-md")
     assert route("vllm") == Route("vllm", "http")
     assert route("engine").server == "engine"
