@@ -9,7 +9,6 @@ thread; ``stop()`` deregisters and stops.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import re
 import tempfile
