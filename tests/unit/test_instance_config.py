@@ -1,6 +1,6 @@
 """An engine service's instance settings (``pdd.serving.engine_instance.InstanceConfig``):
 tensor parallelism is vLLM's (its workers are processes of its own); our engine runs on one;
-prefill gathers a burst before an idle first step, the decoders do not."""
+prefill and MainDecode gather a burst before an idle first step, the relay does not."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pdd.engine.config import EngineConfig
 from pdd.engine.protocol import EngineKind
 from pdd.serving.engine_instance import InstanceConfig
 from services.instance_flags import (
-    PREFILL_BURST_GAP_MS,
-    PREFILL_BURST_WAIT_MS,
+    BURST_GAP_MS,
+    BURST_WAIT_MS,
     add_instance_flags,
 )
 
@@ -32,7 +32,7 @@ def test_tensor_parallel_is_for_the_vllm_engine_only():
         config(engine_kind=EngineKind.VLLM, tensor_parallel_size=0)
 
 
-def test_burst_gathering_settings_are_validated_and_prefill_gathers_by_default():
+def test_burst_gathering_settings_are_validated_and_prefill_and_main_decode_gather():
     with pytest.raises(ValueError, match=r"^burst_wait_ms: must be >= 0"):
         config(burst_wait_ms=-1)
     with pytest.raises(ValueError, match=r"^burst_gap_ms: must be > 0"):
@@ -44,7 +44,7 @@ def test_burst_gathering_settings_are_validated_and_prefill_gathers_by_default()
         args = parser.parse_args([])
         defaults[role] = (args.burst_wait_ms, args.burst_gap_ms)
     assert defaults == {
-        Role.PREFILL: (PREFILL_BURST_WAIT_MS, PREFILL_BURST_GAP_MS),
+        Role.PREFILL: (BURST_WAIT_MS, BURST_GAP_MS),
         Role.RELAY: (0, 2.0),
-        Role.MAIN_DECODE: (0, 2.0),
+        Role.MAIN_DECODE: (BURST_WAIT_MS, BURST_GAP_MS),
     }
