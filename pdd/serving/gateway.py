@@ -100,6 +100,9 @@ log = structlog.get_logger(__name__)
 
 # Waits before each retry of a bind that reached prefill before its Prefill call did.
 BIND_RETRY_DELAYS_S = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
+# How long a token may wait for the ones its stream reads right after it (``_merged``): only
+# while every turn of the event loop brings another, as on a saturated gateway.
+JOIN_HOLD_S = 0.002
 
 
 class Gateway(Recovery):
@@ -443,23 +446,35 @@ class Gateway(Recovery):
         # of the event loop when none are: what a stage sent faster than the client reads goes
         # out as one event. The turn lets everything already runnable run first; on an idle
         # gateway that is microseconds and a token goes out alone, on a saturated one it is
-        # the reads of the next engine steps, whose tokens then share this write (one core
-        # carried 31.8k tokens/s written one message each, 48-58k so: ``pdd bench gateway``).
+        # the reads of the next engine steps, whose tokens then share this write — and while
+        # each turn brings more, another turn, up to JOIN_HOLD_S after the oldest (one core
+        # carried 31.8k tokens/s written one message each, ~39k with one turn, ~58k so:
+        # ``pdd bench gateway``).
         # NOTE: nothing is yielded while MainDecode has not accepted (``run.md_unanswered``): a
         # refusal then is the client's whole answer, never a tail after a streamed token.
         ready: list[TokenEvent] = []
+        hold_until = None  # while ``ready`` waits: its oldest token waits no longer than this
+        arrived = False  # an item came off the queue since the last turn
+        loop = asyncio.get_running_loop()
         while run.streaming:
             if ready and run.queue.empty() and not run.md_unanswered:
-                await asyncio.sleep(0)  # NOTE: one turn (above)
-            if ready and run.queue.empty() and not run.md_unanswered:
+                now = loop.time()
+                if hold_until is None or (arrived and now < hold_until):
+                    # NOTE: one turn (above), and another while each brings more, up to
+                    # JOIN_HOLD_S: a stream that gets a token every turn is written, not held.
+                    hold_until = now + JOIN_HOLD_S if hold_until is None else hold_until
+                    arrived = False
+                    await asyncio.sleep(0)
+                    continue
                 for ev in delivered(run, ready):
                     yield ev
-                ready = []
+                ready, hold_until = [], None
             item = await run.queue.get()
+            arrived = True
             if ready and not isinstance(item, StageEvent) and not run.md_unanswered:
                 for ev in delivered(run, ready):  # NOTE: the tokens first, then a fault or an end
                     yield ev
-                ready = []
+                ready, hold_until = [], None
             match item:
                 case StageEnded(stage=stage, stream=stream) if run.current(stage, stream):
                     del run.streaming[stage]

@@ -921,8 +921,34 @@ async def test_tokens_read_in_consecutive_turns_share_one_write():
     )
     tokens, final = await asyncio.wait_for(run(peers, job(Pipeline.P_MD)), 10)
     assert flat(tokens)[0] == list(range(20, 29))
-    assert len(tokens) <= 3, [ev.token_ids for ev in tokens]
+    assert len(tokens) <= 5, [ev.token_ids for ev in tokens]
     assert final.stats.completion_tokens == 9
+
+
+@pytest.mark.parametrize(("hold_s", "longest"), [(0.0, 4), (60.0, 400)])
+async def test_a_token_waits_for_the_next_ones_no_longer_than_the_hold(
+    monkeypatch, hold_s, longest
+):
+    """A producer that never pauses (a token every turn, 400 of them): with no hold each write
+    still goes out after one turn, a few tokens at a time; with a hold longer than the stream
+    they all wait for each other and leave as one or two writes. The hold (``JOIN_HOLD_S``,
+    2 ms) is what bounds a token's wait on a saturated gateway."""
+    import pdd.serving.gateway as gateway_module
+
+    monkeypatch.setattr(gateway_module, "JOIN_HOLD_S", hold_s)
+    n = 400
+    peers = FakePeers(
+        md=[Accepted(0), *[x for p in range(1, n) for x in (TURN, Tokens(p, (p,)))]]
+        + [Finished("length", n, n - 1)],
+        prefill=[first_token(0), TRANSFER],
+    )
+    tokens, final = await asyncio.wait_for(run(peers, job(Pipeline.P_MD)), 30)
+    assert flat(tokens)[0] == list(range(n)) and final.stats.completion_tokens == n
+    sizes = [len(ev.token_ids) for ev in tokens]
+    if longest < n:
+        assert max(sizes) <= longest, sizes
+    else:
+        assert len(tokens) <= 3, sizes
 
 
 async def test_the_gateway_exports_its_in_flight_bound():
