@@ -112,7 +112,11 @@ class EngineLoop:
         try:
             await asyncio.shield(built)
         except BaseException:
+            # NOTE: a build that fails ends the thread; one the caller gave up on (cancelled)
+            # finishes building, finds the stop and never steps.
             loop._stopped = True
+            loop._calls.put(_Stop)
+            loop._wakeup.set()
             raise
         return loop
 

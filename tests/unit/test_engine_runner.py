@@ -201,3 +201,23 @@ async def test_an_engine_built_by_the_loop_is_built_and_stepped_on_one_thread():
 
     with pytest.raises(ValueError, match="model: no such file"):
         await asyncio.wait_for(EngineLoop.build(broken), 5)
+
+    # A caller that gives up while the engine builds (a service stopped during its model load):
+    # the build finishes, the thread ends without stepping.
+    release = threading.Event()
+    loops: list[threading.Thread] = []
+
+    def slow() -> SlowEngine:
+        loops.append(threading.current_thread())
+        release.wait(5)
+        return SlowEngine(0.001)
+
+    starting = asyncio.ensure_future(EngineLoop.build(slow))
+    while not loops:
+        await asyncio.sleep(0.01)
+    starting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await starting
+    release.set()
+    loops[0].join(5)
+    assert not loops[0].is_alive()
