@@ -4,6 +4,7 @@ an idle engine gathering a burst before its first step (``Coalesce``, prefill's 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from dataclasses import dataclass
 
@@ -179,8 +180,6 @@ def test_a_gap_longer_than_the_wait_is_refused():
 async def test_an_engine_built_by_the_loop_is_built_and_stepped_on_one_thread():
     """``EngineLoop.build``: construction runs on the engine thread, the thread every step and
     call then runs on (one OpenMP master per process), and a failed build is the caller's error."""
-    import threading
-
     threads: dict[str, int] = {}
 
     def build() -> SlowEngine:
