@@ -37,13 +37,29 @@ def coalesce(events: Iterable[E]) -> list[E]:
     """``events`` with each run of contiguous token events (same type, same stage) joined into
     one; every other event stays where it was, in order."""
     out: list[E] = []
-    for ev in events:
-        if out and _joinable(out[-1], ev):
-            prev = out[-1]
-            assert isinstance(prev, (Tokens, TokenEvent)) and isinstance(ev, (Tokens, TokenEvent))
-            out[-1] = replace(
-                prev, token_ids=prev.token_ids + ev.token_ids, logprobs=prev.logprobs + ev.logprobs
+    run: list = []  # the token events of the run being joined, in order
+
+    def close() -> None:
+        if len(run) == 1:
+            out.append(run[0])
+        elif run:  # NOTE: one new event per run, however long (a saturated gateway's runs are)
+            out.append(
+                replace(
+                    run[0],
+                    token_ids=tuple(t for ev in run for t in ev.token_ids),
+                    logprobs=tuple(lp for ev in run for lp in ev.logprobs),
+                )
             )
+        run.clear()
+
+    for ev in events:
+        if run and _joinable(run[-1], ev):
+            run.append(ev)
+            continue
+        close()
+        if isinstance(ev, (Tokens, TokenEvent)):
+            run.append(ev)
         else:
             out.append(ev)
+    close()
     return out

@@ -99,6 +99,10 @@ async def choice_events(
     deadline = None if timeout_s is None else loop.time() + timeout_s
     events = _choices(gateway, jobs, decode, stop, timeout_s)
     async with contextlib.aclosing(events):
+        if deadline is None:  # NOTE: once per streamed chunk: no timer to arm and cancel
+            async for item in events:
+                yield item
+            return
         while True:
             # NOTE: a timeout of its own per wait, so that a TimeoutError raised below is not ours.
             within = asyncio.timeout_at(deadline)
