@@ -3,8 +3,9 @@
 A stream that falls behind its producer (an engine stepping faster than one gRPC write per token
 per request, a gateway reading faster than its client) holds several token events at once. Sent
 one message each, every token pays a whole message's cost at every hop; joined, a backlog costs
-one message, and a stream that keeps up is unchanged (nothing waits to be joined: only what is
-already there is). Both a stage's ``Tokens`` and the gateway's ``TokenEvent`` are joined here.
+one message, and a stream that keeps up is unchanged (``coalesce`` joins only what it is given;
+the gateway lets a token wait a turn of its event loop for company: ``Gateway._merged``). Both a
+stage's ``Tokens`` and the gateway's ``TokenEvent`` are joined here.
 """
 
 from __future__ import annotations
