@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import replace
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from pdd.core.request import TokenEvent
 from pdd.core.stage_events import Tokens
@@ -38,7 +38,7 @@ def coalesce(events: Iterable[E]) -> list[E]:
     """``events`` with each run of contiguous token events (same type, same stage) joined into
     one; every other event stays where it was, in order."""
     out: list[E] = []
-    run: list = []  # the token events of the run being joined, in order
+    run: list[Any] = []  # the token events (Tokens | TokenEvent) of the run being joined
 
     def close() -> None:
         if len(run) == 1:
