@@ -81,10 +81,32 @@ class EngineLoop:
         # Smoothed time between back-to-back steps: what a decoding request waits per token here.
         self.step_interval_s = 0.0
 
-    async def start(self) -> None:
+    async def start(self, build: Callable[[], Any] | None = None) -> None:
+        """Start the engine thread; with ``build``, it first makes the engine (``build``)."""
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._work, name="engine", daemon=True)
+        started: asyncio.Future = self._loop.create_future()
+
+        def work() -> None:
+            if build is not None:
+                try:
+                    self.engine = build()
+                except BaseException as exc:  # noqa: BLE001 — it belongs to the caller
+                    self._post(_settle, started, None, exc)
+                    return
+            self._post(_settle, started, None, None)
+            self._work()
+
+        self._thread = threading.Thread(target=work, name="engine", daemon=True)
         self._thread.start()
+        try:
+            await asyncio.shield(started)
+        except BaseException:
+            # NOTE: a build that fails ends the thread; one the caller gave up on (cancelled)
+            # finishes building, finds the stop and never steps.
+            self._stopped = True
+            self._calls.put(_Stop)
+            self._wakeup.set()
+            raise
 
     @classmethod
     async def build(cls, build: Callable[[], Any], coalesce: Coalesce | None = None) -> EngineLoop:
@@ -95,29 +117,7 @@ class EngineLoop:
         region's workers stop spinning (an engine built on an executor thread leaves a second
         pool behind: 3 threads on 2 CPUs)."""
         loop = cls(None, coalesce)
-        loop._loop = asyncio.get_running_loop()
-        built: asyncio.Future = loop._loop.create_future()
-
-        def work() -> None:
-            try:
-                loop.engine = build()
-            except BaseException as exc:  # noqa: BLE001 — it belongs to the caller
-                loop._post(_settle, built, None, exc)
-                return
-            loop._post(_settle, built, loop.engine, None)
-            loop._work()
-
-        loop._thread = threading.Thread(target=work, name="engine", daemon=True)
-        loop._thread.start()
-        try:
-            await asyncio.shield(built)
-        except BaseException:
-            # NOTE: a build that fails ends the thread; one the caller gave up on (cancelled)
-            # finishes building, finds the stop and never steps.
-            loop._stopped = True
-            loop._calls.put(_Stop)
-            loop._wakeup.set()
-            raise
+        await loop.start(build)
         return loop
 
     async def stop(self) -> None:
