@@ -9,7 +9,9 @@ Life of a byte: read from one socket → queued in that connection's ``Flow`` �
 admitted by the direction's shared scheduler (bandwidth, fair round-robin,
 stall windows; ``link_shaper``) → held for the one-way delay (+ jitter) →
 written to the other socket, in order. Both directions are shaped
-independently with the same config (a symmetric, full-duplex link).
+independently with the same config (a symmetric, full-duplex link). A link
+with nothing to shape (``LinkConfig.shaped`` false) forwards in the kernel
+instead (``link_splice``), counted the same way.
 
 Many routes, one link: ``LinkEmulator(config, routes=[Route(listen, upstream), ...])`` listens on
 each route's address and forwards it to that route's upstream, every connection of every route
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 
 import structlog
 
+from pdd.testbed import link_splice
 from pdd.testbed.link_shaper import Flow, LinkDirection
 
 log = structlog.get_logger(__name__)
@@ -75,6 +78,11 @@ class LinkConfig:
             raise ValueError(f"burst_bytes: must be >= 0, got {self.burst_bytes}")
         if self.max_pending_bytes < 1:
             raise ValueError(f"max_pending_bytes: must be positive, got {self.max_pending_bytes}")
+
+    @property
+    def shaped(self) -> bool:
+        """Whether there is anything to emulate; an unshaped link forwards in the kernel."""
+        return bool(self.mbps or self.delay_ms or self.jitter_ms or self.stall_every_s)
 
     @property
     def bytes_per_s(self) -> float:
@@ -236,9 +244,11 @@ class _RouteState:
         self.listen = _host_port("listen", route.listen)
         self.upstream = _host_port("upstream", route.upstream)
         self.server: asyncio.Server | None = None
+        # An unshaped link's listening socket (``link_splice``) instead of ``server``.
+        self.lsock: socket.socket | None = None
         self.port = 0
         self.connections_total = 0
-        self.connections: set[_Connection] = set()
+        self.connections: set[_Connection | link_splice.SplicedConnection] = set()
         self.up, self.down = _Counter(), _Counter()
 
     @property
@@ -278,7 +288,7 @@ class LinkEmulator:
             raise ValueError("upstream: expected host:port (or at least one route)")
         self.config = config
         self._routes = [_RouteState(r) for r in all_routes]
-        self._connections: set[_Connection] = set()
+        self._connections: set[_Connection | link_splice.SplicedConnection] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self.counter_up, self.counter_down = _Counter(), _Counter()
         cfg, rng = config, random.Random(config.seed)
@@ -321,10 +331,17 @@ class LinkEmulator:
 
     async def start(self) -> str:
         """Start listening on every route; returns the first one's ``host:port``."""
-        for direction in (self.up, self.down):
-            self._spawn(direction.run())
+        shaped = self.config.shaped
+        if shaped:
+            for direction in (self.up, self.down):
+                self._spawn(direction.run())
         try:
             for r in self._routes:
+                if not shaped:
+                    r.lsock = link_splice.listen(*r.listen)
+                    r.port = r.lsock.getsockname()[1]
+                    self._spawn(link_splice.serve(r.lsock, lambda c, r=r: self._splice(r, c)))
+                    continue
                 r.server = await asyncio.start_server(
                     lambda reader, writer, r=r: self._accept(r, reader, writer), *r.listen
                 )
@@ -338,6 +355,7 @@ class LinkEmulator:
             mbps=self.config.mbps,
             delay_ms=self.config.delay_ms,
             jitter_ms=self.config.jitter_ms,
+            forwarding="shaped" if shaped else "splice",
         )
         return self.address
 
@@ -353,6 +371,9 @@ class LinkEmulator:
             if r.server is not None:
                 await r.server.wait_closed()
                 r.server = None
+            if r.lsock is not None:
+                r.lsock.close()
+                r.lsock = None
 
     async def __aenter__(self) -> LinkEmulator:
         await self.start()
@@ -397,26 +418,55 @@ class LinkEmulator:
     async def _accept(
         self, route: _RouteState, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
+        """A shaped link's connection: its bytes through the link's two ``LinkDirection`` s."""
         route.connections_total += 1
         try:
             upstream = await asyncio.open_connection(*route.upstream)
         except OSError as e:
-            log.warning(
-                "link_emulator_upstream_unreachable", upstream=route.route.upstream, error=str(e)
-            )
+            _unreachable(route, e)
             writer.transport.abort()
             return
         for w in (writer, upstream[1]):
             sock = w.get_extra_info("socket")
             if sock is not None:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        conn = _Connection(self, route, (reader, writer), upstream)
+        await self._hold(route, _Connection(self, route, (reader, writer), upstream))
+
+    async def _splice(self, route: _RouteState, client: socket.socket) -> None:
+        """An unshaped link's connection: forwarded by ``splice(2)`` (``link_splice``)."""
+        route.connections_total += 1
+        try:
+            upstream = await link_splice.connect(*route.upstream)
+        except OSError as e:
+            _unreachable(route, e)
+            client.close()
+            return
+        for sock in (client, upstream):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn = link_splice.SplicedConnection(
+            client,
+            upstream,
+            lambda n: (self.counter_up.add(n), route.up.add(n)),
+            lambda n: (self.counter_down.add(n), route.down.add(n)),
+        )
+        await self._hold(route, conn)
+
+    async def _hold(
+        self, route: _RouteState, conn: _Connection | link_splice.SplicedConnection
+    ) -> None:
+        """Run ``conn`` to its end, known meanwhile to ``reset_connections`` and the counts."""
         self._connections.add(conn)
         route.connections.add(conn)
         try:
             await conn.run()
         except asyncio.CancelledError:
-            pass
+            pass  # NOTE: a connection cancelled has aborted itself
         finally:
             self._connections.discard(conn)
             route.connections.discard(conn)
+
+
+def _unreachable(route: _RouteState, error: OSError) -> None:
+    log.warning(
+        "link_emulator_upstream_unreachable", upstream=route.route.upstream, error=str(error)
+    )

@@ -1,5 +1,8 @@
 """The WAN emulator on loopback: pass-through, bandwidth, delay, fairness, jitter, stalls, resets.
 
+An unshaped link (``LinkConfig()``) forwards by ``splice(2)`` (``link_splice``), a shaped one
+through Python; the pass-through and reset tests run on both.
+
 Bounds are generous (two busy cores); each test moves at most a few MB.
 """
 
@@ -64,14 +67,72 @@ async def _send(address: str, payload: bytes) -> tuple[bytes, float]:
     return echo, time.monotonic() - start
 
 
-async def test_unlimited_zero_delay_link_passes_bytes_through(sink):
+# NOTE: an unshaped link (spliced) and one shaped only by a bandwidth it never reaches (Python).
+BOTH_PATHS = pytest.mark.parametrize(
+    "config", [LinkConfig(), LinkConfig(mbps=1e6)], ids=["spliced", "shaped"]
+)
+
+
+@BOTH_PATHS
+async def test_a_link_passes_bytes_through_both_ways(sink, config):
     s, upstream = sink
     payload = os.urandom(3 << 20)
-    async with LinkEmulator(LinkConfig(), upstream) as em:
+    async with LinkEmulator(config, upstream) as em:
         echo, _ = await _send(em.address, payload)
+        # NOTE: counted as they leave: the last bytes may land a moment after the reader's EOF
+        await asyncio.sleep(0.05)
+        stats, per_route = em.stats(), em.route_stats()[upstream]
     assert s.received[0] == payload and echo == payload[: 1 << 20]
-    stats = em.stats()
     assert (stats.bytes_up, stats.bytes_down, stats.connections_total) == (3 << 20, 1 << 20, 1)
+    assert (per_route.bytes_up, per_route.bytes_down) == (3 << 20, 1 << 20)
+    assert stats.connections_active == 0
+
+
+def test_only_a_link_with_something_to_emulate_is_shaped():
+    assert not LinkConfig().shaped
+    for kwargs in ({"mbps": 1}, {"delay_ms": 1}, {"jitter_ms": 1}, {"stall_every_s": 1}):
+        assert LinkConfig(**kwargs).shaped, kwargs
+
+
+async def test_an_unshaped_link_keeps_many_connections_apart(sink):
+    s, upstream = sink
+    payloads = [os.urandom(200_000 + i) for i in range(8)]
+    async with LinkEmulator(LinkConfig(), upstream) as em:
+        echoes = await asyncio.gather(*(_send(em.address, p) for p in payloads))
+    assert sorted(s.received.values()) == sorted(payloads)
+    assert [e for e, _ in echoes] == payloads  # each got its own bytes back
+
+
+async def test_an_unshaped_link_to_a_closed_port_closes_the_client():
+    async with LinkEmulator(LinkConfig(), f"127.0.0.1:{_closed_port()}") as em:
+        reader, writer = await _connect(em.address)
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+        writer.close()
+        assert em.stats().connections_total == 1
+
+
+async def test_stop_drops_what_an_unshaped_link_holds(sink):
+    _, upstream = sink
+    em = LinkEmulator(LinkConfig(), upstream)
+    await em.start()
+    reader, writer = await _connect(em.address)
+    writer.write(b"p")
+    await writer.drain()
+    assert await reader.readexactly(1) == b"p"
+    await em.stop()
+    with pytest.raises((ConnectionError, asyncio.IncompleteReadError)):
+        await asyncio.wait_for(reader.readexactly(1), 5)
+    writer.close()
+    with pytest.raises(OSError):
+        await _connect(em.address)  # NOTE: nothing listens there any more
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 async def test_bandwidth_is_shaped_to_the_configured_rate(sink):
@@ -126,9 +187,12 @@ async def test_stall_windows_stop_the_link(sink):
     assert elapsed >= 0.16, elapsed
 
 
-async def test_reset_drops_open_connections(sink):
+@pytest.mark.parametrize(
+    "config", [LinkConfig(), LinkConfig(delay_ms=1)], ids=["spliced", "shaped"]
+)
+async def test_reset_drops_open_connections(sink, config):
     _, upstream = sink
-    async with LinkEmulator(LinkConfig(delay_ms=1), upstream) as em:
+    async with LinkEmulator(config, upstream) as em:
         reader, writer = await _connect(em.address)
         writer.write(b"p")
         await writer.drain()
@@ -137,6 +201,8 @@ async def test_reset_drops_open_connections(sink):
         with pytest.raises((ConnectionError, asyncio.IncompleteReadError)):
             await reader.readexactly(1)
         writer.close()
+        await asyncio.sleep(0.05)
+        assert em.stats().connections_active == 0
 
 
 @pytest.mark.parametrize(
