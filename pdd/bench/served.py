@@ -71,7 +71,7 @@ from pdd.bench.served_contenders import (
     Contenders,
     random_model,
 )
-from pdd.bench.served_overhead import overhead_table
+from pdd.bench.served_overhead import emulator_table, overhead_table
 
 DEFAULT_CONTENDERS = (*STACK_CONTENDERS, "engine", "vllm")
 # NOTE: the stack on vLLM is chosen by name only: three more vLLM starts (minutes each on 2 cores).
@@ -458,6 +458,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(line)
     for extra in (
         overhead_table(report["results"]),
+        emulator_table(report["results"]),
         budget_table(report["results"], cfg.output_len),
     ):
         if extra:

@@ -12,7 +12,13 @@ import pytest
 from pdd.bench import served, served_vllm
 from pdd.bench.served import ServedConfig, summarize
 from pdd.bench.served_contenders import Route, route
-from pdd.bench.served_overhead import heaviest, overhead, overhead_table
+from pdd.bench.served_overhead import (
+    emulator_share,
+    emulator_table,
+    heaviest,
+    overhead,
+    overhead_table,
+)
 from pdd.bench.served_vllm import VllmStack, VllmStackConfig
 
 
@@ -126,6 +132,23 @@ def test_overhead_is_each_figure_over_vllm_serve():
     assert row[6:8] == ["vllm", "16/16"] and row[8].startswith("main_decode-0=")
     assert not any(line.split()[1:2] == ["vllm"] for line in lines[2:])  # not over itself
     assert overhead_table({16: {"stack-vllm": stack}}) == []  # no vLLM in the run: no table
+
+
+def test_the_emulators_part_of_the_stacks_cpu_is_said():
+    per = {"main_decode-0": 1.2, "prefill-0": 0.5, "wan-0": 0.1, "wan-east": 0.1, "gateway": 0.1}
+    stack = {"cpu_ms_per_token": per, "cpu_ms_per_token_total": 2.0}
+    engine = {"cpu_ms_per_token": {"engine": 1.5}, "cpu_ms_per_token_total": 1.5}
+    share = emulator_share(stack, engine)
+    assert share is not None
+    assert share["ms_per_token"] == pytest.approx(0.2)  # every link's process counts
+    assert share["of_stack"] == pytest.approx(0.1)
+    assert share["of_gap_to_engine"] == pytest.approx(0.4)  # 0.2 of the 0.5 beyond the engine
+    assert emulator_share(stack, None)["of_gap_to_engine"] is None  # type: ignore[index]
+    assert emulator_share(engine, engine) is None  # no emulator: no line
+    lines = emulator_table({16: {"grpc-p-md": stack, "engine": engine, "vllm": {}}})
+    assert lines[0].startswith("the WAN emulator") and len(lines) == 3
+    assert lines[2].split() == ["16", "grpc-p-md", "0.200", "10.0%", "40.0%"]
+    assert emulator_table({16: {"engine": engine}}) == []
 
 
 def test_vllm_serve_flags_reach_its_command_line(tmp_path):
