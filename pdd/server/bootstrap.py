@@ -6,7 +6,8 @@ reflection are added → the domain's ``start()`` runs (connect Redis, load the
 model, ...) → the server starts (TLS as ``config.tls`` says) → ``serving(port)``
 runs (register with kvstore) → health turns SERVING and one line ``PDD_LISTENING <service>
 <host:port>`` is printed on stdout (launchers parse it when port 0 was asked),
-after what is alive was frozen out of garbage collection (``gc_pauses``)
+after what is alive was frozen out of garbage collection (``gc_pauses``; before all of it,
+malloc was told to keep freed transfer buffers: ``heap``)
 → SIGTERM/SIGINT: health turns NOT_SERVING, ``draining()`` runs, in-flight calls get ``grace_s``
 to finish, the domain's ``stop()`` runs, the process exits 0.
 """
@@ -25,7 +26,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pdd.server import tls
+from pdd.server import heap, tls
 from pdd.server.authorization import AuthorizationInterceptor
 from pdd.server.config import ServerConfig
 from pdd.server.interceptors import ContextInterceptor
@@ -184,6 +185,7 @@ def run(config: ServerConfig, spec: ServiceSpec) -> None:
     """Blocking entry point for ``services/<name>/__main__.py``."""
     # NOTE: `kill -USR1 <pid>` dumps every thread's stack to stderr (diagnosing a stuck service).
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    heap.tune()
     try:
         asyncio.run(serve(config, spec))
     except KeyboardInterrupt:
