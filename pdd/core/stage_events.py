@@ -29,6 +29,8 @@ class PrefillJob:
     # gateway opens prefill beside MainDecode's call and binds it once MainDecode accepts.
     main_decode_cached_tokens: int | None
     relay: InstanceRef | None = None
+    # Requests the gateway was still routing behind this one (``EngineLoop.expect``).
+    burst_following: int = 0
 
     @property
     def main_decode_cluster(self) -> str:
@@ -76,6 +78,8 @@ class DecodeJob:
     cache_salt: str
     pipeline: Pipeline
     resume_token_ids: tuple[int, ...] = ()
+    # Requests the gateway was still routing behind this one (``EngineLoop.expect``).
+    burst_following: int = 0
 
     def __post_init__(self) -> None:
         if self.resume_token_ids and self.pipeline is Pipeline.P_MD:

@@ -10,7 +10,10 @@ An idle engine that gets work may wait a moment for more before its first step (
 prefill's default): a burst's requests reach it a few ms apart, and a first step over only the
 first of them made the rest wait that whole step — and in a one-host stack, MainDecode then
 decoded that one request alone on the cores the rest's prefill needed (measured: 16 requests at
-once, prefill's steps 1 + 15 requests, 40 + 632 ms, against 335 ms for all 16 in one).
+once, prefill's steps 1 + 15 requests, 40 + 632 ms, against 335 ms for all 16 in one). A request
+may also say how many more its gateway is still routing behind it (``expect``): then the gather
+waits for those past a gap too, within ``max_s`` — the gateway's routing of a burst (kvstore's
+answers) can stall for longer than a gap while the first requests are already here.
 
 NOTE: the engine never waits for the event loop between steps: the loop's work of a step
 (routing outputs, one gRPC write per stream) overlaps the next step instead of following it.
@@ -78,6 +81,8 @@ class EngineLoop:
         self._watch_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self.steps = 0
+        # (requests still to come, time.perf_counter() when told): the last arrival's hint.
+        self._following: tuple[int, float] = (0, 0.0)
         # Smoothed time between back-to-back steps: what a decoding request waits per token here.
         self.step_interval_s = 0.0
 
@@ -170,6 +175,12 @@ class EngineLoop:
     def wake(self) -> None:
         self._wakeup.set()
 
+    def expect(self, following: int) -> None:
+        """An arriving request's hint: ``following`` more are being routed right behind it. An
+        idle engine's burst gather (``Coalesce``) then waits for them past a gap, within its
+        ``max_s``; the latest hint wins, and one older than ``max_s`` counts for nothing."""
+        self._following = (max(0, following), time.perf_counter())
+
     # --- the engine thread ---------------------------------------------------------------------
 
     def _work(self) -> None:
@@ -223,7 +234,10 @@ class EngineLoop:
             # NOTE: clear, then check the queue: a call that landed in between sets it again.
             self._wakeup.clear()
             if self._calls.empty() and not self._wakeup.wait(min(coalesce.gap_s, left)):
-                return True  # the burst is over
+                following, told = self._following
+                if following <= 0 or time.perf_counter() - told > coalesce.max_s:
+                    return True  # the burst is over
+                continue  # NOTE: more are on their way: wait for them (within max_s)
             if not self._run_calls():
                 return False
         return True

@@ -195,6 +195,11 @@ class Gateway(Recovery):
         self.peers = peers
         # The last known instances: routing goes on from them while the index is down.
         self.view = InstanceView(peers.kvstore)
+        # Requests between admission and their stage calls (routing: kvstore's answer). Each call
+        # opened tells its stage how many others are still on their way (``burst_following``),
+        # so an idle engine waits for a burst whose routing stalls (kvstore answers a burst of 16
+        # over 2-50 ms) instead of prefilling its first few alone and the rest one step later.
+        self.routing_now = 0
 
     async def close(self) -> None:
         await self.view.close()
@@ -287,27 +292,23 @@ class Gateway(Recovery):
         if not sampling.greedy and sampling.seed is None:
             # NOTE: every engine must draw from the same seed, or a handoff changes the sample.
             sampling = replace(sampling, seed=self.rng.getrandbits(63))
-        plan = await self.choose_route(job)
-        self.ledger.hold(job.request_id, plan, len(job.prompt_token_ids), self.kv_bytes_per_token)
-        run = Run(job, sampling, plan, stats_for(job, plan), t0)
-        tracker.routed(plan.pipeline.value, len(job.prompt_token_ids))
-        if plan.reason is RouteReason.RELAY_FULL:
-            RELAY_FULL.inc()
-        est = plan.estimated_transfer_s
-        log.info(
-            "routed",
-            pipeline=plan.pipeline.value,
-            reason=plan.reason.value,
-            predicted_hit=round(plan.predicted_hit_rate, 4),
-            estimated_transfer_ms=None if est is None else round(est * 1000, 2),
-            budget_ms=None if plan.budget_s is None else round(plan.budget_s * 1000, 2),
-            prefill=run.stats.prefill_instance,
-            relay=run.stats.relay_instance,
-            main_decode=run.stats.main_decode_instance,
-            main_decode_cluster=plan.main_decode.ref.cluster,
-        )
+        # NOTE: counted until the stage calls are open (``_following``); exactly once on every way.
+        self.routing_now += 1
         try:
-            await self._start(run)
+            plan = await self.choose_route(job)
+            self.ledger.hold(
+                job.request_id, plan, len(job.prompt_token_ids), self.kv_bytes_per_token
+            )
+        except BaseException:
+            self.routing_now -= 1
+            raise
+        run = Run(job, sampling, plan, stats_for(job, plan), t0)  # NOTE: raises nothing
+        try:
+            try:
+                self._routed(run, tracker)
+                await self._start(run)
+            finally:
+                self.routing_now -= 1
             async for event in self._merged(run):
                 yield event
         finally:
@@ -388,6 +389,7 @@ class Gateway(Recovery):
                 job.cache_salt,
                 pipeline,
                 resume_token_ids=resume,
+                burst_following=self._following(),
             )
         )
         run.calls.append(stream)
@@ -424,11 +426,36 @@ class Gateway(Recovery):
                 plan.main_decode.ref,
                 None if run.md_unanswered else run.stats.md_cached_tokens,
                 plan.relay.ref if plan.relay else None,
+                burst_following=self._following(),
             )
         )
         run.calls.append(stream)
         run.prefill_target = plan.main_decode.ref.instance_id
         return stream
+
+    def _routed(self, run: Run, tracker: RequestTracker) -> None:
+        """Count and log the route chosen."""
+        plan = run.plan
+        tracker.routed(plan.pipeline.value, len(run.job.prompt_token_ids))
+        if plan.reason is RouteReason.RELAY_FULL:
+            RELAY_FULL.inc()
+        est = plan.estimated_transfer_s
+        log.info(
+            "routed",
+            pipeline=plan.pipeline.value,
+            reason=plan.reason.value,
+            predicted_hit=round(plan.predicted_hit_rate, 4),
+            estimated_transfer_ms=None if est is None else round(est * 1000, 2),
+            budget_ms=None if plan.budget_s is None else round(plan.budget_s * 1000, 2),
+            prefill=run.stats.prefill_instance,
+            relay=run.stats.relay_instance,
+            main_decode=run.stats.main_decode_instance,
+            main_decode_cluster=plan.main_decode.ref.cluster,
+        )
+
+    def _following(self) -> int:
+        """Requests still being routed behind the one whose call opens now (a stage's hint)."""
+        return max(0, self.routing_now - 1)
 
     def _read(self, run: Run, streams: list[tuple[Stage, EventStream]]) -> None:
         """Read ``streams`` into a fresh queue (what older readers left on theirs is dropped)."""

@@ -177,6 +177,8 @@ class MainDecode:
                 self.engine.resume(rid)
             return cached
 
+        if local:
+            self.runner.expect(job.burst_following)
         cached = await self.runner.call(admit)
         state.outputs.update(enumerate(resume))
         state.produced = len(resume) - 1

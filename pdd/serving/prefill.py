@@ -424,6 +424,7 @@ class Prefill:
             )
             return self.engine.num_cached_tokens(rid)
 
+        self.runner.expect(job.burst_following)
         cached = await self.runner.call(admit)
         metrics.PREFIX_QUERIES.labels("prefill").inc(len(job.prompt_token_ids))
         metrics.PREFIX_HITS.labels("prefill").inc(cached)

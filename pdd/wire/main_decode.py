@@ -44,6 +44,7 @@ def job_to_pb(job: DecodeJob) -> pb.DecodeRequest:
         cache_salt=job.cache_salt,
         pipeline=pipeline_to_pb(job.pipeline),
         resume_token_ids=list(job.resume_token_ids),
+        burst_following=job.burst_following,
     )
 
 
@@ -63,6 +64,7 @@ def job_from_pb(msg: pb.DecodeRequest, vocab: int) -> DecodeJob:
         msg.cache_salt,
         pipeline_required(msg.pipeline),
         tuple(msg.resume_token_ids),
+        msg.burst_following,
     )
 
 

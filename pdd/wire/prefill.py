@@ -33,6 +33,7 @@ def job_to_pb(job: PrefillJob) -> pb.PrefillRequest:
         main_decode=instance_ref_to_pb(job.main_decode),
         main_decode_cached_tokens=job.main_decode_cached_tokens or 0,
         main_decode_cached_tokens_later=job.main_decode_cached_tokens is None,
+        burst_following=job.burst_following,
     )
 
 
@@ -55,6 +56,7 @@ def job_from_pb(msg: pb.PrefillRequest, vocab: int) -> PrefillJob:
         instance_ref_from_pb(msg.main_decode, "main_decode"),
         None if msg.main_decode_cached_tokens_later else msg.main_decode_cached_tokens,
         relay,
+        msg.burst_following,
     )
 
 

@@ -22,7 +22,15 @@ RELAY = InstanceRef("relay-0", "relay:1", Role.RELAY)
 def test_a_prefill_job_round_trips(cached, pipeline):
     relay = RELAY if pipeline is Pipeline.P_RLD_MD else None
     job = PrefillJob(
-        "r", (1, 2, 3, 4, 5, 6), SamplingParams(max_tokens=4), "s", pipeline, MD, cached, relay
+        "r",
+        (1, 2, 3, 4, 5, 6),
+        SamplingParams(max_tokens=4),
+        "s",
+        pipeline,
+        MD,
+        cached,
+        relay,
+        burst_following=3,
     )
     msg = conv.job_to_pb(job)
     assert msg.main_decode_cached_tokens_later is (cached is None)

@@ -126,6 +126,70 @@ async def test_an_idle_engine_gathers_a_burst_into_its_first_step():
     assert len(engine.batches) == 3  # all five together, three steps
 
 
+async def _hinted_burst(hints: list[int], spacing_s: float, coalesce: Coalesce) -> SlowEngine:
+    """Requests spaced wider than the gap, each saying how many follow it (``expect``)."""
+    engine = SlowEngine(0.2)
+    runner = EngineLoop(engine, coalesce)
+    await runner.start()
+    try:
+        queues = []
+        for i, following in enumerate(hints):
+            queues.append(runner.open(f"r{i}"))
+            runner.expect(following)
+            runner.submit(engine.add, f"r{i}", 3)
+            await asyncio.sleep(spacing_s)
+        for q in queues:
+            await _drain(q)
+    finally:
+        await runner.stop()
+    return engine
+
+
+async def test_a_burst_whose_routing_stalls_is_still_gathered_when_told_so():
+    """Arrivals 0.5 s apart against a 0.2 s gap: without hints each steps alone; with each
+    request saying how many more follow, the first step waits for all of them."""
+    gather = Coalesce(max_s=3.0, gap_s=0.2)
+    apart = await _hinted_burst([0, 0, 0], 0.5, gather)
+    assert apart.batches[0] == ["r0"]
+    told = await _hinted_burst([2, 1, 0], 0.5, gather)
+    assert told.batches[0] == ["r0", "r1", "r2"]
+
+
+async def test_a_hint_never_holds_the_first_step_past_max_s():
+    """Followers promised but never sent: the step waits ``max_s``, not for ever."""
+    engine = SlowEngine(0.05)
+    runner = EngineLoop(engine, Coalesce(max_s=0.6, gap_s=0.1))
+    await runner.start()
+    try:
+        q = runner.open("a")
+        started = time.perf_counter()
+        runner.expect(5)
+        runner.submit(engine.add, "a", 1)
+        await _drain(q)
+        waited = time.perf_counter() - started
+        assert 0.5 <= waited < 3.0, waited  # NOTE: the bound, with a wide margin above it
+    finally:
+        await runner.stop()
+
+
+async def test_a_hint_older_than_max_s_counts_for_nothing():
+    """A hint left from an earlier burst (its followers went elsewhere) does not hold a later
+    lone request: it waits one gap, not ``max_s``."""
+    engine = SlowEngine(0.05)
+    runner = EngineLoop(engine, Coalesce(max_s=1.5, gap_s=0.1))
+    await runner.start()
+    try:
+        runner.expect(5)
+        await asyncio.sleep(2.0)  # older than max_s when the next request comes
+        q = runner.open("a")
+        started = time.perf_counter()
+        runner.submit(engine.add, "a", 1)
+        await _drain(q)
+        assert time.perf_counter() - started < 1.0  # NOTE: ~0.15 s; 1.5 s had the hint counted
+    finally:
+        await runner.stop()
+
+
 async def test_without_gathering_the_first_request_steps_alone():
     """The same burst, no ``Coalesce``: the first step holds only the first arrival."""
     engine = await _burst(None, count=5, spacing_s=0.05)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+from dataclasses import replace
 
 import pytest
 from prometheus_client import REGISTRY
@@ -315,6 +316,34 @@ async def test_p_md_merges_prefills_first_token_with_main_decodes_tokens():
     # a sampled request without a seed: the gateway picks one, the same for every stage
     assert md.sampling.seed is not None and p.sampling.seed == md.sampling.seed
     assert "relay" not in peers.jobs and not peers.handoff.batches
+
+
+async def test_each_stage_call_says_how_many_requests_are_still_routing_behind_it():
+    """``burst_following``: the requests between admission and their stage calls besides this
+    one (two more here, held in routing), counted out exactly once when the calls are open."""
+    peers = FakePeers(
+        md=[Accepted(3), Tokens(1, (21,)), Finished("length", 2, 1)],
+        prefill=[first_token(), TRANSFER],
+    )
+    gateway = Gateway("127.0.0.1:7000", rng=random.Random(7), peers=peers)
+    gateway.routing_now = 2  # two other requests waiting for kvstore's answer
+    request = replace(job(Pipeline.P_MD), sampling=SamplingParams(max_tokens=2))
+    events = [ev async for ev in gateway.generate(request)]
+    assert isinstance(events[-1], FinalEvent)
+    assert peers.jobs["main_decode"].burst_following == 2
+    assert peers.jobs["prefill"].burst_following == 2
+    assert gateway.routing_now == 2  # this request's own count is gone, once
+
+    class Down(FakeKvstore):
+        async def predict(self, prompt, salt: str = "", *, block_sizes=()) -> list[Hit]:
+            raise RuntimeError("kvstore fell over mid-answer")
+
+    peers.kv = Down(peers.kv.hits)
+    with pytest.raises(RuntimeError):
+        async for _ in gateway.generate(request):
+            pass
+    assert gateway.routing_now == 2  # a request that never routed is counted out too
+    await gateway.close()
 
 
 @pytest.mark.parametrize("first_token_last", [False, True], ids=["streamed", "buffered"])

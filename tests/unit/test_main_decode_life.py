@@ -281,6 +281,8 @@ def test_a_resume_is_validated_where_the_job_is_made():
 
     job = DecodeJob("r", tuple(PROMPT), _greedy(4), SALT, Pipeline.MD, (5, 6))
     assert conv.job_from_pb(conv.job_to_pb(job), vocab=256) == job
+    hinted = DecodeJob("r", tuple(PROMPT), _greedy(4), SALT, Pipeline.MD, burst_following=7)
+    assert conv.job_from_pb(conv.job_to_pb(hinted), vocab=256) == hinted
     with pytest.raises(InvalidArgumentError, match=r"resume_token_ids\[1\]: token id 300"):
         conv.job_from_pb(
             conv.job_to_pb(DecodeJob("r", (1,), _greedy(4), "", Pipeline.MD, (5, 300))), 256

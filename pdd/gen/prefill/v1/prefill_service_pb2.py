@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdd.gen.common.v1 import common_pb2 as pdd_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$pdd/prefill/v1/prefill_service.proto\x12\x0epdd.prefill.v1\x1a\x1apdd/common/v1/common.proto\"\xd6\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.pdd.common.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12)\n\x08pipeline\x18\x05 \x01(\x0e\x32\x17.pdd.common.v1.Pipeline\x12)\n\x05relay\x18\x06 \x01(\x0b\x32\x1a.pdd.common.v1.InstanceRef\x12/\n\x0bmain_decode\x18\x07 \x01(\x0b\x32\x1a.pdd.common.v1.InstanceRef\x12!\n\x19main_decode_cached_tokens\x18\x08 \x01(\r\x12\'\n\x1fmain_decode_cached_tokens_later\x18\t \x01(\x08\"N\n\x15\x42indMainDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12!\n\x19main_decode_cached_tokens\x18\x02 \x01(\r\"\x18\n\x16\x42indMainDecodeResponse\"\x84\x01\n\x0fPrefillResponse\x12\x31\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x1a.pdd.prefill.v1.FirstTokenH\x00\x12\x35\n\rtransfer_done\x18\x02 \x01(\x0b\x32\x1c.pdd.prefill.v1.TransferDoneH\x00\x42\x07\n\x05\x65vent\"\xc4\x01\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x12\n\nprefill_ms\x18\x04 \x01(\x01\x12,\n\x07logprob\x18\x05 \x01(\x0b\x32\x1b.pdd.common.v1.TokenLogprob\x12\x34\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x1b.pdd.common.v1.TokenLogprob\"\x99\x01\n\x0cTransferDone\x12\x16\n\x0erelay_kv_bytes\x18\x01 \x01(\x04\x12\x14\n\x0cwan_kv_bytes\x18\x02 \x01(\x04\x12\x19\n\x11relay_transfer_ms\x18\x03 \x01(\x01\x12\x17\n\x0fwan_transfer_ms\x18\x04 \x01(\x01\x12\x14\n\x0cwan_queue_ms\x18\x05 \x01(\x01\x12\x11\n\tfast_link\x18\x06 \x01(\t\"Q\n\x14\x44\x65scribeCacheRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x12\n\ncache_salt\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"\x94\x01\n\x15\x44\x65scribeCacheResponse\x12\x1c\n\x14\x63\x61\x63hed_prefix_tokens\x18\x01 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x02 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x03 \x01(\r\x12\x18\n\x10request_holds_kv\x18\x04 \x01(\x08\x12\x12\n\nblock_size\x18\x05 \x01(\r2\x9d\x02\n\x0ePrefillService\x12L\n\x07Prefill\x12\x1e.pdd.prefill.v1.PrefillRequest\x1a\x1f.pdd.prefill.v1.PrefillResponse0\x01\x12_\n\x0e\x42indMainDecode\x12%.pdd.prefill.v1.BindMainDecodeRequest\x1a&.pdd.prefill.v1.BindMainDecodeResponse\x12\\\n\rDescribeCache\x12$.pdd.prefill.v1.DescribeCacheRequest\x1a%.pdd.prefill.v1.DescribeCacheResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$pdd/prefill/v1/prefill_service.proto\x12\x0epdd.prefill.v1\x1a\x1apdd/common/v1/common.proto\"\xef\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.pdd.common.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12)\n\x08pipeline\x18\x05 \x01(\x0e\x32\x17.pdd.common.v1.Pipeline\x12)\n\x05relay\x18\x06 \x01(\x0b\x32\x1a.pdd.common.v1.InstanceRef\x12/\n\x0bmain_decode\x18\x07 \x01(\x0b\x32\x1a.pdd.common.v1.InstanceRef\x12!\n\x19main_decode_cached_tokens\x18\x08 \x01(\r\x12\'\n\x1fmain_decode_cached_tokens_later\x18\t \x01(\x08\x12\x17\n\x0f\x62urst_following\x18\n \x01(\r\"N\n\x15\x42indMainDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12!\n\x19main_decode_cached_tokens\x18\x02 \x01(\r\"\x18\n\x16\x42indMainDecodeResponse\"\x84\x01\n\x0fPrefillResponse\x12\x31\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x1a.pdd.prefill.v1.FirstTokenH\x00\x12\x35\n\rtransfer_done\x18\x02 \x01(\x0b\x32\x1c.pdd.prefill.v1.TransferDoneH\x00\x42\x07\n\x05\x65vent\"\xc4\x01\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x12\n\nprefill_ms\x18\x04 \x01(\x01\x12,\n\x07logprob\x18\x05 \x01(\x0b\x32\x1b.pdd.common.v1.TokenLogprob\x12\x34\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x1b.pdd.common.v1.TokenLogprob\"\x99\x01\n\x0cTransferDone\x12\x16\n\x0erelay_kv_bytes\x18\x01 \x01(\x04\x12\x14\n\x0cwan_kv_bytes\x18\x02 \x01(\x04\x12\x19\n\x11relay_transfer_ms\x18\x03 \x01(\x01\x12\x17\n\x0fwan_transfer_ms\x18\x04 \x01(\x01\x12\x14\n\x0cwan_queue_ms\x18\x05 \x01(\x01\x12\x11\n\tfast_link\x18\x06 \x01(\t\"Q\n\x14\x44\x65scribeCacheRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x12\n\ncache_salt\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"\x94\x01\n\x15\x44\x65scribeCacheResponse\x12\x1c\n\x14\x63\x61\x63hed_prefix_tokens\x18\x01 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x02 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x03 \x01(\r\x12\x18\n\x10request_holds_kv\x18\x04 \x01(\x08\x12\x12\n\nblock_size\x18\x05 \x01(\r2\x9d\x02\n\x0ePrefillService\x12L\n\x07Prefill\x12\x1e.pdd.prefill.v1.PrefillRequest\x1a\x1f.pdd.prefill.v1.PrefillResponse0\x01\x12_\n\x0e\x42indMainDecode\x12%.pdd.prefill.v1.BindMainDecodeRequest\x1a&.pdd.prefill.v1.BindMainDecodeResponse\x12\\\n\rDescribeCache\x12$.pdd.prefill.v1.DescribeCacheRequest\x1a%.pdd.prefill.v1.DescribeCacheResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,21 +33,21 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdd.prefill.v1.prefill_serv
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PREFILLREQUEST']._serialized_start=85
-  _globals['_PREFILLREQUEST']._serialized_end=427
-  _globals['_BINDMAINDECODEREQUEST']._serialized_start=429
-  _globals['_BINDMAINDECODEREQUEST']._serialized_end=507
-  _globals['_BINDMAINDECODERESPONSE']._serialized_start=509
-  _globals['_BINDMAINDECODERESPONSE']._serialized_end=533
-  _globals['_PREFILLRESPONSE']._serialized_start=536
-  _globals['_PREFILLRESPONSE']._serialized_end=668
-  _globals['_FIRSTTOKEN']._serialized_start=671
-  _globals['_FIRSTTOKEN']._serialized_end=867
-  _globals['_TRANSFERDONE']._serialized_start=870
-  _globals['_TRANSFERDONE']._serialized_end=1023
-  _globals['_DESCRIBECACHEREQUEST']._serialized_start=1025
-  _globals['_DESCRIBECACHEREQUEST']._serialized_end=1106
-  _globals['_DESCRIBECACHERESPONSE']._serialized_start=1109
-  _globals['_DESCRIBECACHERESPONSE']._serialized_end=1257
-  _globals['_PREFILLSERVICE']._serialized_start=1260
-  _globals['_PREFILLSERVICE']._serialized_end=1545
+  _globals['_PREFILLREQUEST']._serialized_end=452
+  _globals['_BINDMAINDECODEREQUEST']._serialized_start=454
+  _globals['_BINDMAINDECODEREQUEST']._serialized_end=532
+  _globals['_BINDMAINDECODERESPONSE']._serialized_start=534
+  _globals['_BINDMAINDECODERESPONSE']._serialized_end=558
+  _globals['_PREFILLRESPONSE']._serialized_start=561
+  _globals['_PREFILLRESPONSE']._serialized_end=693
+  _globals['_FIRSTTOKEN']._serialized_start=696
+  _globals['_FIRSTTOKEN']._serialized_end=892
+  _globals['_TRANSFERDONE']._serialized_start=895
+  _globals['_TRANSFERDONE']._serialized_end=1048
+  _globals['_DESCRIBECACHEREQUEST']._serialized_start=1050
+  _globals['_DESCRIBECACHEREQUEST']._serialized_end=1131
+  _globals['_DESCRIBECACHERESPONSE']._serialized_start=1134
+  _globals['_DESCRIBECACHERESPONSE']._serialized_end=1282
+  _globals['_PREFILLSERVICE']._serialized_start=1285
+  _globals['_PREFILLSERVICE']._serialized_end=1570
 # @@protoc_insertion_point(module_scope)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "pipeline", "relay", "main_decode", "main_decode_cached_tokens", "main_decode_cached_tokens_later")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "pipeline", "relay", "main_decode", "main_decode_cached_tokens", "main_decode_cached_tokens_later", "burst_following")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class PrefillRequest(_message.Message):
     MAIN_DECODE_FIELD_NUMBER: _ClassVar[int]
     MAIN_DECODE_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAIN_DECODE_CACHED_TOKENS_LATER_FIELD_NUMBER: _ClassVar[int]
+    BURST_FOLLOWING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -27,7 +28,8 @@ class PrefillRequest(_message.Message):
     main_decode: _common_pb2.InstanceRef
     main_decode_cached_tokens: int
     main_decode_cached_tokens_later: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., pipeline: _Optional[_Union[_common_pb2.Pipeline, str]] = ..., relay: _Optional[_Union[_common_pb2.InstanceRef, _Mapping]] = ..., main_decode: _Optional[_Union[_common_pb2.InstanceRef, _Mapping]] = ..., main_decode_cached_tokens: _Optional[int] = ..., main_decode_cached_tokens_later: _Optional[bool] = ...) -> None: ...
+    burst_following: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., pipeline: _Optional[_Union[_common_pb2.Pipeline, str]] = ..., relay: _Optional[_Union[_common_pb2.InstanceRef, _Mapping]] = ..., main_decode: _Optional[_Union[_common_pb2.InstanceRef, _Mapping]] = ..., main_decode_cached_tokens: _Optional[int] = ..., main_decode_cached_tokens_later: _Optional[bool] = ..., burst_following: _Optional[int] = ...) -> None: ...
 
 class BindMainDecodeRequest(_message.Message):
     __slots__ = ("request_id", "main_decode_cached_tokens")
