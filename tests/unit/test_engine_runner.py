@@ -102,8 +102,11 @@ async def test_interval_measured_on_a_real_engine():
         await runner.stop()
 
 
-async def _burst(coalesce: Coalesce | None, count: int, spacing_s: float) -> SlowEngine:
-    """``count`` requests of 3 steps each, ``spacing_s`` apart, into an idle loop; run to the end."""
+async def _burst(
+    coalesce: Coalesce | None, count: int, spacing_s: float, hints: list[int] | None = None
+) -> SlowEngine:
+    """``count`` requests of 3 steps each, ``spacing_s`` apart, into an idle loop; run to the end.
+    ``hints``: how many more each request says follow it (``expect``)."""
     engine = SlowEngine(0.2)
     runner = EngineLoop(engine, coalesce)
     await runner.start()
@@ -111,6 +114,8 @@ async def _burst(coalesce: Coalesce | None, count: int, spacing_s: float) -> Slo
         queues = []
         for i in range(count):
             queues.append(runner.open(f"r{i}"))
+            if hints is not None:
+                runner.expect(hints[i])
             runner.submit(engine.add, f"r{i}", 3)
             await asyncio.sleep(spacing_s)
         for q in queues:
@@ -126,32 +131,13 @@ async def test_an_idle_engine_gathers_a_burst_into_its_first_step():
     assert len(engine.batches) == 3  # all five together, three steps
 
 
-async def _hinted_burst(hints: list[int], spacing_s: float, coalesce: Coalesce) -> SlowEngine:
-    """Requests spaced wider than the gap, each saying how many follow it (``expect``)."""
-    engine = SlowEngine(0.2)
-    runner = EngineLoop(engine, coalesce)
-    await runner.start()
-    try:
-        queues = []
-        for i, following in enumerate(hints):
-            queues.append(runner.open(f"r{i}"))
-            runner.expect(following)
-            runner.submit(engine.add, f"r{i}", 3)
-            await asyncio.sleep(spacing_s)
-        for q in queues:
-            await _drain(q)
-    finally:
-        await runner.stop()
-    return engine
-
-
 async def test_a_burst_whose_routing_stalls_is_still_gathered_when_told_so():
     """Arrivals 0.5 s apart against a 0.2 s gap: without hints each steps alone; with each
     request saying how many more follow, the first step waits for all of them."""
     gather = Coalesce(max_s=3.0, gap_s=0.2)
-    apart = await _hinted_burst([0, 0, 0], 0.5, gather)
+    apart = await _burst(gather, 3, 0.5, hints=[0, 0, 0])
     assert apart.batches[0] == ["r0"]
-    told = await _hinted_burst([2, 1, 0], 0.5, gather)
+    told = await _burst(gather, 3, 0.5, hints=[2, 1, 0])
     assert told.batches[0] == ["r0", "r1", "r2"]
 
 
