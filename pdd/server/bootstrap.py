@@ -1,15 +1,14 @@
 """The one gRPC server bootstrap every service runs.
 
-Life of a server: build an asyncio ``grpc.aio`` server with the context
-interceptor → the service registers its servicers → ``grpc.health.v1`` and
-reflection are added → the domain's ``start()`` runs (connect Redis, load the
-model, ...) → the server starts (TLS as ``config.tls`` says) → ``serving(port)``
+Life of a server: ``run`` tells malloc to keep freed transfer buffers for the next one (``heap``) →
+build an asyncio ``grpc.aio`` server with the context interceptor → the service registers its
+servicers → ``grpc.health.v1`` and reflection are added → the domain's ``start()`` runs (connect
+Redis, load the model, ...) → the server starts (TLS as ``config.tls`` says) → ``serving(port)``
 runs (register with kvstore) → health turns SERVING and one line ``PDD_LISTENING <service>
-<host:port>`` is printed on stdout (launchers parse it when port 0 was asked),
-after what is alive was frozen out of garbage collection (``gc_pauses``; before all of it,
-malloc was told to keep freed transfer buffers: ``heap``)
-→ SIGTERM/SIGINT: health turns NOT_SERVING, ``draining()`` runs, in-flight calls get ``grace_s``
-to finish, the domain's ``stop()`` runs, the process exits 0.
+<host:port>`` is printed on stdout (launchers parse it when port 0 was asked), after what is alive
+was frozen out of garbage collection (``gc_pauses``) → SIGTERM/SIGINT: health turns NOT_SERVING,
+``draining()`` runs, in-flight calls get ``grace_s`` to finish, the domain's ``stop()`` runs, the
+process exits 0.
 """
 
 from __future__ import annotations
