@@ -11,8 +11,13 @@ only waits for readiness and counts bytes.
 Life of a connection: the route's listening socket accepts (``serve``) → a socket to the
 upstream is connected → two ``_pump`` s (client → upstream is "up", upstream → client "down")
 run until each side's EOF, which is passed on as a half-close → both sockets close. Any socket
-error, ``abort()`` (``LinkEmulator.reset_connections``) or a cancel closes both at once, with
-RST (``SO_LINGER`` 0), as the shaping path's ``transport.abort()`` leaves both ends broken.
+error, ``abort()`` (``LinkEmulator.reset_connections``) or a cancel ends both pumps and closes
+both sockets with RST (``SO_LINGER`` 0), as the shaping path's ``transport.abort()`` leaves both
+ends broken.
+
+NOTE: a socket closes only once neither pump waits on it: the kernel hands a closed descriptor's
+number to the next socket at once (a reconnect right after a reset), and a pump unhooking its
+readiness wait afterwards would unhook that new socket's instead.
 """
 
 from __future__ import annotations
@@ -24,10 +29,6 @@ import socket
 import struct
 from collections.abc import Awaitable, Callable
 
-import structlog
-
-log = structlog.get_logger(__name__)
-
 # NOTE: a pipe holds 64 KiB by default; 1 MiB (Linux's default pipe-max-size) lets one splice
 # move a whole KV chunk. Where the limit is lower the pipe keeps what it had.
 _PIPE_BYTES = 1 << 20
@@ -38,7 +39,7 @@ _RST = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends a reset
 async def _ready(add: Callable, remove: Callable, fd: int) -> None:
     """Until ``fd`` is readable (``add`` = ``loop.add_reader``) or writable (``add_writer``)."""
     ready = asyncio.get_running_loop().create_future()
-    add(fd, ready.set_result, None)
+    add(fd, lambda: ready.done() or ready.set_result(None))
     try:
         await ready
     finally:
@@ -60,7 +61,7 @@ class SplicedConnection:
         self.client, self.upstream = client, upstream
         self._counts = (count_up, count_down)
         self._tasks: list[asyncio.Task[None]] = []
-        self._closed = False
+        self._reset = False  # close with RST, not FIN
 
     async def run(self) -> None:
         up, down = self._counts
@@ -71,27 +72,27 @@ class SplicedConnection:
         try:
             await asyncio.gather(*self._tasks)
         except OSError:  # NOTE: ConnectionError too: one side broke, so both go
-            self.abort()
+            self._reset = True
         except asyncio.CancelledError:
-            self.abort()
+            self._reset = True
             raise
         finally:
             for t in self._tasks:
                 t.cancel()
-            self._close(reset=False)
+            try:
+                await asyncio.wait(self._tasks)  # NOTE: the module's NOTE: pumps first, then close
+            finally:
+                self._close()
 
     def abort(self) -> None:
-        """Drop the connection: both ends see a reset."""
+        """Drop the connection: both ends see a reset (once the pumps have stopped)."""
+        self._reset = True
         for t in self._tasks:
             t.cancel()
-        self._close(reset=True)
 
-    def _close(self, *, reset: bool) -> None:
-        if self._closed:
-            return
-        self._closed = True
+    def _close(self) -> None:
         for s in (self.client, self.upstream):
-            if reset:
+            if self._reset:
                 try:
                     s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RST)
                 except OSError:
@@ -151,7 +152,7 @@ async def connect(host: str, port: int) -> socket.socket:
 
 def listen(host: str, port: int) -> socket.socket:
     """A non-blocking listening socket on ``host:port`` (port 0: a free one)."""
-    sock = socket.create_server((host, port), backlog=128, reuse_port=False)
+    sock = socket.create_server((host, port), backlog=128)
     sock.setblocking(False)
     return sock
 
