@@ -83,6 +83,14 @@ def _add_stack_flags(p: argparse.ArgumentParser) -> None:
         metavar="FLAG",
         help="extra flag for every engine service, e.g. --engine-flag=--block-size=8",
     )
+    p.add_argument(
+        "--frontend-cpus",
+        type=int,
+        default=StackConfig.frontend_cpus,
+        metavar="N",
+        help="keep the last N CPUs for the gateway, kvstore, Redis, the WAN emulators and the "
+        "services' event loops, the engines' steps on the rest (0 = no placement)",
+    )
 
 
 def _cluster(text: str) -> ClusterSpec:
@@ -131,6 +139,7 @@ def _stack_config(args: argparse.Namespace, **over) -> StackConfig:
         wan=LinkSettings(args.wan_mbps, args.wan_delay_ms, args.wan_jitter_ms),
         engine_flags=("--engine", getattr(args, "engine", "pdd"), *args.engine_flag),
         log_dir=args.log_dir,
+        frontend_cpus=getattr(args, "frontend_cpus", 0),
         **over,
     )
 

@@ -10,6 +10,7 @@ import argparse
 
 from pdd.core.instance import InstanceRef, Role
 from pdd.engine.config import EngineConfig
+from pdd.server.cpus import parse_cpus
 from pdd.server.settings import MB, Flag, Settings
 from pdd.serving.admission import AdmissionConfig
 from pdd.serving.engine_instance import InstanceConfig
@@ -31,7 +32,13 @@ INSTANCE = Settings(
     Flag("kvstore_address", "host:port of kvstore", name="kvstore"),
     Flag("model", "smollm2 | PATH (.gguf or HF dir) | tiny:SEED[,k=v]"),
     Flag("lease_ttl_ms", "kvstore forgets an instance silent this long"),
-    Flag("threads", "torch intra-op threads, 0 = torch's default"),
+    Flag("threads", "torch intra-op threads, 0 = torch's default (one per --engine-cpus CPU)"),
+    Flag(
+        "engine_cpus",
+        'CPUs of the engine thread and its OpenMP team, e.g. 0-5 ("" = any); the service\'s '
+        "other threads stay on --cpus",
+        parse=parse_cpus,
+    ),
     Flag(
         "engine_kind", "the engine: pdd (ours) | vllm (needs pip install pdd[vllm])", name="engine"
     ),

@@ -18,6 +18,10 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Mapping
 
+from pdd.server.cpus import pin
+
+__all__ = ["pin", "pin_processes", "split_cpus", "allowed_cpus", "cluster_of"]
+
 MAIN, REMOTE = "main", "remote"
 # Process-name prefixes (``pdd.testbed.stack`` names: main_decode-0, wan-0) of the remote cluster.
 REMOTE_PREFIXES = ("main_decode", "wan-")
@@ -38,21 +42,6 @@ def split_cpus(cpus: Iterable[int]) -> dict[str, set[int]] | None:
 
 def allowed_cpus() -> set[int]:
     return set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set()
-
-
-def pin(pid: int, cpus: set[int]) -> bool:
-    """Pin every thread of ``pid`` (threads it starts later inherit the mask); False if it cannot."""
-    try:
-        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-    except OSError:
-        tids = [pid]
-    ok = True
-    for tid in tids:
-        try:
-            os.sched_setaffinity(tid, cpus)
-        except (OSError, AttributeError):
-            ok = False
-    return ok
 
 
 def pin_processes(pids: Mapping[str, int], cpus: Iterable[int] | None = None) -> dict[str, str]:

@@ -72,6 +72,7 @@ from pdd.bench.served_contenders import (
     random_model,
 )
 from pdd.bench.served_overhead import emulator_table, overhead_table
+from pdd.testbed.placement import Placement
 
 DEFAULT_CONTENDERS = (*STACK_CONTENDERS, "engine", "vllm")
 # NOTE: the stack on vLLM is chosen by name only: three more vLLM starts (minutes each on 2 cores).
@@ -103,6 +104,10 @@ class ServedConfig:
     quiet_max_wait_s: float = 30.0
     # A py-spy binary: profile every stack process over the measured rounds ("" = no profile).
     py_spy: str = ""
+    # CPUs kept for the frontends (``StackConfig.frontend_cpus``), the same for every contender:
+    # the stack's services there, its engines' steps on the rest; our engine in-process steps on
+    # the rest, the bench's client there; vLLM's OpenMP bound to the rest, its API server there.
+    frontend_cpus: int = 0
 
     def __post_init__(self) -> None:
         if not self.concurrency or any(n < 1 for n in self.concurrency):
@@ -136,6 +141,19 @@ class ServedConfig:
             raise ValueError(f"py_spy: profiles the stack; choose one of {','.join(PROFILED)}")
         if self.model and not (Path(self.model) / "config.json").is_file():
             raise ValueError(f"model: {self.model}: not a Hugging Face directory (no config.json)")
+        if self.frontend_cpus:
+            placement = Placement.keeping(self.frontend_cpus)
+            assert placement is not None
+            if self.threads > len(placement.engine):
+                raise ValueError(
+                    f"threads: must be <= the {len(placement.engine)} CPUs --frontend-cpus "
+                    f"{self.frontend_cpus} leaves the engines, got {self.threads}"
+                )
+            placed_not = set(self.contenders) & set(VLLM_STACK_CONTENDERS)
+            if placed_not:
+                raise ValueError(
+                    f"frontend_cpus: not for {','.join(sorted(placed_not))} (the stack on vLLM)"
+                )
 
 
 def _int_list(text: str, name: str) -> tuple[int, ...]:
@@ -409,6 +427,14 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--quiet-threshold", type=float, default=d.quiet_threshold)
     ap.add_argument("--quiet-max-wait", type=float, default=d.quiet_max_wait_s)
     ap.add_argument("--py-spy", default=d.py_spy, help="a py-spy binary: profile the stack")
+    ap.add_argument(
+        "--frontend-cpus",
+        type=int,
+        default=d.frontend_cpus,
+        metavar="N",
+        help="keep the last N CPUs for every contender's frontends and the client, the engines "
+        "on the rest (pdd up --frontend-cpus; vLLM's OpenMP bound there too)",
+    )
     ap.add_argument("--json", type=Path, help="also write every round and the summary here")
     return ap.parse_args(argv)
 
@@ -427,6 +453,7 @@ def config_from(args: argparse.Namespace) -> ServedConfig:
         quiet_threshold=args.quiet_threshold,
         quiet_max_wait_s=args.quiet_max_wait,
         py_spy=args.py_spy,
+        frontend_cpus=args.frontend_cpus,
     )
 
 

@@ -33,6 +33,8 @@ from pdd.bench.served_vllm import (
     VllmStackConfig,
     children_of,
 )
+from pdd.server import cpus as cpu_lists
+from pdd.testbed.placement import Placement
 
 if TYPE_CHECKING:
     from pdd.bench.served import ServedConfig
@@ -232,6 +234,8 @@ class Contenders:
         self._channels: list = []
         # Contender → process name → the pids whose CPU time a round of it is charged.
         self.pids: dict[str, dict[str, list[int]]] = {}
+        # ``cfg.frontend_cpus``: fixed before this process moves its own threads.
+        self.placement = Placement.keeping(cfg.frontend_cpus)
 
     def start(self, model_dir: Path) -> None:
         """Start what the chosen contenders need (``close`` stops whatever did start)."""
@@ -244,6 +248,12 @@ class Contenders:
                 stack_pids["redis"] = [self.stack.redis.pid]
             for c in STACK_CONTENDERS:
                 self.pids[c] = {**stack_pids, **me}
+        if self.placement is not None:
+            # NOTE: after the stack started (it reads this process's CPUs): this process's
+            # OpenMP team (our engine in-process) onto the engine CPUs, where it stays; the
+            # client's thread (this one) moves to the frontend CPUs once all is started, and
+            # back for the engine's own rounds (``round``).
+            cpu_lists.pin(os.getpid(), self.placement.engine)
         if "engine" in cfg.contenders:
             from pdd.engine import Engine, EngineConfig
             from pdd.engine.checkpoint import load_checkpoint
@@ -257,7 +267,7 @@ class Contenders:
                 f"starting vLLM's server ({cfg.vllm_python}); log {workdir / 'vllm.log'}",
                 flush=True,
             )
-            self.vllm = VllmServer(cfg, model_dir, workdir / "vllm.log")
+            self.vllm = VllmServer(cfg, model_dir, workdir / "vllm.log", self.placement)
             api, core = self.vllm.proc.pid, [p for p in self.vllm.pids if p != self.vllm.proc.pid]
             self.pids["vllm"] = {"vllm-api": [api], "vllm-core": core, **me}
         if any(c in VLLM_STACK_CONTENDERS for c in cfg.contenders):
@@ -276,6 +286,8 @@ class Contenders:
             )
             for c in VLLM_STACK_CONTENDERS:
                 self.pids[c] = {**self.vllm_stack.pids, **me}
+        if self.placement is not None:
+            cpu_lists.place(self.placement.frontend)
 
     def _start_stack(self, model_dir: Path):
         from pdd.testbed.launcher import free_port
@@ -289,6 +301,7 @@ class Contenders:
             engine_flags=("--threads", str(self.cfg.threads)),
             log_dir=self.workdir / "logs",
             key_prefix=f"served{time.time_ns():x}",
+            frontend_cpus=self.cfg.frontend_cpus,
         )
         print(f"starting the stack; logs {config.log_dir}", flush=True)
         stack = Stack(config).start()
@@ -353,9 +366,15 @@ class Contenders:
         """Serve ``prompts`` all at once on ``name``; (wall seconds, one record per prompt)."""
         cfg, how = self.cfg, route(name)
         if how.server == "engine":
-            t = time.perf_counter()
-            recs = engine_round(self.engine, prompts, cfg, tag)
-            return time.perf_counter() - t, recs
+            if self.placement is not None:
+                cpu_lists.place(self.placement.engine)
+            try:
+                t = time.perf_counter()
+                recs = engine_round(self.engine, prompts, cfg, tag)
+                return time.perf_counter() - t, recs
+            finally:
+                if self.placement is not None:
+                    cpu_lists.place(self.placement.frontend)
         # NOTE: ids unique per contender too: a stage may still hold a request after its stream.
         rids = [f"{tag}-{name}-{i}" for i in range(len(prompts))]
         salt = f"{tag}-{name}"

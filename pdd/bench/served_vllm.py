@@ -33,15 +33,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pdd
+from pdd.server import cpus as cpu_lists
 
 if TYPE_CHECKING:
     from pdd.bench.served import ServedConfig
+    from pdd.testbed.placement import Placement
     from pdd.testbed.stack import StackConfig
 
 VLLM_STACK_CONTENDERS = ("stack-vllm", "stack-vllm-http")
 
 
-def vllm_env(threads: int) -> dict[str, str]:
+def vllm_env(threads: int, bind: str = "") -> dict[str, str]:
     """This environment plus what vLLM's CPU build reads at its start (the caller's own win).
 
     NOTE: ``OMP_NUM_THREADS`` makes both sides compute on ``threads``: without it vLLM cuts
@@ -50,7 +52,7 @@ def vllm_env(threads: int) -> dict[str, str]:
     """
     return {
         "OMP_NUM_THREADS": str(threads),
-        "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
+        "VLLM_CPU_OMP_THREADS_BIND": bind or f"0-{threads - 1}",
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
         "VLLM_CPU_KVCACHE_SPACE": "2",
         **os.environ,
@@ -92,12 +94,20 @@ def serve_argv(cfg: ServedConfig, model_dir: Path, port: int) -> list[str]:
 class VllmServer:
     """``python -m vllm.entrypoints.openai.api_server`` from the vLLM venv, paused between rounds."""
 
-    def __init__(self, cfg: ServedConfig, model_dir: Path, log_path: Path) -> None:
+    def __init__(
+        self,
+        cfg: ServedConfig,
+        model_dir: Path,
+        log_path: Path,
+        placement: Placement | None = None,
+    ) -> None:
         from pdd.testbed.launcher import free_port
 
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        env = vllm_env(cfg.threads)
+        # NOTE: with a placement its OpenMP threads bind to the engine CPUs (as vLLM's own
+        # VLLM_CPU_OMP_THREADS_BIND does), and the API server moves to the frontend CPUs.
+        env = vllm_env(cfg.threads, cpu_lists.format_cpus(placement.engine) if placement else "")
         env["PYTHONSAFEPATH"] = "1"  # NOTE: pdd/bench's trace.py must not shadow the stdlib's
         if pdd.OMP_WAIT_POLICY_SET_HERE:
             # NOTE: vLLM's server as its users run it: PDD's OpenMP default is PDD's, not theirs.
@@ -115,6 +125,8 @@ class VllmServer:
             time.sleep(1.0)
         self.model = str(model_dir)
         self.pids = children_of(self.proc.pid)
+        if placement is not None:
+            cpu_lists.pin(self.proc.pid, placement.frontend)
         self.pause()
 
     def _healthy(self) -> bool:

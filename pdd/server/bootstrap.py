@@ -25,7 +25,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pdd.server import heap, tls
+from pdd.server import cpus, heap, tls
 from pdd.server.authorization import AuthorizationInterceptor
 from pdd.server.config import ServerConfig
 from pdd.server.interceptors import ContextInterceptor
@@ -185,6 +185,8 @@ def run(config: ServerConfig, spec: ServiceSpec) -> None:
     # NOTE: `kill -USR1 <pid>` dumps every thread's stack to stderr (diagnosing a stuck service).
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     heap.tune()
+    # NOTE: before the server's threads start: each inherits the set.
+    cpus.place_process(config.cpus)
     try:
         asyncio.run(serve(config, spec))
     except KeyboardInterrupt:

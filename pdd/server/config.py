@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdd.server import cpus as cpu_lists
 from pdd.server.tls import TlsConfig
 
 
@@ -21,8 +22,12 @@ class ServerConfig:
     metrics_port: int = 0
     # TLS of the gRPC port, /metrics and every channel the service opens (passed to each).
     tls: TlsConfig = field(default_factory=TlsConfig)
+    # The CPUs every thread of the service runs on (``pdd.server.cpus``); None = wherever the OS
+    # puts them. An engine role's engine thread moves on to its own ``engine_cpus``.
+    cpus: frozenset[int] | None = None
 
     def __post_init__(self) -> None:
+        cpu_lists.check("cpus", self.cpus)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port: must be in 0..65535, got {self.port}")
         if self.grace_s < 0:

@@ -11,6 +11,7 @@ import argparse
 from typing import Any
 
 from pdd.server.config import ServerConfig
+from pdd.server.cpus import parse_cpus
 from pdd.server.settings import MB, Flag, Settings
 from pdd.server.tls import TlsConfig
 
@@ -21,6 +22,7 @@ SERVER = Settings(
     Flag("grace_s", "seconds in-flight calls get on SIGTERM"),
     Flag("metrics_port", "Prometheus /metrics port, 0 = off"),
     Flag("max_message_bytes", "largest gRPC message received or sent", unit=MB),
+    Flag("cpus", 'CPUs every thread of the service runs on, e.g. 2-3 ("" = any)', parse=parse_cpus),
     title="server",
 )
 LOGGING = Settings(

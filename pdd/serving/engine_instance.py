@@ -26,6 +26,7 @@ from pdd.core.stage_events import CacheReport
 from pdd.engine.config import EngineConfig
 from pdd.engine.engine import Engine
 from pdd.engine.protocol import EngineBackend, EngineKind
+from pdd.server import cpus as cpu_lists
 from pdd.server.tls import TlsConfig, open_channel
 from pdd.serving.admission import AdmissionConfig
 from pdd.serving.engine_loop import Coalesce, EngineLoop
@@ -67,8 +68,11 @@ class InstanceConfig:
     lease_ttl_ms: int = DEFAULT_LEASE_TTL_MS
     # Which engine runs the role: ours (the default) or vLLM in this process (``pdd.engine_vllm``).
     engine_kind: EngineKind = EngineKind.PDD
-    # torch intra-op threads; 0 keeps torch's default.
+    # torch intra-op threads; 0 keeps torch's default (with engine_cpus: one per CPU of them).
     threads: int = 0
+    # The CPUs of the engine thread and the OpenMP team it starts (``pdd.server.cpus``); the
+    # service's other threads stay on its ``ServerConfig.cpus``. None = no placement.
+    engine_cpus: frozenset[int] | None = None
     # The role's bounded admission (requests, reserved KV tokens); beyond it: RESOURCE_EXHAUSTED.
     admission: AdmissionConfig = AdmissionConfig()
     # vLLM's tensor-parallel degree (its workers are processes of their own); our engine: 1.
@@ -83,6 +87,12 @@ class InstanceConfig:
             raise ValueError(f"lease_ttl_ms: must be >= 300, got {self.lease_ttl_ms}")
         if self.threads < 0:
             raise ValueError(f"threads: must be >= 0, got {self.threads}")
+        cpu_lists.check("engine_cpus", self.engine_cpus)
+        if self.engine_cpus is not None and self.threads > len(self.engine_cpus):
+            raise ValueError(
+                f"threads: must be <= the {len(self.engine_cpus)} CPUs of engine_cpus "
+                f"({cpu_lists.format_cpus(self.engine_cpus)}), got {self.threads}"
+            )
         if self.burst_wait_ms < 0:
             raise ValueError(f"burst_wait_ms: must be >= 0, got {self.burst_wait_ms}")
         if self.burst_gap_ms <= 0:
@@ -116,12 +126,18 @@ class EngineInstance:
         # ``pdd.kv.link_meter``); none for the other roles.
         self.link_states: Callable[[], tuple[LinkState, ...]] = tuple
 
-    async def start(self) -> None:
+    @property
+    def threads(self) -> int:
+        """The engine's intra-op threads: as configured, else one per engine CPU (0: torch's)."""
         cfg = self.config
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
+        return cfg.threads or (len(cfg.engine_cpus) if cfg.engine_cpus is not None else 0)
+
+    async def start(self) -> None:
+        if self.threads:
+            torch.set_num_threads(self.threads)
         self.runner = await EngineLoop.build(self._build_engine, self._coalesce())
         self.engine = self.runner.engine
+        cfg = self.config
         metrics.LIVE.watch_engine(cfg.ref.instance_id, cfg.ref.role.value, lambda: self.engine)
 
     def _coalesce(self) -> Coalesce | None:
@@ -134,11 +150,21 @@ class EngineInstance:
     def _build_engine(self) -> EngineBackend:
         """The chosen engine, its model loaded (on a worker thread: minutes for vLLM)."""
         cfg = self.config
+        # NOTE: first, on the engine thread itself: the OpenMP team its first parallel step
+        # starts inherits its CPUs (and torch's thread count is per thread for OpenMP).
+        cpu_lists.place(cfg.engine_cpus)
+        if self.threads:
+            torch.set_num_threads(self.threads)
         if cfg.engine_kind is EngineKind.VLLM:
-            if cfg.threads:
+            if self.threads:
                 # NOTE: vLLM cuts torch to one thread "for serving" in its engine-core process
                 # unless OMP_NUM_THREADS is set; here that process is this service.
-                os.environ.setdefault("OMP_NUM_THREADS", str(cfg.threads))
+                os.environ.setdefault("OMP_NUM_THREADS", str(self.threads))
+            if cfg.engine_cpus is not None:
+                # NOTE: vLLM's CPU worker binds its OpenMP threads itself, to this list.
+                os.environ.setdefault(
+                    "VLLM_CPU_OMP_THREADS_BIND", cpu_lists.format_cpus(cfg.engine_cpus)
+                )
             # NOTE: imported only on this choice: vLLM is an optional extra (pdd[vllm]).
             from pdd.engine_vllm.engine import VllmEngine
 

@@ -37,6 +37,7 @@ from pdd.engine.model_source import resolve_model_source
 from pdd.prefix_index.redis_server import RedisBinary, redis_binary, start_redis
 from pdd.serving.model_spec import tiny_kwargs
 from pdd.testbed.launcher import Process, free_port, pinned_args, spawn_module, start_module
+from pdd.testbed.placement import UNFLAGGED_MODULES, Placement
 from pdd.testbed.supervisor import Supervisor
 
 RESTART_POLICIES = ("no", "on-failure")
@@ -178,6 +179,10 @@ class StackConfig:
     restart: str = "no"
     # How long each service may take to print PDD_LISTENING (a loaded host loads models slowly).
     start_timeout_s: float = 120.0
+    # CPUs kept for the frontends (the last N this process may use): the gateway, kvstore, Redis,
+    # the WAN emulators and every engine service's event loop run there, the engines' steps on
+    # the rest (``pdd.server.cpus``: ``--cpus`` / ``--engine-cpus``). 0 = no placement.
+    frontend_cpus: int = 0
 
     def __post_init__(self) -> None:
         if self.restart not in RESTART_POLICIES:
@@ -216,6 +221,9 @@ class StackConfig:
                     "clusters: each cluster sets its own link and MainDecodes; "
                     "leave main_decode and wan at their defaults"
                 )
+        if self.frontend_cpus < 0:
+            raise ValueError(f"frontend_cpus: must be >= 0, got {self.frontend_cpus}")
+        Placement.keeping(self.frontend_cpus)  # NOTE: ValueError if it leaves the engines none
         check_model(self.model)
 
     @property
@@ -248,6 +256,8 @@ def _print_now(line: str) -> None:
 class Stack:
     def __init__(self, config: StackConfig) -> None:
         self.config = config
+        # Fixed at construction: the CPUs this process may use then (``frontend_cpus``).
+        self.placement = Placement.keeping(config.frontend_cpus)
         self.processes: list[Process] = []
         self.redis: subprocess.Popen | None = None
         # The redis-server this stack started (None: it was given ``redis_url``).
@@ -293,6 +303,8 @@ class Stack:
             full = args if module == "services.wan_link" else [*args, *self._metrics_flags(name)]
             if self.config.tls_dir and module != "services.wan_link":
                 full = [*full, *role_tls_flags(self.config.tls_dir, name)]
+            if self.placement is not None:
+                full = [*full, *self.placement.flags(module)]
             try:
                 p = start_module(
                     name,
@@ -308,9 +320,14 @@ class Stack:
                     raise
                 self.metrics.pop(name, None)
                 continue
+            self._place(p)
             self.processes.append(p)
             return p
         raise AssertionError("unreachable")
+
+    def _place(self, p: Process) -> None:
+        if self.placement is not None and p.module in UNFLAGGED_MODULES:
+            self.placement.pin_frontend(p.proc.pid)
 
     def start(self) -> Stack:
         cfg = self.config
@@ -319,6 +336,7 @@ class Stack:
             if not self.redis_url:
                 self.redis_binary = redis_binary()
                 self.redis, self.redis_url = start_redis(cfg.log_dir, self.redis_binary)
+                self._place_redis()
             kv = self._start(
                 "kvstore",
                 "services.kvstore",
@@ -453,8 +471,13 @@ class Stack:
             env=dict(self.config.env),
             log_dir=self.config.log_dir,
         )
+        self._place(new)
         self.processes[i] = new
         return new
+
+    def _place_redis(self) -> None:
+        if self.placement is not None and self.redis is not None:
+            self.placement.pin_frontend(self.redis.pid)
 
     def restart_redis(self, timeout: float = 10.0) -> None:
         """Start the embedded Redis again with its command line (so its port), wait for PONG."""
@@ -465,6 +488,7 @@ class Stack:
             self.redis = subprocess.Popen(
                 old.args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
+        self._place_redis()
         port = int(self.redis_url.rsplit(":", 1)[1].split("/")[0])
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and self.redis.poll() is None:
