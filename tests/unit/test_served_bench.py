@@ -174,3 +174,22 @@ def test_py_spy_needs_a_binary_and_a_stack(tmp_path):
         ServedConfig(py_spy=str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="py_spy: profiles the stack"):
         ServedConfig(py_spy=sys.executable, contenders=("engine", "vllm"))
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_frontend_cpus_leave_the_engines_their_threads():
+    n = len(os.sched_getaffinity(0))
+    cfg = ServedConfig(contenders=("engine", "grpc-p-md"), frontend_cpus=1, threads=n - 1)
+    assert served_contenders.Contenders(cfg, None).placement.frontend == {
+        max(os.sched_getaffinity(0))
+    }
+    with pytest.raises(ValueError, match=rf"^threads: must be <= the {n - 1} CPUs"):
+        ServedConfig(contenders=("engine",), frontend_cpus=1, threads=n)
+    with pytest.raises(ValueError, match="^frontend_cpus: must be 1"):
+        ServedConfig(contenders=("engine",), frontend_cpus=n, threads=1)
+    assert (
+        served.config_from(
+            served._parse(["--frontend-cpus", "1", "--threads", "1", "--contenders", "engine"])
+        ).frontend_cpus
+        == 1
+    )
