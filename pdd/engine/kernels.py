@@ -2,7 +2,8 @@
 
 ``csrc/paged_decode.cpp`` (decode attention read in place from the paged pool) and
 ``csrc/fused_ops.cpp`` (RMSNorm with the residual add, SiLU·mul, RoPE in place) and
-``csrc/decode_forward.cpp`` (a whole decode step's forward in one call, on those) are compiled
+``csrc/decode_forward.cpp`` (a whole decode step's forward in one call, on those) and
+``csrc/argmax_rows.cpp`` (greedy sampling's first maximum per row) are compiled
 together with ``torch.utils.cpp_extension`` (a C++ compiler and ninja are needed; ~15 s) into
 ``pdd_kernels-torch<version>/`` under ``TORCH_EXTENSIONS_DIR`` (default
 ``~/.cache/torch_extensions``): later processes load the built library in well under a second,
@@ -25,7 +26,12 @@ import torch
 log = structlog.get_logger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = (CSRC / "paged_decode.cpp", CSRC / "fused_ops.cpp", CSRC / "decode_forward.cpp")
+SOURCES = (
+    CSRC / "paged_decode.cpp",
+    CSRC / "fused_ops.cpp",
+    CSRC / "decode_forward.cpp",
+    CSRC / "argmax_rows.cpp",
+)
 
 _lock = threading.Lock()
 _loaded = False
@@ -88,6 +94,11 @@ def load() -> None:
             _build_error = exc
             raise
         _loaded = True
+
+
+def loaded() -> bool:
+    """Whether the ops are registered in this process (never builds them)."""
+    return _loaded
 
 
 def build_directory() -> Path:

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from pdd.core.sampling_params import Logprob, SamplingParams
+from pdd.engine import kernels
 
 __all__ = [
     "Logprob",
@@ -102,12 +103,29 @@ def sample(
     NOTE: random rows are sampled on the CPU in float64, so a CPU and a CUDA engine
     holding the same logits draw the same token.
     """
-    # NOTE: max(dim).indices, not argmax: the same first-maximum rule, ~3x faster on CPU for [S, 32K]
-    tokens = logits.max(dim=-1).indices.tolist()
+    tokens = greedy_tokens(logits)
     for i, sp in enumerate(params):
         if not sp.greedy:
             tokens[i] = _sample_row(logits[i].cpu(), sp, position_uniform(seeds[i], positions[i]))
     return tokens
+
+
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """The first maximum of each row of ``logits [S, V]`` (a NaN counts as the largest).
+
+    NOTE: the compiled ``argmax_rows`` where the engine's kernels are loaded (CPU float32: ~26
+    against ~145 us for [16, 32K]); else ``max(dim).indices``, the same rule, ~3x faster on CPU
+    than ``argmax``.
+    """
+    if (
+        logits.device.type == "cpu"
+        and logits.dtype == torch.float32
+        and logits.dim() == 2
+        and logits.shape[1] > 0
+        and kernels.loaded()
+    ):
+        return torch.ops.pdd.argmax_rows(logits).tolist()
+    return logits.max(dim=-1).indices.tolist()
 
 
 def _sample_row(logits: torch.Tensor, sp: SamplingParams, u: float) -> int:
