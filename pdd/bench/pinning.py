@@ -15,10 +15,9 @@ Linux only (``os.sched_setaffinity``); on one CPU, or elsewhere, nothing is pinn
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Mapping
 
-from pdd.server.cpus import pin
+from pdd.server.cpus import allowed, pin
 
 __all__ = ["pin", "pin_processes", "split_cpus", "allowed_cpus", "cluster_of"]
 
@@ -41,7 +40,7 @@ def split_cpus(cpus: Iterable[int]) -> dict[str, set[int]] | None:
 
 
 def allowed_cpus() -> set[int]:
-    return set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set()
+    return set(allowed())
 
 
 def pin_processes(pids: Mapping[str, int], cpus: Iterable[int] | None = None) -> dict[str, str]:
