@@ -151,10 +151,8 @@ class EngineInstance:
         """The chosen engine, its model loaded (on a worker thread: minutes for vLLM)."""
         cfg = self.config
         # NOTE: first, on the engine thread itself: the OpenMP team its first parallel step
-        # starts inherits its CPUs (and torch's thread count is per thread for OpenMP).
+        # starts inherits its CPUs (the team's size is ``start``'s set_num_threads).
         cpu_lists.place(cfg.engine_cpus)
-        if self.threads:
-            torch.set_num_threads(self.threads)
         if cfg.engine_kind is EngineKind.VLLM:
             if self.threads:
                 # NOTE: vLLM cuts torch to one thread "for serving" in its engine-core process

@@ -12,7 +12,7 @@ from pdd.core.instance import InstanceRef, Role
 from pdd.engine.config import EngineConfig
 from pdd.server import cpus
 from pdd.server.config import ServerConfig
-from pdd.serving.engine_instance import InstanceConfig
+from pdd.serving.engine_instance import EngineInstance, InstanceConfig
 from pdd.testbed.placement import Placement
 
 TWO = pytest.mark.skipif(len(cpus.allowed()) < 2, reason="needs two CPUs this process may use")
@@ -67,7 +67,8 @@ def test_configs_refuse_cpus_they_cannot_have():
     with pytest.raises(ValueError, match=r"^threads: must be <= the 1 CPUs of engine_cpus"):
         InstanceConfig(ref, "k:1", "tiny:1", EngineConfig(), threads=2, engine_cpus=one)
     cfg = InstanceConfig(ref, "k:1", "tiny:1", EngineConfig(), engine_cpus=one)
-    assert cfg.threads == 0  # NOTE: EngineInstance.threads then runs one per engine CPU
+    assert EngineInstance(cfg).threads == 1  # NOTE: none configured: one per engine CPU
+    assert EngineInstance(InstanceConfig(ref, "k:1", "tiny:1", EngineConfig())).threads == 0
 
 
 @TWO
