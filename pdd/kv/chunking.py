@@ -141,7 +141,9 @@ class Reassembler:
         if self._taken or self._buffer is None:
             raise FailedPreconditionError(f"KV transfer {header.request_id}: payload already taken")
         raw = decompress_chunk(chunk.data, header.compression, length)
-        self._buffer[offset : offset + length] = raw
+        # NOTE: through a memoryview: a bytearray slice assigned ``bytes`` copies them into a
+        # temporary bytearray first (CPython), a fresh MiB for every chunk.
+        memoryview(self._buffer)[offset : offset + length] = raw
         self._received[chunk.index] = 1
         self.chunks_received += 1
         self.bytes_received += length

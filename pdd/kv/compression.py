@@ -84,15 +84,21 @@ def decode_tensor(
     return t if dtype is None or dtype == t.dtype else t.to(dtype)
 
 
-def compress_chunk(data: bytes | memoryview, compression: Compression, level: int = 1) -> bytes:
+def compress_chunk(
+    data: bytes | memoryview, compression: Compression, level: int = 1
+) -> bytes | memoryview:
+    """A chunk's bytes as sent. NOTE: uncompressed, ``data`` itself (no copy): a view of the
+    sender's payload buffer, which keeps the bytes unchanged for resends."""
     if compression is Compression.NONE:
-        return bytes(data)
+        return data
     if compression is Compression.ZLIB:
         return zlib.compress(data, level)
     raise InvalidArgumentError("compression", f"unsupported {compression!r}")
 
 
-def decompress_chunk(data: bytes, compression: Compression, expected_len: int) -> bytes:
+def decompress_chunk(
+    data: bytes | memoryview, compression: Compression, expected_len: int
+) -> bytes | memoryview:
     """Undo ``compress_chunk``; the result must be exactly ``expected_len`` bytes."""
     if compression is Compression.NONE:
         out = data

@@ -123,7 +123,11 @@ def header_from_pb(msg: cpb.KvTransferHeader, field: str = "header") -> Transfer
 
 def chunk_to_pb(c: Chunk) -> cpb.KvChunk:
     return cpb.KvChunk(
-        request_id=c.request_id, index=c.index, offset=c.offset, data=c.data, crc32=c.crc32
+        request_id=c.request_id,
+        index=c.index,
+        offset=c.offset,
+        data=c.data if isinstance(c.data, bytes) else bytes(c.data),  # NOTE: upb takes bytes only
+        crc32=c.crc32,
     )
 
 

@@ -127,8 +127,9 @@ class Chunk:
     index: int
     # Offset of this chunk inside the decompressed payload.
     offset: int
-    # Bytes as sent (after compression).
-    data: bytes
+    # Bytes as sent (after compression); a view of the sender's payload or of the received
+    # message where nothing needed a copy (``push_codec``).
+    data: bytes | memoryview
     # zlib.crc32 of ``data``.
     crc32: int
 

@@ -33,12 +33,22 @@ import structlog
 
 from pdd.core import errors
 from pdd.gen.main_decode.v1 import main_decode_service_pb2 as mdpb
+from pdd.gen.main_decode.v1 import main_decode_service_pb2_grpc as mdgrpc
 from pdd.kv import messages as convert
 from pdd.kv.chunking import encode_chunk
+from pdd.kv.push_codec import push_kv_call
 from pdd.kv.receiver import KvReceiver, ReceivedKv, ReceiverConfig
 from pdd.kv.source import KvSource
 from pdd.kv.stream_pool import StreamPool
-from pdd.kv.transfer import Chunk, Commit, Compression, TransferHeader, TransferStatus, chunk_span
+from pdd.kv.transfer import (
+    Chunk,
+    Commit,
+    Compression,
+    PushItem,
+    TransferHeader,
+    TransferStatus,
+    chunk_span,
+)
 
 __all__ = [
     "KvPusher",
@@ -52,7 +62,8 @@ __all__ = [
 
 log = structlog.get_logger(__name__)
 
-PushFn = Callable[[AsyncIterator[mdpb.PushKvRequest]], Awaitable[mdpb.PushKvResponse]]
+# NOTE: a push's requests are domain items; the call encodes them (``push_codec``).
+PushFn = Callable[[AsyncIterator[PushItem]], Awaitable[mdpb.PushKvResponse]]
 GetTransferFn = Callable[[str], Awaitable[mdpb.GetKvTransferResponse]]
 
 RETRYABLE = frozenset(
@@ -133,24 +144,22 @@ class KvPusher:
         self.pool = pool
 
     @classmethod
-    def for_stub(
+    def for_channel(
         cls,
-        stub: object,
+        channel: grpc.aio.Channel,
         *,
         config: PusherConfig = PusherConfig(),
         pool: StreamPool | None = None,
         metadata: Sequence[tuple[str, str]] | None = None,
     ) -> KvPusher:
-        """A pusher over a ``MainDecodeServiceStub`` (``grpc.aio``)."""
-
-        def push(requests: AsyncIterator[mdpb.PushKvRequest]) -> Awaitable[mdpb.PushKvResponse]:
-            return stub.PushKv(requests, metadata=metadata)  # type: ignore[attr-defined]
+        """A pusher to the ``MainDecodeService`` on ``channel`` (``grpc.aio``)."""
+        stub = mdgrpc.MainDecodeServiceStub(channel)
 
         async def get_transfer(request_id: str) -> mdpb.GetKvTransferResponse:
             req = mdpb.GetKvTransferRequest(request_id=request_id)
-            return await stub.GetKvTransfer(req, metadata=metadata)  # type: ignore[attr-defined]
+            return await stub.GetKvTransfer(req, metadata=metadata)
 
-        return cls(push, get_transfer, config=config, pool=pool)
+        return cls(push_kv_call(channel, metadata), get_transfer, config=config, pool=pool)
 
     async def push(
         self,
@@ -277,8 +286,8 @@ class KvPusher:
         indices: list[int],
         commit: Sequence[int] | asyncio.Future,
         tally: _Tally,
-    ) -> AsyncIterator[mdpb.PushKvRequest]:
-        yield convert.push_request_to_pb(header)
+    ) -> AsyncIterator[PushItem]:
+        yield header
         queue: asyncio.Queue[object] = asyncio.Queue(maxsize=self.config.max_buffered_chunks)
         encoder = asyncio.create_task(self._encode(header, source, indices, queue))
         try:
@@ -289,9 +298,9 @@ class KvPusher:
                 chunk = cast(Chunk, item)
                 tally.chunks += 1
                 tally.wire_bytes += len(chunk.data)
-                yield convert.push_request_to_pb(chunk)
+                yield chunk
             ids = await commit if isinstance(commit, asyncio.Future) else commit
-            yield convert.push_request_to_pb(Commit(header.request_id, tuple(ids)))
+            yield Commit(header.request_id, tuple(ids))
         finally:
             encoder.cancel()
             with contextlib.suppress(asyncio.CancelledError):

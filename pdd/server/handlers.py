@@ -8,7 +8,7 @@ hook sees how the call really ended (an exception, a cancellation, or none).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
@@ -131,3 +131,44 @@ def decode_checked(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
             yield item
 
     return grpc.stream_stream_rpc_method_handler(ss, **kw)
+
+
+class _Overriding:
+    """The server a generated ``add_*Servicer_to_server`` registers on: its method table, with
+    some handlers replaced, goes to the real server."""
+
+    def __init__(self, server: grpc.aio.Server, overrides: Mapping[str, grpc.RpcMethodHandler]):
+        self.server = server
+        self.overrides = overrides
+        self.registered = False
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        pass  # NOTE: rebuilt from the method table in add_registered_method_handlers
+
+    def add_registered_method_handlers(
+        self, service: str, handlers: Mapping[str, grpc.RpcMethodHandler]
+    ) -> None:
+        unknown = sorted(set(self.overrides) - set(handlers))
+        if unknown:
+            raise ValueError(f"overrides: {service} has no method {', '.join(unknown)}")
+        merged = {**handlers, **self.overrides}
+        self.server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(service, merged),)
+        )
+        self.server.add_registered_method_handlers(service, merged)
+        self.registered = True
+
+
+def register_overriding(
+    add_servicer: Callable[[Any, Any], None],
+    servicer: Any,
+    server: grpc.aio.Server,
+    overrides: Mapping[str, grpc.RpcMethodHandler],
+) -> None:
+    """``add_servicer(servicer, server)`` (a generated ``add_*Servicer_to_server``) with the
+    handlers in ``overrides`` (method name → handler, e.g. another request deserializer) in
+    place of the generated ones."""
+    target = _Overriding(server, overrides)
+    add_servicer(servicer, target)
+    if not target.registered:  # NOTE: generated code of another shape: fail, never half-serve
+        raise RuntimeError(f"{add_servicer.__name__} registered no method table")

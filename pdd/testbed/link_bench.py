@@ -37,6 +37,7 @@ import structlog
 
 from pdd.gen.main_decode.v1 import main_decode_service_pb2_grpc as mdgrpc
 from pdd.kv import messages as convert
+from pdd.kv import push_codec
 from pdd.kv.checksum import ACCELERATED
 from pdd.kv.fast_link.receiver import FastLinkReceiver
 from pdd.kv.fast_link.region import PrepareRequest
@@ -48,6 +49,7 @@ from pdd.kv.receiver import KvReceiver, ReceiverConfig
 from pdd.kv.source import BytesSource
 from pdd.kv.transfer import make_header
 from pdd.kv.wan import KvPusher
+from pdd.server.handlers import register_overriding
 from pdd.telemetry.logging import configure_logging
 from pdd.testbed.link_emulator import LinkConfig, LinkEmulator
 
@@ -86,7 +88,7 @@ class _Sink(mdgrpc.MainDecodeServiceServicer):
         self.receiver = receiver
 
     async def PushKv(self, request_iterator, context):  # noqa: N802 — gRPC method name
-        status = await self.receiver.receive(convert.push_items_from_pb(request_iterator))
+        status = await self.receiver.receive(push_codec.push_items_from_wire(request_iterator))
         self.receiver.pop(status.request_id)
         return convert.push_response_to_pb(status)
 
@@ -147,14 +149,20 @@ async def _wan_path(cfg: BenchConfig, link: LinkConfig) -> list[dict[str, float]
         on_complete=lambda kv: streamed.__setitem__(kv.header.request_id, kv.elapsed_s),
     )
     server = grpc.aio.server()
-    mdgrpc.add_MainDecodeServiceServicer_to_server(_Sink(receiver), server)
+    sink = _Sink(receiver)
+    register_overriding(
+        mdgrpc.add_MainDecodeServiceServicer_to_server,
+        sink,
+        server,
+        {"PushKv": push_codec.push_kv_handler(sink.PushKv)},
+    )
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     rows = []
     try:
         async with LinkEmulator(link, f"127.0.0.1:{port}") as em:
             async with grpc.aio.insecure_channel(em.address) as channel:
-                pusher = KvPusher.for_stub(mdgrpc.MainDecodeServiceStub(channel))
+                pusher = KvPusher.for_channel(channel)
                 for i, size_mb in enumerate((1, *cfg.sizes_mb)):  # the first push only warms up
                     tokens = size_mb * _MIB // _LAYOUT.bytes_per_token
                     header = make_header(

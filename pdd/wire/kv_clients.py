@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import grpc
 
-from pdd.gen.main_decode.v1 import main_decode_service_pb2_grpc as md_grpc
 from pdd.gen.relay.v1 import relay_service_pb2_grpc as relay_grpc
 from pdd.kv import messages as kv_messages
 from pdd.kv.fast_link.region import Completion, PrepareRequest, Reservation
@@ -23,12 +22,12 @@ class KvPushClient:
     """MainDecode's ``PushKv``/``GetKvTransfer``: the resumable WAN push of a KV delta."""
 
     def __init__(self, channel: grpc.aio.Channel) -> None:
-        self._stub = md_grpc.MainDecodeServiceStub(channel)
+        self._channel = channel
 
     def kv_pusher(self, pool: StreamPool, config: PusherConfig | None = None) -> KvPusher:
         """A pusher of KV ranges to this MainDecode, through ``pool``'s stream slots."""
-        return KvPusher.for_stub(
-            self._stub, config=config or PusherConfig(), pool=pool, metadata=outgoing_metadata()
+        return KvPusher.for_channel(
+            self._channel, config=config or PusherConfig(), pool=pool, metadata=outgoing_metadata()
         )
 
 

@@ -7,8 +7,10 @@ import grpc
 from pdd.gen.main_decode.v1 import main_decode_service_pb2 as pb
 from pdd.gen.main_decode.v1 import main_decode_service_pb2_grpc as pb_grpc
 from pdd.kv import messages as kv_convert
+from pdd.kv import push_codec
 from pdd.kv.receiver import KvReceiver
 from pdd.server.bootstrap import ServiceSpec
+from pdd.server.handlers import register_overriding
 from pdd.serving.engine_instance import EngineInstance
 from pdd.serving.main_decode import MainDecode
 from pdd.wire import main_decode as conv
@@ -40,7 +42,8 @@ class MainDecodeServicer(pb_grpc.MainDecodeServiceServicer):
             yield msg
 
     async def PushKv(self, request_iterator, context) -> pb.PushKvResponse:
-        status = await self.receiver.receive(kv_convert.push_items_from_pb(request_iterator))
+        # NOTE: requests read by push_codec.PushKvDecoder (see register): chunks arrive as Chunk.
+        status = await self.receiver.receive(push_codec.push_items_from_wire(request_iterator))
         return kv_convert.push_response_to_pb(status)
 
     async def GetKvTransfer(
@@ -82,7 +85,13 @@ def build(config: MainDecodeConfig) -> ServiceSpec:
     servicer = MainDecodeServicer(instance, md, receiver)
 
     def register(server: grpc.aio.Server) -> None:
-        pb_grpc.add_MainDecodeServiceServicer_to_server(servicer, server)
+        # NOTE: PushKv's requests are read without protobuf objects (the KV bytes not copied).
+        register_overriding(
+            pb_grpc.add_MainDecodeServiceServicer_to_server,
+            servicer,
+            server,
+            {"PushKv": push_codec.push_kv_handler(servicer.PushKv)},
+        )
 
     return ServiceSpec(
         "main_decode",

@@ -155,7 +155,7 @@ class Node:
         # then fails (grpc/grpc#36066); the sync client keeps the server's answer.
         self.sync_channel = grpc.insecure_channel(address)
         self.sync = md_grpc.MainDecodeServiceStub(self.sync_channel)
-        self.pusher = KvPusher.for_stub(md_grpc.MainDecodeServiceStub(self.channel), config=FAST)
+        self.pusher = KvPusher.for_channel(self.channel, config=FAST)
         self.client = MainDecodeClient(self.channel)
         self.opened: list[Live] = []  # this example's live requests
         return self
@@ -381,14 +381,14 @@ def _hostile_push(draw, me: PushTarget, other: PushTarget, pre: Prefilled, k: in
     if kind == "bad_crc":
         i = draw(st.integers(0, m - 1))
         c = me.chunks[i]
-        msgs.append(_pb(replace(c, data=bytes([c.data[0] ^ 0xFF]) + c.data[1:])))
+        msgs.append(_pb(replace(c, data=bytes([c.data[0] ^ 0xFF]) + bytes(c.data[1:]))))
         apply_prefix()
         return kind, msgs, (OK, "")  # NOTE: stays missing: the sender's next round resends it
     if kind in ("wrong_size", "wrong_offset", "wrong_index"):
         i = draw(st.integers(0, m - 1))
         c = me.chunks[i]
         if kind == "wrong_size":
-            data = draw(st.sampled_from([c.data[:-1], c.data + b"\0", b""]))
+            data = draw(st.sampled_from([bytes(c.data[:-1]), bytes(c.data) + b"\0", b""]))
             bad, name = replace(c, data=data, crc32=zlib.crc32(data)), "chunk.data"
         elif kind == "wrong_offset":
             shift = draw(st.sampled_from([1, -1, CHUNK_BYTES, 2**40]))

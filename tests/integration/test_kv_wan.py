@@ -18,6 +18,7 @@ from pdd.gen.main_decode.v1 import main_decode_service_pb2 as mdpb
 from pdd.gen.main_decode.v1 import main_decode_service_pb2_grpc as mdgrpc
 from pdd.kv import messages as convert
 from pdd.kv.layout import KvDtype, KvLayout
+from pdd.kv.push_codec import push_kv_call
 from pdd.kv.receiver import KvReceiver, ReceivedKv, ReceiverConfig
 from pdd.kv.source import BytesSource
 from pdd.kv.transfer import Chunk, Compression, make_header
@@ -97,7 +98,7 @@ async def md():
     await server.start()
     servicer.address = f"127.0.0.1:{port}"
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    yield servicer, mdgrpc.MainDecodeServiceStub(channel), delivered
+    yield servicer, channel, delivered
     await channel.close()
     await server.stop(None)
 
@@ -109,9 +110,11 @@ def _transfer(request_id: str, num_tokens: int = 200, chunk_bytes: int = 32 << 1
 
 @pytest.mark.parametrize("compression", list(Compression))
 async def test_push_delivers_the_payload_once(md, compression):
-    servicer, stub, delivered = md
+    servicer, channel, delivered = md
     header, payload = _transfer("r1", compression=compression)
-    report = await KvPusher.for_stub(stub, config=FAST).push(header, BytesSource(payload), [17])
+    report = await KvPusher.for_channel(channel, config=FAST).push(
+        header, BytesSource(payload), [17]
+    )
     assert (report.attempts, report.chunks_sent, report.chunks_resent) == (1, header.num_chunks, 0)
     [got] = delivered
     assert bytes(got.payload) == payload and got.output_token_ids == (17,) and got.header == header
@@ -119,20 +122,20 @@ async def test_push_delivers_the_payload_once(md, compression):
 
 
 async def test_corrupted_chunk_is_resent_and_the_payload_delivered_once(md):
-    servicer, stub, delivered = md
+    servicer, channel, delivered = md
     header, payload = _transfer("r2")
     servicer.corrupt_once = {5}
-    report = await KvPusher.for_stub(stub, config=FAST).push(header, BytesSource(payload))
+    report = await KvPusher.for_channel(channel, config=FAST).push(header, BytesSource(payload))
     assert (report.attempts, report.chunks_resent) == (2, 1)
     assert servicer.streams[1] == [5]
     assert len(delivered) == 1 and bytes(delivered[0].payload) == payload
 
 
 async def test_server_abort_mid_stream_resumes_with_only_the_missing_chunks(md):
-    servicer, stub, delivered = md
+    servicer, channel, delivered = md
     header, payload = _transfer("r3")
     servicer.abort_first_stream_after = 4
-    report = await KvPusher.for_stub(stub, config=FAST).push(header, BytesSource(payload))
+    report = await KvPusher.for_channel(channel, config=FAST).push(header, BytesSource(payload))
     assert report.attempts == 2
     assert servicer.streams[0] == [0, 1, 2, 3]
     assert servicer.streams[1] == list(range(4, header.num_chunks))
@@ -140,7 +143,7 @@ async def test_server_abort_mid_stream_resumes_with_only_the_missing_chunks(md):
 
 
 async def test_client_cancel_mid_stream_resumes_and_delivers_once(md):
-    servicer, stub, delivered = md
+    servicer, channel, delivered = md
     header, payload = _transfer("r4")
     calls = []
 
@@ -149,16 +152,18 @@ async def test_client_cancel_mid_stream_resumes_and_delivers_once(md):
             n = 0
             async for msg in requests:
                 yield msg
-                n += msg.HasField("chunk")
+                n += isinstance(msg, Chunk)
                 if len(calls) == 1 and n == 6:
                     calls[0].cancel()  # the client gives up on the first stream mid-way
                     return
 
-        calls.append(stub.PushKv(counted()))
+        calls.append(push_kv_call(channel)(counted()))
         return calls[-1]
 
     async def get_transfer(rid):
-        return await stub.GetKvTransfer(mdpb.GetKvTransferRequest(request_id=rid))
+        return await mdgrpc.MainDecodeServiceStub(channel).GetKvTransfer(
+            mdpb.GetKvTransferRequest(request_id=rid)
+        )
 
     report = await KvPusher(push, get_transfer, config=FAST).push(header, BytesSource(payload))
     assert report.attempts == 2 and len(calls) == 2
@@ -169,10 +174,10 @@ async def test_client_cancel_mid_stream_resumes_and_delivers_once(md):
 
 
 async def test_pool_caps_concurrent_streams_and_queues_fifo(md):
-    servicer, stub, delivered = md
+    servicer, channel, delivered = md
     servicer.gate = asyncio.Event()
     pool = StreamPool(2)
-    pusher = KvPusher.for_stub(stub, config=FAST, pool=pool)
+    pusher = KvPusher.for_channel(channel, config=FAST, pool=pool)
     transfers = [_transfer(f"p{i}", num_tokens=20) for i in range(6)]
     tasks = [asyncio.create_task(pusher.push(h, BytesSource(p))) for h, p in transfers]
     await asyncio.wait_for(servicer.saw_two.wait(), 10)
@@ -189,12 +194,12 @@ async def test_pool_caps_concurrent_streams_and_queues_fifo(md):
 
 
 async def test_non_retryable_rejection_is_a_domain_error_without_retry(md):
-    servicer, stub, delivered = md
+    servicer, channel, delivered = md
     header, payload = _transfer(
         "big", num_tokens=40_000, chunk_bytes=1 << 20
     )  # 80 MiB > the 64 MiB limit
     with pytest.raises(ResourceExhaustedError, match="exceeds the limit"):
-        await KvPusher.for_stub(stub, config=FAST).push(header, BytesSource(payload))
+        await KvPusher.for_channel(channel, config=FAST).push(header, BytesSource(payload))
     # NOTE: when the abort races the client's writes, grpc.aio may report it as a local
     # cancellation first (a broken stream); the pusher then resumes once and gets the real status.
     assert (
@@ -205,10 +210,10 @@ async def test_non_retryable_rejection_is_a_domain_error_without_retry(md):
 
 
 async def test_waiter_before_the_header_wakes_on_delivery(md):
-    servicer, stub, delivered = md
+    servicer, channel, delivered = md
     header, payload = _transfer("early")
     waiter = asyncio.create_task(servicer.receiver.wait_complete("early", 10))
-    await KvPusher.for_stub(stub, config=FAST).push(header, BytesSource(payload))
+    await KvPusher.for_channel(channel, config=FAST).push(header, BytesSource(payload))
     got = await waiter
     assert bytes(got.payload) == payload and delivered == [got]
 
@@ -218,7 +223,7 @@ async def test_push_through_the_wan_emulator_survives_a_connection_reset(md):
     header, payload = _transfer("wan", num_tokens=600)  # 1.2 MB: ~0.12 s at 80 Mbit/s
     async with LinkEmulator(LinkConfig(mbps=80, delay_ms=5), servicer.address) as em:
         async with grpc.aio.insecure_channel(em.address) as channel:
-            pusher = KvPusher.for_stub(mdgrpc.MainDecodeServiceStub(channel), config=FAST)
+            pusher = KvPusher.for_channel(channel, config=FAST)
             push = asyncio.create_task(pusher.push(header, BytesSource(payload)))
             await asyncio.wait_for(servicer.five_chunks_in.wait(), 10)
             assert em.reset_connections() == 1

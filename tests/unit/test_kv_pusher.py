@@ -15,7 +15,7 @@ from pdd.core.errors import FailedPreconditionError, UnavailableError
 from pdd.gen.main_decode.v1 import main_decode_service_pb2 as mdpb
 from pdd.kv.layout import KvDtype, KvLayout
 from pdd.kv.source import BytesSource, StreamedSource
-from pdd.kv.transfer import make_header
+from pdd.kv.transfer import Chunk, make_header
 from pdd.kv.wan import KvPusher, PusherConfig, StreamPool
 
 LAYOUT = KvLayout(
@@ -51,7 +51,7 @@ async def test_producer_is_pulled_at_most_a_bounded_number_of_chunks_ahead(buffe
     async def slow_wire(requests):
         sent = 0
         async for msg in requests:
-            sent += msg.HasField("chunk")
+            sent += isinstance(msg, Chunk)
             await _yield_loop()  # the wire is slow: give the encoder every chance to run ahead
             leads.append(source.produced // CHUNK - sent)
         return _complete("r", sent)
@@ -78,9 +78,9 @@ async def test_push_starts_before_the_producer_has_finished():
 
     async def wire(requests):
         async for msg in requests:
-            if msg.HasField("chunk"):
-                sent.append(msg.chunk.index)
-                assert msg.chunk.data == bytes([msg.chunk.index]) * CHUNK
+            if isinstance(msg, Chunk):
+                sent.append(msg.index)
+                assert msg.data == bytes([msg.index]) * CHUNK
         return _complete("r", len(sent))
 
     push = asyncio.create_task(KvPusher(wire, _never_asked).push(header, source))
@@ -117,7 +117,7 @@ async def test_retry_budget_is_bounded_and_resumes_ask_what_is_missing():
 
     async def broken_wire(requests):
         async for msg in requests:
-            if msg.HasField("chunk"):
+            if isinstance(msg, Chunk):
                 raise grpc.aio.AioRpcError(
                     grpc.StatusCode.UNAVAILABLE,
                     grpc.aio.Metadata(),

@@ -42,6 +42,7 @@ GEN_ALLOWED = (
     "pdd.wire.",
     "pdd.http.openai_convert",
     "pdd.kv.messages",
+    "pdd.kv.push_codec",
     "pdd.kv.wan",
     "pdd.kv.fast_link.tcp",
     "pdd.server.",

@@ -23,6 +23,7 @@ from pdd.engine.config import EngineConfig
 from pdd.engine.engine import Engine
 from pdd.engine.sampling import SamplingParams
 from pdd.kv import messages as kv_messages
+from pdd.kv import push_codec
 from pdd.kv.compression import decode_tensor
 from pdd.kv.fast_link.receiver import FastLinkReceiver
 from pdd.kv.fast_link.region import Completion, PrepareRequest, Reservation
@@ -68,7 +69,12 @@ class InProcessMainDecode:
 
     def kv_pusher(self, pool: StreamPool) -> KvPusher:
         async def push(requests):
-            items = kv_messages.push_items_from_pb(requests)
+            async def over_the_wire():  # NOTE: each item encoded and read back as the server does
+                decoder = push_codec.PushKvDecoder()
+                async for item in requests:
+                    yield decoder.decode(push_codec.encode_push_item(item))
+
+            items = push_codec.push_items_from_wire(over_the_wire())
             return kv_messages.push_response_to_pb(await self.receiver.receive(items))
 
         async def get_transfer(request_id: str):
