@@ -11,7 +11,9 @@ One run, all on loopback in this process:
    receiver's confirmation) against its ideal (line rate + one RTT), and wire
    overhead per chunk (bytes the emulator carried beyond the payload);
 3. the shared-memory fast link — prepare, write, completion — against a plain
-   memory copy of the same bytes, the two alternating.
+   memory copy of the same bytes, the two alternating;
+4. the WAN push's CPU per MiB at each end, the receiver in a process of its own
+   (``push_cpu``: a P-MD burst of 16 prompts' KV, no emulator in the way).
 
 The JSON written to ``--out`` holds ``configured_mbps``, ``achieved_mbps`` (the
 WAN path for the largest size), ``fast_link_gbps``, ``memcpy_gbps`` and the
@@ -35,9 +37,6 @@ import grpc
 import numpy as np
 import structlog
 
-from pdd.gen.main_decode.v1 import main_decode_service_pb2_grpc as mdgrpc
-from pdd.kv import messages as convert
-from pdd.kv import push_codec
 from pdd.kv.checksum import ACCELERATED
 from pdd.kv.fast_link.receiver import FastLinkReceiver
 from pdd.kv.fast_link.region import PrepareRequest
@@ -49,9 +48,10 @@ from pdd.kv.receiver import KvReceiver, ReceiverConfig
 from pdd.kv.source import BytesSource
 from pdd.kv.transfer import make_header
 from pdd.kv.wan import KvPusher
-from pdd.server.handlers import register_overriding
 from pdd.telemetry.logging import configure_logging
 from pdd.testbed.link_emulator import LinkConfig, LinkEmulator
+from pdd.testbed.push_cpu import add_sink
+from pdd.testbed.push_cpu import measure as measure_push_cpu
 
 # 8 layers x K,V x 4 heads x 64 dims x bf16 = 8 KiB per token: sizes come out exact in MiB.
 _LAYOUT = KvLayout(KvDtype.BFLOAT16, num_layers=8, num_kv_heads=4, head_dim=64)  # 8 KiB per token
@@ -81,19 +81,6 @@ class BenchConfig:
             raise ValueError("chunk_kib: chunk and fast-link sizes must be positive")
         if self.probe_s <= 0:
             raise ValueError(f"probe_s: must be positive, got {self.probe_s}")
-
-
-class _Sink(mdgrpc.MainDecodeServiceServicer):
-    def __init__(self, receiver: KvReceiver) -> None:
-        self.receiver = receiver
-
-    async def PushKv(self, request_iterator, context):  # noqa: N802 — gRPC method name
-        status = await self.receiver.receive(push_codec.push_items_from_wire(request_iterator))
-        self.receiver.pop(status.request_id)
-        return convert.push_response_to_pb(status)
-
-    async def GetKvTransfer(self, request, context):  # noqa: N802
-        return convert.transfer_status_to_pb(self.receiver.status(request.request_id))
 
 
 async def _raw_link(config: LinkConfig, probe_s: float) -> dict[str, float]:
@@ -149,13 +136,7 @@ async def _wan_path(cfg: BenchConfig, link: LinkConfig) -> list[dict[str, float]
         on_complete=lambda kv: streamed.__setitem__(kv.header.request_id, kv.elapsed_s),
     )
     server = grpc.aio.server()
-    sink = _Sink(receiver)
-    register_overriding(
-        mdgrpc.add_MainDecodeServiceServicer_to_server,
-        sink,
-        server,
-        {"PushKv": push_codec.push_kv_handler(sink.PushKv)},
-    )
+    add_sink(server, receiver)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     rows = []
@@ -252,6 +233,7 @@ async def run_bench(cfg: BenchConfig) -> dict[str, object]:
     raw = await _raw_link(link, cfg.probe_s)
     wan = await _wan_path(cfg, link)
     fast = await _fast_link(cfg.fast_link_mb)
+    push_cpu = await measure_push_cpu()
     largest = max(wan, key=lambda r: r["size_mb"])
     bw_error = raw["emulator_mbps"] / cfg.mbps - 1
     rtt_error = raw["emulator_rtt_ms"] / (2 * cfg.delay_ms) - 1 if cfg.delay_ms else None
@@ -265,6 +247,7 @@ async def run_bench(cfg: BenchConfig) -> dict[str, object]:
         "emulator_rtt_error": round(rtt_error, 4) if rtt_error is not None else None,
         "wan": wan,
         **fast,
+        "wan_push_cpu": push_cpu,
         "targets": {
             "wan_ge_90pct_from_4mb": all(r["efficiency"] >= 0.9 for r in wan if r["size_mb"] >= 4),
             "emulator_bandwidth_within_5pct": abs(bw_error) <= 0.05,

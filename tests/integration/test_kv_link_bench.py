@@ -52,6 +52,11 @@ def test_bench_writes_configured_and_achieved_figures(tmp_path, capsys, restore_
         r["attempts"] == 1 and 0 < r["per_chunk_overhead_bytes"] < 4096 for r in result["wan"]
     )
     assert result["fast_link_gbps"] > 0 and result["memcpy_gbps"] > 0
+    # The push's CPU at each end: a P-MD burst of 16 prompts of 128 tokens, the receiver apart.
+    cpu = result["wan_push_cpu"]
+    assert (cpu["pushes"], cpu["push_bytes"], cpu["streams"]) == (16, 128 * 10 * 2 * 4 * 64 * 4, 4)
+    assert cpu["mib_per_s"] > 0 and cpu["burst_ms"] > 0
+    assert cpu["sender_cpu_ms_per_mib"] > 0 and cpu["receiver_cpu_ms_per_mib"] > 0
     assert set(result["targets"]) == {
         "wan_ge_90pct_from_4mb",
         "emulator_bandwidth_within_5pct",
@@ -79,3 +84,11 @@ async def test_a_fast_links_probe_is_capped_and_streamed(monkeypatch):
     raw = await link_bench._raw_link(LinkConfig(mbps=100_000, delay_ms=0), probe_s=1.0)
     assert raw["emulator_bytes"] == 8 * link_bench._MIB
     assert max(written) <= link_bench._MIB  # never the whole probe in one buffer
+
+
+def test_the_push_cpu_measure_needs_two_bursts_and_something_to_push():
+    from pdd.testbed.push_cpu import PushCpuConfig
+
+    for bad in ({"bursts": 1}, {"pushes": 0}, {"streams": 0}):
+        with pytest.raises(ValueError, match="pushes"):
+            PushCpuConfig(**bad)
