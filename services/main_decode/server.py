@@ -73,6 +73,17 @@ class MainDecodeServicer(pb_grpc.MainDecodeServiceServicer):
         return cache_report_to_pb(report, pb.DescribeCacheResponse)
 
 
+def register_servicer(servicer: MainDecodeServicer, server: grpc.aio.Server) -> None:
+    """``servicer`` on ``server``, ``PushKv``'s requests read by ``push_codec`` (chunks without
+    protobuf objects: the KV bytes not copied)."""
+    register_overriding(
+        pb_grpc.add_MainDecodeServiceServicer_to_server,
+        servicer,
+        server,
+        {"PushKv": push_codec.push_kv_handler(servicer.PushKv)},
+    )
+
+
 def build(config: MainDecodeConfig) -> ServiceSpec:
     instance = EngineInstance(config.instance, tls=config.server.tls)
     receiver = KvReceiver(config.receiver)
@@ -85,13 +96,7 @@ def build(config: MainDecodeConfig) -> ServiceSpec:
     servicer = MainDecodeServicer(instance, md, receiver)
 
     def register(server: grpc.aio.Server) -> None:
-        # NOTE: PushKv's requests are read without protobuf objects (the KV bytes not copied).
-        register_overriding(
-            pb_grpc.add_MainDecodeServiceServicer_to_server,
-            servicer,
-            server,
-            {"PushKv": push_codec.push_kv_handler(servicer.PushKv)},
-        )
+        register_servicer(servicer, server)
 
     return ServiceSpec(
         "main_decode",

@@ -51,7 +51,7 @@ from pdd.serving.kv_bridge import engine_layout, export_tokens, wire_bytes
 from pdd.serving.main_decode import MainDecode
 from pdd.serving.model_spec import load_model
 from pdd.wire.main_decode_client import MainDecodeClient
-from services.main_decode.server import MainDecodeServicer
+from services.main_decode.server import MainDecodeServicer, register_servicer
 
 MODEL = "tiny:3,ctx=256,layers=2,hidden=64,inter=128"
 VOCAB = 256
@@ -144,7 +144,7 @@ class Node:
         spec = ServiceSpec(
             "main_decode",
             [md_pb.DESCRIPTOR.services_by_name["MainDecodeService"].full_name],
-            lambda server: md_grpc.add_MainDecodeServiceServicer_to_server(servicer, server),
+            lambda server: register_servicer(servicer, server),  # NOTE: as the service does
         )
         self.server = GrpcServer(ServerConfig(port=0, grace_s=0.5), spec)
         await self.loop.start()
