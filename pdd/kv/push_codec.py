@@ -95,36 +95,35 @@ def _read_chunk(data: bytes) -> Chunk:
     if at + size != len(data):
         raise _Fallback
     view = memoryview(data)
-    fields: dict[int, object] = {}
+    spans: dict[int, memoryview] = {}  # request_id, data: views of the message
+    numbers: dict[int, int] = {}  # index, offset, crc32
     while at < len(data):
         tag = data[at]
-        if tag in fields:
+        if tag in spans or tag in numbers:
             raise _Fallback
         if tag in (_REQUEST_ID, _DATA):
             n, at = _read_varint(data, at + 1)
             if at + n > len(data):
                 raise _Fallback
-            fields[tag] = view[at : at + n]
+            spans[tag] = view[at : at + n]
             at += n
         elif tag in (_INDEX, _OFFSET, _CRC):
             value, at = _read_varint(data, at + 1)
             if value > (_U64 if tag == _OFFSET else _U32):
                 raise _Fallback
-            fields[tag] = value
+            numbers[tag] = value
         else:
             raise _Fallback
-    rid = fields.get(_REQUEST_ID)
     try:
-        request_id = str(rid, "utf-8") if isinstance(rid, memoryview) else ""
+        request_id = str(spans[_REQUEST_ID], "utf-8") if _REQUEST_ID in spans else ""
     except UnicodeDecodeError:
         raise _Fallback from None  # NOTE: protobuf's parser names the error
-    payload = fields.get(_DATA, view[0:0])
     return Chunk(
         request_id,
-        int(fields.get(_INDEX, 0)),  # type: ignore[call-overload]
-        int(fields.get(_OFFSET, 0)),  # type: ignore[call-overload]
-        payload,  # type: ignore[arg-type]
-        int(fields.get(_CRC, 0)),  # type: ignore[call-overload]
+        numbers.get(_INDEX, 0),
+        numbers.get(_OFFSET, 0),
+        spans.get(_DATA, view[0:0]),
+        numbers.get(_CRC, 0),
     )
 
 
