@@ -21,7 +21,10 @@ submitted at once, streaming, greedy, exactly ``--output-len`` tokens each (``ig
 - ``engine``: our engine in this process, stepped until every request is done (no hops at all);
 - ``vllm``: vLLM's ``/v1/completions``, streaming, token-id prompts;
 - ``stack-vllm`` / ``stack-vllm-http``: the same stack with ``--engine vllm`` (no relay), run on
-  the vLLM venv's Python (``served_vllm``), P-MD forced, by gRPC / HTTP (not by default).
+  the vLLM venv's Python (``served_vllm``), P-MD forced, by gRPC / HTTP (not by default);
+- ``grpc-p-md@b`` (any stack contender + ``@b``): the same on stack B, a second stack whose
+  services get ``--b-env NAME=VALUE`` too — a setting against the default through the same
+  noise, printed as B / A round by round (``served_ab``); without ``--b-env``, an A/A run.
 
 Contenders alternate round by round, so a noisy moment on the shared machine hits all alike;
 the ratios within one run are the figures to read (``served_overhead`` prints them against
@@ -47,7 +50,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import shutil
 import signal
@@ -63,97 +65,16 @@ from pdd.bench.cpu import process_cpu_s
 from pdd.bench.metrics import percentile
 from pdd.bench.py_spy import PySpy
 from pdd.bench.record import RequestResult
+from pdd.bench.served_ab import ab_table
 from pdd.bench.served_budget import budget_table, logged_hops, request_hops
-from pdd.bench.served_contenders import (
-    CLIENT,
-    STACK_CONTENDERS,
-    VLLM_STACK_CONTENDERS,
-    Contenders,
-    random_model,
+from pdd.bench.served_config import (
+    CONTENDERS,
+    PROFILED,
+    REFERENCE,
+    ServedConfig,
 )
+from pdd.bench.served_contenders import CLIENT, ON_B, Contenders, random_model
 from pdd.bench.served_overhead import emulator_table, overhead_table
-from pdd.testbed.placement import Placement
-
-DEFAULT_CONTENDERS = (*STACK_CONTENDERS, "engine", "vllm")
-# NOTE: the stack on vLLM is chosen by name only: three more vLLM starts (minutes each on 2 cores).
-CONTENDERS = (*DEFAULT_CONTENDERS, *VLLM_STACK_CONTENDERS)
-REFERENCE = "vllm"
-# Whatever needs the vLLM venv's Python: its server, and the stack whose services run vLLM.
-NEEDS_VLLM = ("vllm", *VLLM_STACK_CONTENDERS)
-# What ``--py-spy`` can profile: the first of these chosen (a stack, on our engine or vLLM).
-PROFILED = (*STACK_CONTENDERS, *VLLM_STACK_CONTENDERS)
-
-
-@dataclass(frozen=True)
-class ServedConfig:
-    concurrency: tuple[int, ...] = (1, 16, 32, 64)
-    contenders: tuple[str, ...] = DEFAULT_CONTENDERS
-    prompt_len: int = 128
-    output_len: int = 64
-    rounds: int = 3
-    # torch threads of every engine (ours in-process, the stack's, vLLM's OpenMP binding).
-    threads: int = 2
-    # A Hugging Face directory; "" = the random Llama below, written once.
-    model: str = ""
-    vllm_python: str = ".venv-vllm/bin/python"
-    # Extra flags of vLLM's server (e.g. ("--distributed-executor-backend", "uni")).
-    vllm_serve_flags: tuple[str, ...] = ()
-    vllm_startup_s: float = 900.0
-    request_timeout_s: float = 600.0
-    quiet_threshold: float = 0.15
-    quiet_max_wait_s: float = 30.0
-    # A py-spy binary: profile every stack process over the measured rounds ("" = no profile).
-    py_spy: str = ""
-    # CPUs kept for the frontends (``StackConfig.frontend_cpus``), the same for every contender:
-    # the stack's services there, its engines' steps on the rest; our engine in-process steps on
-    # the rest, the bench's client there; vLLM's OpenMP bound to the rest, its API server there.
-    frontend_cpus: int = 0
-
-    def __post_init__(self) -> None:
-        if not self.concurrency or any(n < 1 for n in self.concurrency):
-            raise ValueError(f"concurrency: each must be >= 1, got {list(self.concurrency)}")
-        unknown = [c for c in self.contenders if c not in CONTENDERS]
-        if not self.contenders or unknown:
-            raise ValueError(
-                f"contenders: choose from {', '.join(CONTENDERS)}, got {','.join(self.contenders)}"
-            )
-        if len(set(self.contenders)) != len(self.contenders):
-            raise ValueError(f"contenders: named twice in {','.join(self.contenders)}")
-        for name in ("prompt_len", "output_len", "rounds", "threads"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
-        if self.prompt_len < 2:
-            raise ValueError(
-                f"prompt_len: must be >= 2 (two tokens hold the counter), got {self.prompt_len}"
-            )
-        for name in ("vllm_startup_s", "request_timeout_s", "quiet_max_wait_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
-        if not 0 <= self.quiet_threshold <= 1:
-            raise ValueError(f"quiet_threshold: must be in [0, 1], got {self.quiet_threshold}")
-        if set(NEEDS_VLLM) & set(self.contenders) and not os.access(self.vllm_python, os.X_OK):
-            raise ValueError(
-                f"vllm_python: {self.vllm_python}: not an executable (make vllm-venv builds it)"
-            )
-        if self.py_spy and not os.access(self.py_spy, os.X_OK):
-            raise ValueError(f"py_spy: {self.py_spy}: not an executable")
-        if self.py_spy and not set(self.contenders) & set(PROFILED):
-            raise ValueError(f"py_spy: profiles the stack; choose one of {','.join(PROFILED)}")
-        if self.model and not (Path(self.model) / "config.json").is_file():
-            raise ValueError(f"model: {self.model}: not a Hugging Face directory (no config.json)")
-        if self.frontend_cpus:
-            placement = Placement.keeping(self.frontend_cpus)
-            assert placement is not None
-            if self.threads > len(placement.engine):
-                raise ValueError(
-                    f"threads: must be <= the {len(placement.engine)} CPUs --frontend-cpus "
-                    f"{self.frontend_cpus} leaves the engines, got {self.threads}"
-                )
-            placed_not = set(self.contenders) & set(VLLM_STACK_CONTENDERS)
-            if placed_not:
-                raise ValueError(
-                    f"frontend_cpus: not for {','.join(sorted(placed_not))} (the stack on vLLM)"
-                )
 
 
 def _int_list(text: str, name: str) -> tuple[int, ...]:
@@ -272,9 +193,9 @@ def _fmt(v: float | None, digits: int = 1) -> str:
 def table(results: Mapping[int, Mapping[str, dict]]) -> list[str]:
     """The printed table: one line per concurrency and contender, ratios to vLLM's median."""
     head = (
-        f"{'conc':>4} {'contender':<14}{'tok/s med':>10}{'best':>8}{'x vLLM':>8}"
+        f"{'conc':>4} {'contender':<16}{'tok/s med':>10}{'best':>8}{'x vLLM':>8}"
         f"{'TTFT p50':>10}{'TPOT p50':>10}{'tail p50':>10}{'CPU ms/tok':>11}"
-        f"{'same outputs':>16}  CPU ms/tok per process"
+        f"{'same outputs':>19}  CPU ms/tok per process"
     )
     lines = [head]
     for conc, by_name in results.items():
@@ -286,11 +207,11 @@ def table(results: Mapping[int, Mapping[str, dict]]) -> list[str]:
                 if v is None or v >= 0.005
             )
             lines.append(
-                f"{conc:>4} {name:<14}{s['median_tok_s']:>10.1f}{s['best_tok_s']:>8.1f}"
+                f"{conc:>4} {name:<16}{s['median_tok_s']:>10.1f}{s['best_tok_s']:>8.1f}"
                 f"{_fmt(ratio(s['median_tok_s'], ref), 2):>8}{_fmt(s['ttft_p50_ms']):>10}"
                 f"{_fmt(s['tpot_p50_ms']):>10}{_fmt(s['tail_p50_ms']):>10}"
                 f"{_fmt(s['cpu_ms_per_token_total'], 2):>11}"
-                f"{s.get('same_outputs_as', '-'):>16}  {per}"
+                f"{s.get('same_outputs_as', '-'):>19}  {per}"
                 + (f"  ERRORS {s['errors']}" if s["errors"] else "")
             )
     return lines
@@ -369,7 +290,7 @@ async def run(cfg: ServedConfig, workdir: Path) -> dict:
                     rounds.append(asdict(r) | {"busy_before": round(busy, 3)})
                     first_error = next((x.error_message for x in recs if not x.ok), "")
                     print(
-                        f"  n={conc:<3} round {k} {name:<14}{r.tok_s:9.1f} tok/s  "
+                        f"  n={conc:<3} round {k} {name:<16}{r.tok_s:9.1f} tok/s  "
                         f"(CPUs {busy:.0%} busy before)"
                         + (f"  {r.errors} errors: {first_error}" if r.errors else ""),
                         flush=True,
@@ -435,6 +356,15 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         help="keep the last N CPUs for every contender's frontends and the client, the engines "
         "on the rest (pdd up --frontend-cpus; vLLM's OpenMP bound there too)",
     )
+    ap.add_argument(
+        "--b-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="start stack B, a second stack whose services get this environment too "
+        f"(repeatable), for the contenders named with {ON_B} (grpc-p-md{ON_B}): a setting "
+        "against the default, rounds alternating",
+    )
     ap.add_argument("--json", type=Path, help="also write every round and the summary here")
     return ap.parse_args(argv)
 
@@ -454,7 +384,15 @@ def config_from(args: argparse.Namespace) -> ServedConfig:
         quiet_max_wait_s=args.quiet_max_wait,
         py_spy=args.py_spy,
         frontend_cpus=args.frontend_cpus,
+        b_env=tuple(_env_pair(text) for text in args.b_env),
     )
+
+
+def _env_pair(text: str) -> tuple[str, str]:
+    key, eq, value = text.partition("=")
+    if not eq:
+        raise ValueError(f"b_env: expected NAME=VALUE, got {text!r}")
+    return key, value
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -487,6 +425,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         overhead_table(report["results"]),
         emulator_table(report["results"]),
         budget_table(report["results"], cfg.output_len),
+        ab_table(report["rounds"], cfg.b_env),
     ):
         if extra:
             print("", *extra, sep="\n")

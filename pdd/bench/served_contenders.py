@@ -4,7 +4,11 @@
   gateway's ``Generate``, the pipeline forced) and ``http_stream`` (``/v1/completions``,
   streamed, the pipeline forced by the ``X-PDD-Pipeline`` header);
 - our engine in this process: ``engine_round`` steps it until every request is done;
-- vLLM's OpenAI server and the same stack on vLLM engines (``served_vllm``).
+- vLLM's OpenAI server and the same stack on vLLM engines (``served_vllm``);
+- stack B: a second stack beside the first, its services started with extra environment
+  (``ServedConfig.b_env``), served by the same contenders named with ``@b`` (``grpc-p-md@b``).
+  Its rounds alternate with the first stack's, so a setting is measured against the default
+  through the same noise; with no extra environment it measures that noise (an A/A run).
 
 ``route`` maps each contender's name to what serves its round.
 
@@ -37,7 +41,7 @@ from pdd.server import cpus as cpu_lists
 from pdd.testbed.placement import Placement
 
 if TYPE_CHECKING:
-    from pdd.bench.served import ServedConfig
+    from pdd.bench.served_config import ServedConfig
 
 CLIENT = "client"  # this process: the bench's own client side, not counted in a total
 # NOTE: ``*-md``: the gateway routes straight to MainDecode, which prefills too (the pipeline a
@@ -50,13 +54,15 @@ STACK_CONTENDERS = (
     "grpc-md",
     "http-md",
 )
-__all__ = ["CLIENT", "STACK_CONTENDERS", "VLLM_STACK_CONTENDERS", "children_of"]
+# A stack contender's name + this: the same contender served by stack B.
+ON_B = "@b"
+__all__ = ["CLIENT", "ON_B", "STACK_CONTENDERS", "VLLM_STACK_CONTENDERS", "children_of"]
 
 
 @dataclass(frozen=True)
 class Route:
-    """What serves a contender's round: ``server`` (stack, stack-vllm, engine, vllm), the door
-    it is reached by (grpc, http, or in-process), and the pipeline the gateway is told."""
+    """What serves a contender's round: ``server`` (stack, stack-b, stack-vllm, engine, vllm),
+    the door it is reached by (grpc, http, or in-process), and the pipeline the gateway is told."""
 
     server: str
     door: str
@@ -69,9 +75,10 @@ def route(name: str) -> Route:
         return Route("engine", "in-process")
     if name == "vllm":
         return Route("vllm", "http")
-    if name in STACK_CONTENDERS:
-        door, _, pipeline = name.partition("-")
-        return Route("stack", door, pipeline)
+    base, b, rest = name.partition(ON_B)
+    if base in STACK_CONTENDERS and not rest:
+        door, _, pipeline = base.partition("-")
+        return Route("stack-b" if b else "stack", door, pipeline)
     if name in VLLM_STACK_CONTENDERS:
         return Route("stack-vllm", "http" if name.endswith("-http") else "grpc", "p-md")
     raise ValueError(f"contenders: unknown contender {name!r}")
@@ -186,6 +193,14 @@ def engine_round(
     return list(recs.values())
 
 
+def _stack_pids(stack) -> dict[str, list[int]]:
+    """A stack's processes by name (its Redis too), whose CPU time its rounds are charged."""
+    pids = {p.name: [p.proc.pid] for p in stack.processes}
+    if stack.redis is not None:
+        pids["redis"] = [stack.redis.pid]
+    return pids
+
+
 def random_model(workdir: Path) -> Path:
     """The engine benchmark's random Llama (``peer_bench``'s shape), as safetensors."""
     from pdd.engine import tiny_model
@@ -228,7 +243,8 @@ class Contenders:
 
     def __init__(self, cfg: ServedConfig, workdir: Path) -> None:
         self.cfg, self.workdir = cfg, workdir
-        self.stack = self.engine = self.vllm = self.vllm_stack = self.http = self.vllm_http = None
+        self.stack = self.stack_b = self.engine = self.vllm = self.vllm_stack = None
+        self.http = self.vllm_http = None
         # Server ("stack", "stack-vllm") → (gRPC stub, HTTP base, served model name).
         self.doors: dict[str, tuple] = {}
         self._channels: list = []
@@ -243,11 +259,14 @@ class Contenders:
         me = {CLIENT: [os.getpid()]}
         if any(c in STACK_CONTENDERS for c in cfg.contenders):
             self.stack = self._start_stack(model_dir)
-            stack_pids = {p.name: [p.proc.pid] for p in self.stack.processes}
-            if self.stack.redis is not None:
-                stack_pids["redis"] = [self.stack.redis.pid]
+            stack_pids = _stack_pids(self.stack)
             for c in STACK_CONTENDERS:
                 self.pids[c] = {**stack_pids, **me}
+        on_b = [c for c in cfg.contenders if route(c).server == "stack-b"]
+        if on_b:
+            self.stack_b = self._start_stack(model_dir, "b", dict(cfg.b_env))
+            for c in on_b:
+                self.pids[c] = {**_stack_pids(self.stack_b), **me}
         if self.placement is not None:
             # NOTE: after the stack started (it reads this process's CPUs): this process's
             # OpenMP team (our engine in-process) onto the engine CPUs, where it stays; the
@@ -289,7 +308,8 @@ class Contenders:
         if self.placement is not None:
             cpu_lists.place(self.placement.frontend)
 
-    def _start_stack(self, model_dir: Path):
+    def _start_stack(self, model_dir: Path, label: str = "", env: dict[str, str] | None = None):
+        """``pdd up``'s stack on the model; ``label`` names a second one (its logs, its index)."""
         from pdd.testbed.launcher import free_port
         from pdd.testbed.stack import Stack, StackConfig
 
@@ -299,11 +319,14 @@ class Contenders:
             http_port=free_port(),
             metrics=False,
             engine_flags=("--threads", str(self.cfg.threads)),
-            log_dir=self.workdir / "logs",
-            key_prefix=f"served{time.time_ns():x}",
+            log_dir=self.workdir / (f"logs-{label}" if label else "logs"),
+            key_prefix=f"served{label}{time.time_ns():x}",
             frontend_cpus=self.cfg.frontend_cpus,
+            env=env or {},
         )
-        print(f"starting the stack; logs {config.log_dir}", flush=True)
+        extra = " ".join(f"{k}={v}" for k, v in (env or {}).items())
+        name = f"stack {label.upper()}" if label else "the stack"
+        print(f"starting {name}{f' ({extra})' if extra else ''}; logs {config.log_dir}", flush=True)
         stack = Stack(config).start()
         try:
             _wait_ready(f"http://{stack.http_address}", 120.0)
@@ -327,8 +350,9 @@ class Contenders:
             connector=aiohttp.TCPConnector(limit=0, force_close=True), timeout=timeout
         )
         gateways = {}
-        if self.stack is not None:
-            gateways["stack"] = (self.stack.gateway.address, f"http://{self.stack.http_address}")
+        for server, stack in (("stack", self.stack), ("stack-b", self.stack_b)):
+            if stack is not None:
+                gateways[server] = (stack.gateway.address, f"http://{stack.http_address}")
         if self.vllm_stack is not None:
             gateways["stack-vllm"] = (self.vllm_stack.gateway_address, self.vllm_stack.http_base)
         for server, (address, base) in gateways.items():
@@ -350,14 +374,17 @@ class Contenders:
             self.vllm.close()
         if self.vllm_stack is not None:
             self.vllm_stack.close()
-        if self.stack is not None:
-            self.stack.stop()
+        for stack in (self.stack, self.stack_b):
+            if stack is not None:
+                stack.stop()
 
     def log_dir(self, name: str) -> Path | None:
         """Where the services serving ``name`` write their logs (None: not a stack)."""
         server = route(name).server
         if server == "stack" and self.stack is not None:
             return self.stack.config.log_dir
+        if server == "stack-b" and self.stack_b is not None:
+            return self.stack_b.config.log_dir
         if server == "stack-vllm" and self.vllm_stack is not None:
             return self.workdir / "logs-vllm"
         return None

@@ -36,7 +36,7 @@ import pdd
 from pdd.server import cpus as cpu_lists
 
 if TYPE_CHECKING:
-    from pdd.bench.served import ServedConfig
+    from pdd.bench.served_config import ServedConfig
     from pdd.testbed.placement import Placement
     from pdd.testbed.stack import StackConfig
 

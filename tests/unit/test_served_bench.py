@@ -138,6 +138,11 @@ def test_engine_round_matches_generate():
         (["--prompt-len", "1"], "prompt_len"),
         (["--contenders", "engine", "--model", "/nonexistent"], "model"),
         (["--contenders", "vllm", "--vllm-python", "/nonexistent/python"], "vllm_python"),
+        (["--contenders", "engine@b"], "contenders"),
+        (["--contenders", "grpc-md@b@b"], "contenders"),
+        (["--contenders", "grpc-md", "--b-env", "X=1"], "b_env"),
+        (["--contenders", "grpc-md@b", "--b-env", "NO_VALUE"], "b_env"),
+        (["--contenders", "grpc-md@b", "--b-env", "=1"], "b_env"),
     ],
 )
 def test_bad_flags_are_one_line(argv, field, capsys):

@@ -36,7 +36,7 @@ def test_every_contender_has_a_route():
 
 
 def test_the_stack_on_vllm_is_chosen_by_name_only(tmp_path):
-    assert not set(ServedConfig().contenders) & set(served.VLLM_STACK_CONTENDERS)
+    assert not set(ServedConfig().contenders) & set(served_vllm.VLLM_STACK_CONTENDERS)
     args = served._parse(["--contenders", "stack-vllm,vllm", "--vllm-python", sys.executable])
     assert served.config_from(args).contenders == ("stack-vllm", "vllm")
     # It runs its services on the vLLM venv's Python: that one must exist, even without `vllm`.
