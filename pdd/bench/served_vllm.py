@@ -109,9 +109,9 @@ class VllmServer:
         # VLLM_CPU_OMP_THREADS_BIND does), and the API server moves to the frontend CPUs.
         env = vllm_env(cfg.threads, cpu_lists.format_cpus(placement.engine) if placement else "")
         env["PYTHONSAFEPATH"] = "1"  # NOTE: pdd/bench's trace.py must not shadow the stdlib's
-        if pdd.OMP_WAIT_POLICY_SET_HERE:
+        if pdd.OMP_SPIN_SET_HERE:
             # NOTE: vLLM's server as its users run it: PDD's OpenMP default is PDD's, not theirs.
-            env.pop("OMP_WAIT_POLICY", None)
+            env.pop("GOMP_SPINCOUNT", None)
         self._log = open(log_path, "w")  # noqa: SIM115 — closed by close()
         argv = serve_argv(cfg, model_dir, self.port)
         self.proc = subprocess.Popen(
