@@ -23,11 +23,19 @@ def _p50(values: Sequence[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def paired_ratios(rounds: Sequence[Mapping[str, Any]]) -> dict[tuple[int, str], list[float]]:
-    """(concurrency, A's contender) → B's tok/s over A's, round by round (rounds both served)."""
+def _by_contender(
+    rounds: Sequence[Mapping[str, Any]],
+) -> dict[tuple[int, str], list[Mapping[str, Any]]]:
+    """(concurrency, contender) → its rounds, in round order."""
     by: dict[tuple[int, str], list[Mapping[str, Any]]] = {}
     for r in rounds:
         by.setdefault((r["concurrency"], r["contender"]), []).append(r)
+    return by
+
+
+def paired_ratios(rounds: Sequence[Mapping[str, Any]]) -> dict[tuple[int, str], list[float]]:
+    """(concurrency, A's contender) → B's tok/s over A's, round by round (rounds both served)."""
+    by = _by_contender(rounds)
     out: dict[tuple[int, str], list[float]] = {}
     for (conc, name), b_rounds in by.items():
         base = name.removesuffix(ON_B)
@@ -43,9 +51,7 @@ def ab_table(rounds: Sequence[Mapping[str, Any]], b_env: Sequence[tuple[str, str
     ratios = paired_ratios(rounds)
     if not ratios:
         return []
-    by: dict[tuple[int, str], list[Mapping[str, Any]]] = {}
-    for r in rounds:
-        by.setdefault((r["concurrency"], r["contender"]), []).append(r)
+    by = _by_contender(rounds)
     setting = " ".join(f"{k}={v}" for k, v in b_env) or "nothing changed: an A/A run"
     head = (
         f"{'conc':>4} {'contender':<16}{'A tok/s':>9}{'B tok/s':>9}{'B/A':>7}"

@@ -7,6 +7,7 @@ field); the command line (``served._parse``) only reads them.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +22,8 @@ REFERENCE = "vllm"
 NEEDS_VLLM = ("vllm", *VLLM_STACK_CONTENDERS)
 # What ``--py-spy`` can profile: the first of these chosen (a stack, on our engine or vLLM).
 PROFILED = (*STACK_CONTENDERS, *VLLM_STACK_CONTENDERS)
+# What ``--b-env`` may name: a POSIX shell's variable name.
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 @dataclass(frozen=True)
@@ -70,7 +73,7 @@ class ServedConfig:
                 f"b_env: no contender runs on stack B; name one as grpc-p-md{ON_B} (say)"
             )
         for key, _ in self.b_env:
-            if not key or "=" in key or not key.replace("_", "a").isalnum():
+            if not ENV_NAME.fullmatch(key):
                 raise ValueError(f"b_env: {key!r} is not an environment variable's name")
         if len(set(self.contenders)) != len(self.contenders):
             raise ValueError(f"contenders: named twice in {','.join(self.contenders)}")

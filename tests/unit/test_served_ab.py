@@ -26,8 +26,9 @@ def test_b_env_rules():
     assert ServedConfig(contenders=("grpc-md@b",)).b_env == ()  # an A/A run
     with pytest.raises(ValueError, match="^b_env: no contender runs on stack B"):
         ServedConfig(contenders=("grpc-md",), b_env=(("X", "1"),))
-    with pytest.raises(ValueError, match="^b_env: 'A-B' is not an environment variable's name"):
-        ServedConfig(contenders=("grpc-md@b",), b_env=(("A-B", "1"),))
+    for bad in ("A-B", "1X", "", "É"):
+        with pytest.raises(ValueError, match=f"^b_env: '{bad}' is not an environment variable"):
+            ServedConfig(contenders=("grpc-md@b",), b_env=((bad, "1"),))
     with pytest.raises(ValueError, match="^contenders: @b names a stack contender"):
         ServedConfig(contenders=("stack-vllm@b",))
     args = served._parse(["--contenders", "grpc-md@b", "--b-env", "A=1", "--b-env", "B=x=y"])
