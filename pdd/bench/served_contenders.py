@@ -245,7 +245,7 @@ class Contenders:
         self.cfg, self.workdir = cfg, workdir
         self.stack = self.stack_b = self.engine = self.vllm = self.vllm_stack = None
         self.http = self.vllm_http = None
-        # Server ("stack", "stack-vllm") → (gRPC stub, HTTP base, served model name).
+        # Server ("stack", "stack-b", "stack-vllm") → (gRPC stub, HTTP base, served model name).
         self.doors: dict[str, tuple] = {}
         self._channels: list = []
         # Contender → process name → the pids whose CPU time a round of it is charged.
@@ -265,8 +265,9 @@ class Contenders:
         on_b = [c for c in cfg.contenders if route(c).server == "stack-b"]
         if on_b:
             self.stack_b = self._start_stack(model_dir, "b", dict(cfg.b_env))
+            b_pids = _stack_pids(self.stack_b)
             for c in on_b:
-                self.pids[c] = {**_stack_pids(self.stack_b), **me}
+                self.pids[c] = {**b_pids, **me}
         if self.placement is not None:
             # NOTE: after the stack started (it reads this process's CPUs): this process's
             # OpenMP team (our engine in-process) onto the engine CPUs, where it stays; the
