@@ -43,6 +43,7 @@ from pdd.engine.kv_cache import KvCache
 from pdd.engine.kv_wire import KvPayload
 from pdd.engine.model_config import ModelConfig, parse_dtype
 from pdd.engine.model_runner import ModelRunner
+from pdd.engine.panel_gemm import enabled as panel_gemm_enabled
 from pdd.engine.rope import RotaryTable
 from pdd.engine.sampler import Sampler
 from pdd.engine.sampling import Logprob, SamplingParams, ranked_logprobs
@@ -86,6 +87,8 @@ class Engine:
         self.model = build_model(ckpt, self.dtype, self.device)
         if config.prepack_weights:
             self.model.pack_weights()
+        if panel_gemm_enabled(config.panel_gemm, self.device, self.dtype):
+            self.model.pack_panels()
         self.model.use_fused(fused_ops_enabled(config.fused_ops, self.device, self.dtype))
         self.kv = KvCache(
             mc.num_layers,

@@ -3,7 +3,8 @@
 ``csrc/paged_decode.cpp`` (decode attention read in place from the paged pool) and
 ``csrc/fused_ops.cpp`` (RMSNorm with the residual add, SiLU·mul, RoPE in place) and
 ``csrc/decode_forward.cpp`` (a whole decode step's forward in one call, on those) and
-``csrc/argmax_rows.cpp`` (greedy sampling's first maximum per row) are compiled
+``csrc/argmax_rows.cpp`` (greedy sampling's first maximum per row) and ``csrc/panel_gemm.cpp``
+(decode-sized matmuls on weights in 16-column panels, ``panel_gemm``) are compiled
 together with ``torch.utils.cpp_extension`` (a C++ compiler and ninja are needed; ~15 s) into
 ``pdd_kernels-torch<version>/`` under ``TORCH_EXTENSIONS_DIR`` (default
 ``~/.cache/torch_extensions``): later processes load the built library in well under a second,
@@ -17,6 +18,7 @@ from __future__ import annotations
 import fcntl
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +33,7 @@ SOURCES = (
     CSRC / "fused_ops.cpp",
     CSRC / "decode_forward.cpp",
     CSRC / "argmax_rows.cpp",
+    CSRC / "panel_gemm.cpp",
 )
 
 _lock = threading.Lock()
@@ -50,8 +53,17 @@ class Use:
     fallback_path: str  # the path taken without them
 
 
-def enabled(use: Use, requested: bool, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``use`` should run on the kernels here (building them if needed); logs why once."""
+def enabled(
+    use: Use,
+    requested: bool,
+    device: torch.device,
+    dtype: torch.dtype,
+    unsupported: Callable[[], str] | None = None,
+) -> bool:
+    """Whether ``use`` should run on the kernels here (building them if needed); logs why once.
+
+    ``unsupported``, asked once the kernels are loaded: why this machine cannot run ``use``
+    (e.g. a missing instruction set), or "" when it can."""
     error = ""
     if not requested:
         reason = "disabled_by_config"
@@ -64,7 +76,7 @@ def enabled(use: Use, requested: bool, device: torch.device, dtype: torch.dtype)
     else:
         try:
             load()
-            reason = ""
+            reason = unsupported() if unsupported is not None else ""
         except Exception as exc:
             reason, error = "build_failed", str(exc)[-2000:]
     if (use.event, reason) not in _logged:

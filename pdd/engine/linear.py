@@ -8,6 +8,8 @@ runs 440-520 GFLOP/s from 65 to 4,096 rows where MKL's GEMM runs 150-220 (MKL ta
 slower code path on non-Intel CPUs), 1.3-3x faster at 1-8 rows, and 3.3x for the LM head's
 single row. That was the engine's whole prefill gap to vLLM (``docs/engine-performance.md``).
 The cost is a second copy of every weight; ``weight_t`` serves when packing is unsupported.
+Decode-sized inputs go to a third copy in 16-column panels when ``pack_panels`` made one
+(``panel_gemm``: oneDNN leaves the cores waiting on the weight stream at those row counts).
 
 NOTE: oneDNN builds (JIT-compiles) and caches one primitive per distinct row count, each
 holding ~0.6 MiB; prefill chunks of every length once grew a process's resident memory by
@@ -22,6 +24,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
+from pdd.engine import panel_gemm
 
 
 def packing_supported(weight: torch.Tensor) -> bool:
@@ -49,6 +53,7 @@ class Linear(nn.Module):
         self.weight_t = nn.Parameter(torch.empty(in_features, out_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed: torch.Tensor | None = None  # oneDNN-blocked [out, in]; see ``pack``
+        self.panels: torch.Tensor | None = None  # [ceil(out / 16), in, 16]; see ``pack_panels``
 
     @torch.no_grad()
     def pack(self) -> bool:
@@ -59,7 +64,17 @@ class Linear(nn.Module):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, self.PACK_HINT_ROWS)
         return True
 
+    @torch.no_grad()
+    def pack_panels(self) -> None:
+        """Keep a copy of the weight in 16-column panels: decode-sized inputs (up to
+        ``MAX_EXACT_ROWS`` rows) then multiply on ``panel_gemm``'s kernel (call again after
+        changing the weight)."""
+        self.panels = panel_gemm.pack(self.weight_t.detach())
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.panels is not None and x.shape[0] <= self.MAX_EXACT_ROWS:
+            bias = None if self.bias is None else self.bias.detach()
+            return panel_gemm.linear(x, self.panels, bias, self.weight_t.shape[1])
         if self.packed is None:
             if self.bias is None:
                 return torch.mm(x, self.weight_t)

@@ -118,8 +118,8 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.fused = False
-        # (weights, biases) of ``decode_forward`` when it can run (see ``use_fused``), else None
-        self._decode_args: tuple[list[torch.Tensor], list[torch.Tensor | None]] | None = None
+        # (weights, biases, panels) of ``decode_forward`` when it can run (see ``use_fused``)
+        self._decode_args: tuple[list, list, list] | None = None
 
     def use_fused(self, on: bool) -> None:
         """Run the compiled fused ops (``fused``; CPU float32 only) or the eager ones."""
@@ -128,13 +128,14 @@ class LlamaModel(nn.Module):
             layer.self_attn.fused = on
         self._decode_args = self._decode_forward_args() if on else None
 
-    def _decode_forward_args(self) -> tuple[list, list] | None:
-        """Every layer's weights and biases in ``decode_forward``'s order; None unless every
-        projection is prepacked (the op multiplies only oneDNN-packed weights)."""
+    def _decode_forward_args(self) -> tuple[list, list, list] | None:
+        """Every layer's weights, biases and panels (``pack_panels``; each None where not made)
+        in ``decode_forward``'s order; None unless every projection is prepacked (the op
+        multiplies oneDNN-packed weights where it has no panels, and taller inputs)."""
         projections = [m for m in self.modules() if isinstance(m, Linear)]
         if any(p.packed is None for p in projections):
             return None
-        weights, biases = [], []
+        weights, biases, panels = [], [], []
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             weights += [layer.input_layernorm.weight, attn.qkv_proj.packed, attn.o_proj.packed]
@@ -142,7 +143,10 @@ class LlamaModel(nn.Module):
             weights += [mlp.gate_up_proj.packed, mlp.down_proj.packed]
             biases += [attn.qkv_proj.bias, attn.o_proj.bias]
             biases += [mlp.gate_up_proj.bias, mlp.down_proj.bias]
-        return weights, biases
+            panels += [attn.qkv_proj.panels, attn.o_proj.panels]
+            panels += [mlp.gate_up_proj.panels, mlp.down_proj.panels]
+        panels.append(self.lm_head.panels)
+        return weights, biases, panels
 
     def forward(
         self,
@@ -165,7 +169,7 @@ class LlamaModel(nn.Module):
             and meta.decode_context_lens is not None
             and n <= Linear.MAX_CALL_ROWS
         ):
-            weights, biases = self._decode_args
+            weights, biases, panels = self._decode_args
             return torch.ops.pdd.decode_forward(
                 input_ids,
                 cos,
@@ -173,6 +177,7 @@ class LlamaModel(nn.Module):
                 self.embed_tokens.weight,
                 weights,
                 biases,
+                panels,
                 self.norm.weight,
                 self.lm_head.packed,
                 cache.data,
@@ -217,6 +222,13 @@ class LlamaModel(nn.Module):
         if logit_rows is not None:
             x = x.index_select(0, logit_rows)  # [S, hidden]
         return self.lm_head.forward(x).float()
+
+    def pack_panels(self) -> None:
+        """Keep every projection in 16-column panels for decode-sized inputs (``panel_gemm``)."""
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.pack_panels()
+        self.use_fused(self.fused)  # NOTE: decode_forward holds the panels: renew them
 
     def pack_weights(self) -> bool:
         """Prepack every projection for oneDNN (CPU float32; see ``linear``); False if unsupported."""

@@ -84,19 +84,31 @@ def test_taken_only_where_it_can_run():
     assert one_call.model._decode_args[0][1] is not old
     assert one_call.model._decode_args[0][1] is one_call.model.layers[0].self_attn.qkv_proj.packed
     assert one_call.generate(prompts, params) == expected
+    # and re-making the panels renews those (each projection's four, then the LM head's)
+    one_call.model.pack_panels()
+    qkv = one_call.model.layers[0].self_attn.qkv_proj
+    assert one_call.model._decode_args[2][0] is qkv.panels is not None
+    assert one_call.model._decode_args[2][-1] is one_call.model.lm_head.panels
+    assert one_call.generate(prompts, params) == expected
 
 
 def test_malformed_inputs_are_refused_naming_the_op_and_field():
     engine = Engine(tiny_model(5, num_layers=2), EngineConfig(num_blocks=16))
     model, cache = engine.model, engine.runner.cache
-    weights, biases = model._decode_args
+    weights, biases, panels = model._decode_args
     ids = torch.tensor([1, 2])
     cos = sin = torch.zeros(2, 1, model.config.head_dim)
     tables, lens = torch.zeros(2, 1, dtype=torch.long), torch.ones(2, dtype=torch.long)
 
-    def call(weights=weights, biases=biases, kv=cache.data, num_heads=model.config.num_heads):
+    def call(
+        weights=weights,
+        biases=biases,
+        panels=panels,
+        kv=cache.data,
+        num_heads=model.config.num_heads,
+    ):
         return torch.ops.pdd.decode_forward(
-            ids, cos, sin, model.embed_tokens.weight, weights, biases, model.norm.weight,
+            ids, cos, sin, model.embed_tokens.weight, weights, biases, panels, model.norm.weight,
             model.lm_head.packed, kv, torch.tensor([16, 17]), tables, lens, num_heads, 2, 1e-6,
         )  # fmt: skip
 
@@ -106,6 +118,8 @@ def test_malformed_inputs_are_refused_naming_the_op_and_field():
         call(weights=weights[:-1])
     with pytest.raises(RuntimeError, match=r"decode_forward: biases must hold 4 entries per layer"):
         call(biases=biases[:-1])
+    with pytest.raises(RuntimeError, match=r"decode_forward: panels must hold 4 entries per layer"):
+        call(panels=panels[:-1])
     with pytest.raises(RuntimeError, match=r"decode_forward: kv must be a contiguous"):
         call(kv=cache.data[0])
     with pytest.raises(RuntimeError, match=r"decode_forward: num_heads must be a multiple"):

@@ -4,6 +4,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <optional>
+
 namespace pdd_ops {
 
 // fused_ops.cpp
@@ -15,5 +17,9 @@ void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& signed_sin);
 // paged_decode.cpp
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& blocks, const at::Tensor& block_tables,
                         const at::Tensor& context_lens, double scale);
+
+// panel_gemm.cpp
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
+                        int64_t out_features);
 
 }  // namespace pdd_ops
