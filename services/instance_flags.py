@@ -72,6 +72,10 @@ ENGINE = Settings(
     Flag("dtype", "compute/KV dtype, '' = the checkpoint's"),
     Flag("device", "cpu | cuda[:N] | auto"),
     Flag("prepack_weights", "multiply by a oneDNN-prepacked weight copy (CPU float32)"),
+    Flag(
+        "panel_gemm",
+        "decode-sized matmuls on a weight copy in 16-column panels (CPU float32, AVX-512F)",
+    ),
     title="engine",
 )
 

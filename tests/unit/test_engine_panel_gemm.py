@@ -28,7 +28,8 @@ def _reference(x, weight_t, bias):
 
 
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 40, 64])
-@pytest.mark.parametrize("k,n", [(8, 16), (100, 40), (512, 96), (1536, 33)])
+# (64, 4100): 257 panels in runs of 64, more runs than threads, the last run and panel partial
+@pytest.mark.parametrize("k,n", [(8, 16), (100, 40), (512, 96), (1536, 33), (64, 4100)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_it_multiplies_as_float64_does(rows, k, n, with_bias):
     gen = torch.Generator().manual_seed(rows * 1000 + k + n)

@@ -5,9 +5,13 @@
 // from DRAM once a step (the benchmark model's 191 MB; the caches hold none of it). oneDNN's GEMM at
 // 16 rows runs the benchmark model's projections at 55-70 % of this host's FMA peak from DRAM,
 // against ~100 % when the same weight sits in L3: the core waits on memory between its FMAs.
-// Here each thread walks a contiguous run of panels, one sequential stream, and prefetches 32 KB
-// ahead into L2; measured at 16 rows (min of 12 interleaved rounds, two threads): the LM head
-// 2.9 against 4.0 ms, gate_up 310 against 430 us, down 190 against 210 us.
+// Here each thread walks runs of ~256 KB of panels, each one sequential stream, and prefetches
+// 32 KB ahead into L2; measured at 16 rows (min of 12 interleaved rounds, two threads): the LM
+// head 2.9 against 4.0 ms, gate_up 310 against 430 us, down 190 against 210 us. The runs go to
+// whichever thread is free (an atomic counter), not one fixed half to each: on a host whose other
+// processes wake on its cores (a one-host stack's frontends) a preempted thread used to hold up
+// the whole matmul; measured, decode steps in-process beside a load of ~27 % of one core: 17.9-19.9
+// ms against 23.0 with fixed halves (14.1-15.4 either way without the load).
 //
 // Layout: panels [ceil(N / 16), K, 16]: panels[p, k, j] = W[k, 16 p + j] (W = weight_t [K, N]),
 // the last panel zero-padded. y[m, n] = sum over k, in order, of x[m, k] * W[k, n] (one fused
@@ -21,6 +25,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <optional>
 
 #include "ops.h"
@@ -37,6 +42,7 @@ namespace {
 constexpr int64_t kPanel = 16;          // columns a panel (one AVX-512 register of floats)
 constexpr int64_t kRowBlock = 16;       // rows a pass over a panel: 16 accumulators
 constexpr int64_t kPrefetchRows = 512;  // k-rows of a panel prefetched ahead: 32 KB
+constexpr int64_t kRunBytes = 256 * 1024;  // a run of panels a thread takes at a time
 
 struct Job {
   const float* xt;      // x transposed: [K, M]
@@ -51,15 +57,17 @@ struct Job {
 
 // y[m0 : m0 + R, 16 p : 16 p + 16] of one panel; the first row block also prefetches ahead.
 template <int R>
-PDD_AVX512 __attribute__((always_inline)) inline void panel_rows(const Job& j, int64_t p, int64_t m0, bool prefetch) {
+PDD_AVX512 __attribute__((always_inline)) inline void panel_rows(const Job& j, int64_t p, int64_t m0, bool prefetch,
+                                                                 const float* stop) {
   const float* w = j.panels + p * j.K * kPanel;
   const float* x = j.xt + m0;
   __m512 acc[R];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t k = 0; k < j.K; ++k) {
-    // NOTE: past the end of the weights this only names an address: a prefetch never faults.
-    if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(w + (k + kPrefetchRows) * kPanel), _MM_HINT_T1);
+    // NOTE: only within this thread's run of panels (`stop`): the next run may be another's.
+    const float* ahead = w + (k + kPrefetchRows) * kPanel;
+    if (prefetch && ahead < stop) _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T1);
     const __m512 b = _mm512_loadu_ps(w + k * kPanel);
     const float* xk = x + k * j.M;
 #pragma GCC unroll 16
@@ -77,13 +85,14 @@ PDD_AVX512 __attribute__((always_inline)) inline void panel_rows(const Job& j, i
 }
 
 PDD_AVX512 void panel_range(const Job& j, int64_t p0, int64_t p1) {
+  const float* stop = j.panels + p1 * j.K * kPanel;
   for (int64_t p = p0; p < p1; ++p) {
     for (int64_t m0 = 0; m0 < j.M; m0 += kRowBlock) {
       const bool prefetch = m0 == 0;  // later row blocks find the panel in L1/L2
       switch (std::min(kRowBlock, j.M - m0)) {
 #define PDD_ROWS(n)                      \
   case n:                                \
-    panel_rows<n>(j, p, m0, prefetch);   \
+    panel_rows<n>(j, p, m0, prefetch, stop); \
     break;
         PDD_ROWS(1) PDD_ROWS(2) PDD_ROWS(3) PDD_ROWS(4) PDD_ROWS(5) PDD_ROWS(6) PDD_ROWS(7) PDD_ROWS(8)
         PDD_ROWS(9) PDD_ROWS(10) PDD_ROWS(11) PDD_ROWS(12) PDD_ROWS(13) PDD_ROWS(14) PDD_ROWS(15) PDD_ROWS(16)
@@ -116,8 +125,15 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const std
   const at::Tensor xt = x.t().contiguous();  // [K, M]: a k's rows side by side, for the broadcasts
   const Job job{xt.data_ptr<float>(), panels.data_ptr<float>(), bias ? bias->data_ptr<float>() : nullptr,
                 y.data_ptr<float>(), M, K, N};
-  // NOTE: at::parallel_for gives each thread one contiguous run of panels: one sequential stream.
-  at::parallel_for(0, NP, 1, [&](int64_t p0, int64_t p1) { panel_range(job, p0, p1); });
+  // Runs of ~256 KB of panels, taken in turn by whichever thread is free: a thread the kernel
+  // preempts (another process on its core) stalls only the run it holds, not the whole matmul.
+  const int64_t run = std::max<int64_t>(1, kRunBytes / (K * kPanel * static_cast<int64_t>(sizeof(float))));
+  const int64_t runs = (NP + run - 1) / run;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), runs), 1, [&](int64_t, int64_t) {
+    for (int64_t r; (r = next.fetch_add(1, std::memory_order_relaxed)) < runs;)
+      panel_range(job, r * run, std::min(NP, (r + 1) * run));
+  });
   return y;
 }
 
