@@ -170,6 +170,8 @@ class LlamaModel(nn.Module):
             and n <= Linear.MAX_CALL_ROWS
         ):
             weights, biases, panels = self._decode_args
+            if n > Linear.MAX_EXACT_ROWS:
+                panels = [None] * len(panels)  # NOTE: as Linear.forward: oneDNN past that
             return torch.ops.pdd.decode_forward(
                 input_ids,
                 cos,

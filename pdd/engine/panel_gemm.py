@@ -6,10 +6,10 @@ GEMM leaves the cores waiting on that stream between FMAs. The kernel walks each
 panels as one sequential stream and prefetches 32 KB ahead (numbers in the source and in
 ``docs/engine-performance.md``, "Decode matmuls on weight panels").
 
-A model uses it when ``EngineConfig.panel_gemm`` is set (the default), it runs CPU float32 with
-oneDNN-prepacked weights (prefill keeps those), the CPU has AVX-512F, ``PDD_PANEL_GEMM`` is not
-``0`` (an operator's off switch) and the kernels build; which, and why not, is logged once. The
-cost is a third copy of every projection's weight.
+A model uses it when ``EngineConfig.panel_gemm`` is set (the default), it runs CPU float32, the
+CPU has AVX-512F, ``PDD_PANEL_GEMM`` is not ``0`` (an operator's off switch) and the kernels
+build; which, and why not, is logged once. Taller inputs (prefill) keep oneDNN's prepacked
+weight, or ``weight_t`` without one. The cost is one more copy of every projection's weight.
 
 Numbers: each output sums its products in ``k`` order with one fused multiply-add each, which
 is oneDNN's own order at these row counts for ``K <= 512`` (bit-identical there, measured); a

@@ -37,7 +37,6 @@ namespace {
 
 constexpr int64_t kWeightsPerLayer = 6;
 constexpr int64_t kBiasesPerLayer = 4;  // and panels: qkv, o, gate_up, down (+ the LM head's last)
-constexpr int64_t kMaxExactRows = 64;   // linear.Linear.MAX_EXACT_ROWS
 
 // mkldnn::_linear_pointwise(X, W_packed, B?, attr, scalars, algorithm): what linear.Linear calls.
 at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b) {
@@ -50,11 +49,12 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& w, const std::op
 }
 
 // x [rows, in] -> [rows, out], as linear.Linear.forward: on the weight's panels (panel_gemm.cpp)
-// for a decode-sized input when it has them, else oneDNN's, multiplied as `padded` rows.
+// when given them (the caller gives none past Linear.MAX_EXACT_ROWS rows), else oneDNN's,
+// multiplied as `padded` rows.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b,
                   const std::optional<at::Tensor>& panels, int64_t padded) {
   const int64_t rows = x.size(0);
-  if (panels && rows <= kMaxExactRows) return pdd_ops::panel_linear(x, *panels, b, w.size(0));
+  if (panels) return pdd_ops::panel_linear(x, *panels, b, w.size(0));
   if (padded == rows) return onednn_linear(x, w, b);
   return onednn_linear(at::constant_pad_nd(x, {0, 0, 0, padded - rows}), w, b).narrow(0, 0, rows);
 }
