@@ -50,6 +50,19 @@ def test_a_partial_last_panel_writes_only_its_columns():
     assert panel_gemm.linear(x[:0], panel_gemm.pack(weight_t), None, 20).shape == (0, 20)
 
 
+def test_a_call_does_not_read_what_an_earlier_one_left_behind():
+    """x is transposed into a buffer the calling thread keeps between calls: a smaller call after a
+    larger one (and the larger one again) must see only its own rows."""
+    gen = torch.Generator().manual_seed(11)
+    shapes = [(40, 1536, 33), (1, 8, 16), (17, 100, 40), (40, 1536, 33), (3, 64, 20)]
+    for rows, k, n in shapes:
+        x, weight_t = torch.randn(rows, k, generator=gen), torch.randn(k, n, generator=gen)
+        got = panel_gemm.linear(x, panel_gemm.pack(weight_t), None, n)
+        torch.testing.assert_close(
+            got.double(), _reference(x, weight_t, None), rtol=1e-5, atol=1e-4
+        )
+
+
 def test_linear_takes_the_panels_up_to_max_exact_rows_only():
     torch.manual_seed(0)
     layer = Linear(64, 48, bias=True)

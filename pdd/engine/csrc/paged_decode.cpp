@@ -21,6 +21,7 @@
 #include "vec.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -211,28 +212,27 @@ at::Tensor paged_decode(const at::Tensor& q_in, const at::Tensor& blocks, const 
   const int64_t chunks = KV / heads;
   const AttendFn attend_fn = D == 64 ? attend_d64 : D == 128 ? attend_d128 : attend_any;
 
-  // One contiguous run of items per thread with about equal token counts: at::parallel_for's
-  // equal-count chunks would leave a thread idle on ragged contexts.
   const int64_t items = B * chunks;
-  std::vector<int64_t> cost(items + 1, 0);  // prefix sums; +8 per item stands for its fixed overhead
-  for (int64_t i = 0; i < items; ++i) cost[i + 1] = cost[i] + len_ptr[i / chunks] + 8;
-  const int64_t parts = std::max<int64_t>(1, std::min(threads, items));
   const int64_t tile_tokens = std::max<int64_t>(1, kTileTokens / bs) * bs;
   const int64_t rows = heads * G;
   const int64_t scratch_size = rows * tile_tokens + rows * D + 2 * rows;
-  at::parallel_for(0, parts, 1, [&](int64_t p_begin, int64_t p_end) {
+  const auto attend_item = [&](int64_t i, float* scratch) {
+    const int64_t b = i / chunks, h0 = (i % chunks) * heads;  // first KV head of the item
+    attend_fn(q_ptr + b * q_batch_stride + h0 * G * geo.q_head_stride, kv_ptr + h0 * D, table_ptr + b * MB,
+              len_ptr[b], geo, out_ptr + (b * H + h0 * G) * D, scratch);
+  };
+  // Items go to whichever thread is free (an atomic counter), longest context first so that the
+  // last ones taken are short: on a host whose other processes wake on the engine's cores, a
+  // preempted thread then holds up only the item in its hands, not a fixed half of the batch
+  // (as panel_gemm's runs).
+  std::vector<int64_t> order(items);
+  for (int64_t i = 0; i < items; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return len_ptr[a / chunks] > len_ptr[b / chunks]; });
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::max<int64_t>(1, std::min(threads, items)), 1, [&](int64_t, int64_t) {
     std::vector<float> scratch(scratch_size);
-    const auto bound = [&](int64_t k) {
-      return std::lower_bound(cost.begin(), cost.end(), cost[items] * k / parts) - cost.begin();
-    };
-    for (int64_t p = p_begin; p < p_end; ++p) {
-      const int64_t lo = p == 0 ? 0 : bound(p), hi = p + 1 == parts ? items : bound(p + 1);
-      for (int64_t i = lo; i < hi; ++i) {
-        const int64_t b = i / chunks, h0 = (i % chunks) * heads;  // first KV head of the item
-        attend_fn(q_ptr + b * q_batch_stride + h0 * G * geo.q_head_stride, kv_ptr + h0 * D, table_ptr + b * MB,
-                  len_ptr[b], geo, out_ptr + (b * H + h0 * G) * D, scratch.data());
-      }
-    }
+    for (int64_t k; (k = next.fetch_add(1, std::memory_order_relaxed)) < items;) attend_item(order[k], scratch.data());
   });
   return out;
 }
