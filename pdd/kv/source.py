@@ -127,11 +127,16 @@ class FilledSource:
 
     def span(self, nbytes: int) -> memoryview:
         """The next ``nbytes`` of the buffer, for the producer to fill (then ``advance``)."""
-        if nbytes < 0 or self._produced + nbytes > len(self._buffer):
+        return self.region(self._produced, nbytes)
+
+    def region(self, offset: int, nbytes: int) -> memoryview:
+        """``nbytes`` of the buffer from ``offset``: a producer on another thread writes ahead of
+        what the event loop has advanced, then has each ``advance`` posted there in turn."""
+        if nbytes < 0 or offset < 0 or offset + nbytes > len(self._buffer):
             raise InvalidArgumentError(
                 "payload", f"producer overran the declared {len(self._buffer)} bytes"
             )
-        return memoryview(self._buffer)[self._produced : self._produced + nbytes]
+        return memoryview(self._buffer)[offset : offset + nbytes]
 
     def advance(self, nbytes: int) -> None:
         """``nbytes`` more were filled (call on the event loop: it wakes the readers)."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import sys
 import time
 from collections import deque
 from collections.abc import Callable
@@ -248,10 +249,14 @@ class Admission:
                 max_admitted=limits.requests,
                 max_admitted_tokens=limits.tokens,
             )
+        kv = (
+            f", {self.reserved_tokens} + {tokens} KV tokens reserved (max {limits.tokens})"
+            if limits.tokens < sys.maxsize  # NOTE: the gateway bounds requests only
+            else ""
+        )
         return ResourceExhaustedError(
-            f"{self.role} is full: {self.admitted} requests admitted (max {limits.requests}), "
-            f"{self.reserved_tokens} + {tokens} KV tokens reserved (max {limits.tokens}); "
-            "retry later"
+            f"{self.role} is full: {self.admitted} requests admitted (max {limits.requests})"
+            f"{kv}; retry later"
         )
 
     def _take(self, tokens: int) -> Ticket:

@@ -21,10 +21,16 @@ An earlier loop ran each step as an executor call awaited by a task, so every st
 for the event loop to come round to that task; under a full batch that is the loop's whole
 backlog of stream writes.
 
+A request may also have work of its own run right after each step, on the engine thread,
+before the next step starts (``after_step``): prefill exports the KV a step computed into the
+links' buffers there. Asked of the event loop instead, that export waited for the loop to see
+the step's output and for the engine thread to come back between steps — behind the whole next
+step (measured: a burst split over two prefill steps, its first half's KV left ~330 ms later).
+
 Life of a request through the loop: ``open(request_id)`` gives its queue →
 ``call(engine.add_request, ...)`` → the thread steps while the engine has schedulable work →
-a watched request gets ``Computed(n)`` after each step → each ``StepOutput`` lands in the queue
-(a failed step: ``StepFailed``) → ``close(request_id)``.
+each ``StepOutput`` lands in the queue (a failed step: ``StepFailed``), then the request's
+``after_step`` work runs → ``close(request_id)``.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from typing import Any, TypeVar
 
 import structlog
 
-from pdd.serving.mailbox import Computed, StepFailed
+from pdd.serving.mailbox import StepFailed
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
@@ -75,10 +81,10 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self._stopped = False
         self._queues: dict[str, asyncio.Queue] = {}
-        # Requests whose computed-token count is reported after every step (``Computed``);
-        # changed on the event loop, read by the engine thread under the lock.
-        self._watched: set[str] = set()
-        self._watch_lock = threading.Lock()
+        # Work run on the engine thread after every step, per request (``after_step``); changed
+        # on the event loop, read by the engine thread under the lock.
+        self._after: dict[str, Callable[[], None]] = {}
+        self._after_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self.steps = 0
         # (requests still to come, time.perf_counter() when told): the last arrival's hint.
@@ -164,13 +170,18 @@ class EngineLoop:
 
     def close(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
-        with self._watch_lock:
-            self._watched.discard(request_id)
+        with self._after_lock:
+            self._after.pop(request_id, None)
 
-    def watch(self, request_id: str) -> None:
-        """Also put ``Computed(n)`` on the request's queue after each step (KV streaming)."""
-        with self._watch_lock:
-            self._watched.add(request_id)
+    def after_step(self, request_id: str, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` on the engine thread after every step, before the next, until ``close``.
+
+        It runs after the step's outputs were handed to the event loop, so it never holds a
+        token back; a call queued once the loop has seen a step's output runs after that step's
+        ``fn``. ``fn`` must not raise: it reports its own failures (an exception is logged and
+        dropped, the engine steps on)."""
+        with self._after_lock:
+            self._after[request_id] = fn
 
     def wake(self) -> None:
         self._wakeup.set()
@@ -196,9 +207,7 @@ class EngineLoop:
                         return
                 idle = not schedulable
                 if schedulable:
-                    with self._watch_lock:
-                        watched = tuple(self._watched)
-                    outputs, progressed, computed = self._step(watched)
+                    outputs, progressed = self._step()
             except Exception:  # noqa: BLE001 — a failed step must not kill the service silently
                 log.exception("engine_step_failed")
                 self._post(self._fail_all)
@@ -218,8 +227,9 @@ class EngineLoop:
             if last_step is not None and outputs:
                 self._note_interval(now - last_step)
             last_step = now if outputs else None
-            if outputs or computed:
-                self._post(self._route, outputs, computed)
+            if outputs:
+                self._post(self._route, outputs)
+            self._run_after_step()
             if not progressed:
                 # NOTE: nothing fit (pool full of paused/kept requests): wait for a change.
                 self._wakeup.clear()
@@ -270,12 +280,16 @@ class EngineLoop:
         except RuntimeError:  # NOTE: the event loop is closed: nobody is left to tell
             pass
 
-    def _route(self, outputs: list, computed: list[tuple[str, int]]) -> None:
-        # NOTE: progress before outputs: a request's last chunk is reported before its token.
-        for request_id, n in computed:
-            q = self._queues.get(request_id)
-            if q is not None:
-                q.put_nowait(Computed(n))
+    def _run_after_step(self) -> None:
+        with self._after_lock:
+            work = tuple(self._after.values())
+        for fn in work:
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 — one request's hook must not stop the engine
+                log.exception("after_step_failed")
+
+    def _route(self, outputs: list) -> None:
         for out in outputs:
             q = self._queues.get(out.request_id)
             if q is not None:
@@ -288,13 +302,12 @@ class EngineLoop:
             seconds if self.step_interval_s == 0 else 0.9 * self.step_interval_s + 0.1 * seconds
         )
 
-    def _step(self, watched: tuple[str, ...]) -> tuple[list, bool, list[tuple[str, int]]]:
-        """One engine step: outputs, whether anything moved, watched progress."""
+    def _step(self) -> tuple[list, bool]:
+        """One engine step: its outputs, and whether anything moved."""
         eng = self.engine
         before = eng.num_computed_total()
         outputs = eng.step()
-        computed = [(rid, eng.num_cached_tokens(rid)) for rid in watched if eng.holds_request(rid)]
-        return outputs, bool(outputs) or eng.num_computed_total() != before, computed
+        return outputs, bool(outputs) or eng.num_computed_total() != before
 
     def _fail_all(self) -> None:
         """On the event loop: every open request learns its engine failed, and is aborted."""

@@ -2,8 +2,6 @@
 
 A request's queue (``EngineLoop.open(request_id)``) receives, in order:
 
-- ``Computed(tokens)`` after every step while the request is watched (KV streaming): how many
-  of its tokens have KV in the cache now; reported before the step's ``StepOutput``;
 - ``pdd.engine.engine.StepOutput`` for each token the engine sampled for the request;
 - ``StepFailed(error)`` when an engine step raised: the request was aborted, nothing follows.
 
@@ -14,17 +12,6 @@ live beside the role.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-
-@dataclass(frozen=True)
-class Computed:
-    """The request's computed (cached) token count after a step."""
-
-    tokens: int
-
-    def __post_init__(self) -> None:
-        if self.tokens < 0:
-            raise ValueError(f"tokens: must be >= 0, got {self.tokens}")
 
 
 @dataclass(frozen=True)

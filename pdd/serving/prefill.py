@@ -11,8 +11,9 @@ Life of a request (one ``prefill`` generator per request, opened by the gateway)
      and (b) from ``main_decode_cached_tokens`` on — only what MainDecode's
      DRC lacks — over the WAN as a resumable ``PushKv`` stream, waiting for a
      slot of the link's bounded stream pool; both pushes start before the
-     prompt is computed and are fed as each chunk of it is (``Computed``
-     items on the request's queue). A WAN link is one per remote cluster
+     prompt is computed and are fed as each chunk of it is: the engine thread
+     exports what each step computed into the links' buffers right after the
+     step (``pdd.serving.prefill_feed``). A WAN link is one per remote cluster
      (``job.main_decode_cluster``): its pools (one per lane) and its meter
      (``pdd.kv.link_meter``: throughput, bytes queued and in flight, RTT by
      a periodic health check to the cluster's MainDecode, health) are keyed
@@ -53,16 +54,16 @@ from pdd.kv.fast_link.state import TransferState, Transport
 from pdd.kv.fast_link.tcp import TcpSenderBackend
 from pdd.kv.layout import KvDtype
 from pdd.kv.link_meter import LinkMeterConfig, LinkMeters
-from pdd.kv.source import FilledSource
 from pdd.kv.stream_pool import StreamPool
-from pdd.kv.transfer import DEFAULT_CHUNK_BYTES, Compression, TransferHeader
+from pdd.kv.transfer import DEFAULT_CHUNK_BYTES, Compression
 from pdd.kv.wan import KvPusher, PushReport
 from pdd.serving.admission import Admission, AdmissionConfig
 from pdd.serving.channels import Channels
 from pdd.serving.engine_instance import EngineInstance
-from pdd.serving.kv_bridge import export_tokens, range_header, write_wire
+from pdd.serving.kv_bridge import range_header
 from pdd.serving.link_prober import LinkProbe, LinkProber
-from pdd.serving.mailbox import Computed, StepFailed
+from pdd.serving.mailbox import StepFailed
+from pdd.serving.prefill_feed import KvFeed, KvLink
 from pdd.telemetry import metrics
 from pdd.wire.kv_clients import FastLinkClient, KvPushClient
 from pdd.wire.link_probe import LinkProbeClient
@@ -161,36 +162,6 @@ class PrefillPeers:
 # --- one request ----------------------------------------------------------------------------
 
 
-class _Link:
-    """One outgoing KV range: its header and the buffer prefill exports it into as it computes."""
-
-    def __init__(self, header: TransferHeader) -> None:
-        self.header = header
-        self.source = FilledSource(header.total_bytes)
-
-    def fill(self, kv_token_major, start: int) -> int:
-        """Tokens ``[start, start + len(kv))`` were computed: write the part inside this range
-        into the buffer in the wire dtype (engine thread); the bytes to ``advance`` on the loop."""
-        kv = kv_token_major[max(start, self.header.start_token) - start :]
-        nbytes = self.header.layout.nbytes(kv.shape[0])
-        if nbytes:
-            write_wire(kv, self.header.layout, self.source.span(nbytes))
-        return nbytes
-
-
-class _Feed:
-    """A request's outgoing KV while it is computed: the links it is exported into and how far
-    (``exported`` tokens). The WAN link is in ``wan`` once MainDecode's count is known — at once,
-    or when the gateway binds it (``bound``): it then first takes what was computed before."""
-
-    def __init__(self, fast: _Link | None, wan: asyncio.Future, bound: asyncio.Future | None):
-        self.fast = fast  # NOTE: to the relay (P-RLD-MD), the whole prompt
-        self.links = [fast] if fast is not None else []
-        self.wan = wan  # NOTE: the WAN push task waits on it
-        self.bound = bound
-        self.exported = 0
-
-
 @dataclass(frozen=True)
 class _FastLinkSent:
     """What the fast link to the relay carried (nothing, and transport "failed", if it broke)."""
@@ -273,47 +244,44 @@ class Prefill:
         ticket = self.admission.admit(rid, n)
         self._active.add(rid)
         queue = self.runner.open(rid)
-        self.runner.watch(rid)
-        feed = self._feed(job)
-        first: asyncio.Future = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        wan: asyncio.Future = loop.create_future()
+        feed, fast, joining = self._feed(job, wan)
+        self.runner.after_step(rid, feed.after_step)
+        first: asyncio.Future = loop.create_future()
         # NOTE: both pushes start now and stream each chunk of the prompt as soon as it is
         # computed (the WAN push once MainDecode's count is bound, from what was computed by then).
-        tasks = [asyncio.create_task(self._push_wan(job, feed.wan, first))]
-        if feed.fast is not None:
-            tasks.append(asyncio.create_task(self._send_fast(job, feed.fast, first)))
+        tasks = [asyncio.create_task(self._push_wan(job, wan, first))]
+        if fast is not None:
+            tasks.append(asyncio.create_task(self._send_fast(job, fast, first)))
         held = finished = False
-        rest: asyncio.Task | None = None
         try:
             t0 = time.perf_counter()
             # NOTE: held from before the admission: cancelled while the engine thread adds the
             # request (a refusal elsewhere stops the call within ms), it must still be dropped.
             held = True
             cached = await self._admit(job)
-            out = await self._compute(job, queue, feed)
+            out = await self._compute(job, queue)
             prefill_ms = (time.perf_counter() - t0) * 1000
             log.info(
                 "prefilled", prompt_tokens=n, cached_tokens=cached, prefill_ms=round(prefill_ms, 2)
             )
             first.set_result((out.token_id,))
-            # NOTE: the token leaves before any housekeeping: awaiting the engine thread first let it
-            # wait behind the event loop's other work (the KV pushes starting) — 10-150 ms of TTFT.
-            # NOTE: the part computed with the token is exported beside the token's way out, on
-            # its own task: it must not wait for the caller to come back for the next event.
-            rest = asyncio.create_task(self._feed_links(job, feed, n))
+            # NOTE: the token leaves first: the step's export runs after the step's outputs were
+            # handed over (``EngineLoop.after_step``), never in front of them.
             yield FirstToken(
                 out.token_id, n, cached, prefill_ms, out.logprob, out.prompt_logprobs or ()
             )
-            await rest
-            await self._await_bound(job, feed)  # NOTE: the KV stays in the engine until then
-            await self.runner.call(self.engine.release, rid)
+            await self._await_bound(job, joining)  # NOTE: the KV stays in the engine until then
+            await self.runner.call(self._settle, feed)
             held = False
             done = await self._transfer_done(job, tasks)
             finished = True
             yield done
         finally:
             ticket.release()
-            if rest is not None:
-                rest.cancel()  # NOTE: a no-op once done; the engine call itself still runs
+            if joining is not None:
+                joining.cancel()  # NOTE: a no-op once done
             self._close(rid, tasks, first, held=held, finished=finished)
 
     # --- the steps of a request's life --------------------------------------------------------
@@ -344,25 +312,33 @@ class Prefill:
                 "request_id", f"{job.request_id!r} is already being prefilled here"
             )
 
-    def _feed(self, job: PrefillJob) -> _Feed:
-        """For P-RLD-MD the whole prompt to the relay; the WAN delta to MainDecode now if its
-        count is known, else once it is bound."""
+    def _feed(
+        self, job: PrefillJob, wan: asyncio.Future
+    ) -> tuple[KvFeed, KvLink | None, asyncio.Task | None]:
+        """The request's feed; the relay's link (P-RLD-MD: the whole prompt); the task that joins
+        the WAN link once MainDecode's count is bound (None: known now, ``wan`` has it)."""
         rid, n = job.request_id, len(job.prompt_token_ids)
+        links: list[KvLink] = []
         fast = None
         if job.pipeline is Pipeline.P_RLD_MD:
-            fast = _Link(range_header(self.engine, rid, 0, n, job.prompt_token_ids, job.cache_salt))
-        loop = asyncio.get_running_loop()
-        feed = _Feed(fast, loop.create_future(), None)
+            fast = KvLink(
+                range_header(self.engine, rid, 0, n, job.prompt_token_ids, job.cache_salt)
+            )
+            links.append(fast)
+        joining = None
         if job.main_decode_cached_tokens is None:
-            feed.bound = loop.create_future()
-            self._binds[rid] = (n, feed.bound)
+            bound = asyncio.get_running_loop().create_future()
+            self._binds[rid] = (n, bound)
         else:
             link = self._wan_link(job, job.main_decode_cached_tokens)
-            feed.links.append(link)
-            feed.wan.set_result(link)
-        return feed
+            links.append(link)
+            wan.set_result(link)
+        feed = KvFeed(self.engine, rid, n, tuple(links), self.runner.call_threadsafe)
+        if job.main_decode_cached_tokens is None:
+            joining = asyncio.create_task(self._join_wan(job, feed, bound, wan))
+        return feed, fast, joining
 
-    def _wan_link(self, job: PrefillJob, start: int) -> _Link:
+    def _wan_link(self, job: PrefillJob, start: int) -> KvLink:
         """The WAN delta: prompt tokens ``[start, n)``, in the link's wire dtype and chunks."""
         cfg = self.config
         header = range_header(
@@ -376,39 +352,32 @@ class Prefill:
             compression=cfg.wan_compression,
             chunk_bytes=cfg.wan_chunk_bytes,
         )
-        return _Link(header)
+        return KvLink(header)
 
-    async def _join_wan(self, job: PrefillJob, feed: _Feed) -> None:
-        """MainDecode's count is bound: the WAN link joins the feed, taking at once what was
+    async def _join_wan(
+        self, job: PrefillJob, feed: KvFeed, bound: asyncio.Future, wan: asyncio.Future
+    ) -> None:
+        """Once MainDecode's count is bound the WAN link joins the feed, taking at once what was
         computed from that count on (the engine still holds it)."""
-        assert feed.bound is not None
-        start = feed.bound.result()
+        start = await bound
         link = self._wan_link(job, start)
-        if feed.exported > start:
-            filled = await self.runner.call(
-                self._export, job.request_id, start, feed.exported, [link]
-            )
-            link.source.advance(filled[0])
-        feed.links.append(link)
-        feed.bound = None
-        feed.wan.set_result(link)
+        await self.runner.call(feed.join, link)
+        wan.set_result(link)
         log.info("main_decode_bound", cached_tokens=start, computed=feed.exported)
 
-    async def _await_bound(self, job: PrefillJob, feed: _Feed) -> None:
+    async def _await_bound(self, job: PrefillJob, joining: asyncio.Task | None) -> None:
         """The prompt is computed: wait (``bind_timeout_s``) for MainDecode's count if it has not
-        come yet, and give the WAN link what it lacks."""
-        if feed.bound is None:
+        come yet, and for the WAN link to take what it lacks."""
+        if joining is None:
             return
-        if not feed.bound.done():
-            try:
-                async with asyncio.timeout(self.config.bind_timeout_s):
-                    await asyncio.shield(feed.bound)
-            except TimeoutError:
-                raise DeadlineExceededError(
-                    f"main_decode_cached_tokens of {job.request_id!r} were not bound within "
-                    f"{self.config.bind_timeout_s:g} s"
-                ) from None
-        await self._join_wan(job, feed)
+        try:
+            async with asyncio.timeout(self.config.bind_timeout_s):
+                await asyncio.shield(joining)
+        except TimeoutError:
+            raise DeadlineExceededError(
+                f"main_decode_cached_tokens of {job.request_id!r} were not bound within "
+                f"{self.config.bind_timeout_s:g} s"
+            ) from None
 
     async def _admit(self, job: PrefillJob) -> int:
         """Add the request (one output, kept after finishing for export); its prefix hit."""
@@ -430,45 +399,22 @@ class Prefill:
         metrics.PREFIX_HITS.labels("prefill").inc(cached)
         return cached
 
-    async def _compute(self, job: PrefillJob, queue: asyncio.Queue, feed: _Feed) -> StepOutput:
-        """Feed the links each computed part of the prompt; the sampled first token's output.
+    async def _compute(self, job: PrefillJob, queue: asyncio.Queue) -> StepOutput:
+        """The sampled first token's output (the feed exports each computed part meanwhile)."""
+        item = await queue.get()
+        match item:
+            case StepOutput():
+                return item
+            case StepFailed(error=error):
+                raise error
+        raise TypeError(f"unexpected item on {job.request_id}'s queue: {item!r}")
 
-        NOTE: the last part — computed in the step that sampled the token — is left to
-        ``_feed_links``, run beside the token's way out: a burst's requests end in one step, and each
-        token waiting for its own export, queued on the engine thread behind the others', held
-        the burst's last first token back by every export before it (~40 ms for 16 × 128 tokens).
-        """
-        rid, n = job.request_id, len(job.prompt_token_ids)
-        while True:
-            items = [await queue.get()]
-            while not queue.empty():  # a step's Computed and its output arrive together
-                items.append(queue.get_nowait())
-            upto, out = feed.exported, None
-            for item in items:
-                match item:
-                    case Computed(tokens=tokens):
-                        upto = max(upto, min(tokens, n))
-                    case StepOutput():
-                        out = item
-                    case StepFailed(error=error):
-                        raise error
-                    case _:
-                        raise TypeError(f"unexpected item on {rid}'s queue: {item!r}")
-            if out is not None:
-                return out
-            await self._feed_links(job, feed, upto)
-
-    async def _feed_links(self, job: PrefillJob, feed: _Feed, upto: int) -> None:
-        """Export the computed tokens ``[feed.exported, upto)`` into every link joined so far."""
-        if upto > feed.exported and feed.links:
-            filled = await self.runner.call(
-                self._export, job.request_id, feed.exported, upto, feed.links
-            )
-            for link, nbytes in zip(feed.links, filled, strict=True):
-                link.source.advance(nbytes)
-        feed.exported = max(feed.exported, upto)
-        if feed.bound is not None and feed.bound.done():
-            await self._join_wan(job, feed)
+    def _settle(self, feed: KvFeed) -> None:
+        """The prompt is computed (engine thread): every link has all of it — a no-op once the
+        last step's export ran —, and the engine lets the request go (its prompt blocks stay in
+        the radix cache for the next turn)."""
+        feed.export_upto(feed.prompt_len)
+        self.engine.release(feed.request_id)
 
     async def _transfer_done(self, job: PrefillJob, tasks: list[asyncio.Task]) -> TransferDone:
         # NOTE: both links run to their end before either's failure counts: a lost MainDecode
@@ -518,11 +464,6 @@ class Prefill:
         if held:
             self.runner.submit(self._drop, rid)  # NOTE: not awaited: runs even when cancelled
 
-    def _export(self, rid: str, start: int, end: int, links: list[_Link]) -> list[int]:
-        """Tokens ``[start, end)`` straight into every link's buffer (engine thread)."""
-        kv = export_tokens(self.engine, rid, start, end)  # [n, L, 2, KV, D], a view
-        return [link.fill(kv, start) for link in links]
-
     def _drop(self, rid: str) -> None:
         self.engine.abort(rid)  # NOTE: frees a kept (finished) request too
 
@@ -540,7 +481,7 @@ class Prefill:
     async def _push_wan(
         self, job: PrefillJob, wan: asyncio.Future, first: asyncio.Future
     ) -> PushReport:
-        link: _Link = await wan
+        link: KvLink = await wan
         header = link.header
         address, cluster = job.main_decode.address, job.main_decode_cluster
         # NOTE: P-MD deltas are small and on the user's critical path (MainDecode decodes every
@@ -565,7 +506,7 @@ class Prefill:
         return report
 
     async def _send_fast(
-        self, job: PrefillJob, link: _Link, first: asyncio.Future
+        self, job: PrefillJob, link: KvLink, first: asyncio.Future
     ) -> _FastLinkSent:
         assert job.relay is not None
         header = link.header

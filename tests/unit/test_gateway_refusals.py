@@ -221,8 +221,10 @@ async def test_the_gateway_refuses_requests_beyond_its_own_bound_at_once():
     before = REGISTRY.get_sample_value("pdd_admission_refused_total", {"role": "gateway"}) or 0
     held = gateway.generate(job(Pipeline.P_MD))
     assert (await anext(held)).token_ids == (20,)
-    with pytest.raises(ResourceExhaustedError, match="gateway is full"):
+    with pytest.raises(ResourceExhaustedError, match="gateway is full") as refused:
         await anext(gateway.generate(job(Pipeline.P_MD)))
+    # NOTE: the gateway bounds requests, not KV: its message names only what it bounds
+    assert str(refused.value).endswith("1 requests admitted (max 1); retry later")
     after = REGISTRY.get_sample_value("pdd_admission_refused_total", {"role": "gateway"})
     assert after == before + 1
     assert gateway.admission.admitted == 1  # the refusal took nothing from the one in flight

@@ -14,7 +14,7 @@ import pytest
 from pdd.core.errors import FailedPreconditionError, UnavailableError
 from pdd.gen.main_decode.v1 import main_decode_service_pb2 as mdpb
 from pdd.kv.layout import KvDtype, KvLayout
-from pdd.kv.source import BytesSource, StreamedSource
+from pdd.kv.source import BytesSource, FilledSource, StreamedSource
 from pdd.kv.transfer import Chunk, make_header
 from pdd.kv.wan import KvPusher, PusherConfig, StreamPool
 
@@ -164,3 +164,31 @@ async def test_pool_hands_slots_over_in_fifo_order_and_survives_cancelled_waiter
     assert pool.max_wait_s > 0
     with pytest.raises(ValueError, match="^limit"):
         StreamPool(0)
+
+
+async def test_a_push_still_being_computed_holds_no_slot():
+    """A push whose first chunk is not computed yet waits outside the pool: a push that is ready
+    goes first through the link's only slot instead of queueing behind it."""
+    pool = StreamPool(1)
+    late = make_header("late", LAYOUT, 0, 8, chunk_bytes=CHUNK)
+    ready = make_header("ready", LAYOUT, 0, 8, chunk_bytes=CHUNK)
+    late_source = FilledSource(late.total_bytes)
+    finished: list[str] = []
+
+    async def wire(requests):
+        rid, n = "", 0
+        async for msg in requests:
+            rid = getattr(msg, "request_id", rid)
+            n += isinstance(msg, Chunk)
+        finished.append(rid)
+        return _complete(rid, n)
+
+    pusher = KvPusher(wire, _never_asked, pool=pool)
+    waiting = asyncio.create_task(pusher.push(late, late_source))
+    await _yield_loop()
+    assert pool.in_use == 0 and pool.waiting == 0  # computing: no slot taken, none asked for
+    report = await asyncio.wait_for(pusher.push(ready, BytesSource(bytes(ready.total_bytes))), 10)
+    assert finished == ["ready"] and report.request_id == "ready" and not waiting.done()
+    late_source.advance(late.total_bytes)  # computed: now it takes the slot and goes
+    await asyncio.wait_for(waiting, 10)
+    assert finished == ["ready", "late"] and pool.in_use == 0

@@ -64,11 +64,14 @@ class InProcessMainDecode:
     """``KvPushClient.kv_pusher``: the real pusher, its stream delivered to a real receiver
     (the servicer's conversions included) instead of a gRPC call."""
 
-    def __init__(self, receiver: KvReceiver) -> None:
+    def __init__(self, receiver: KvReceiver, *, latency_s: float = 0.0) -> None:
         self.receiver = receiver
+        self.latency_s = latency_s  # NOTE: a slow link: each push holds its slot this much longer
 
     def kv_pusher(self, pool: StreamPool) -> KvPusher:
         async def push(requests):
+            await asyncio.sleep(self.latency_s)
+
             async def over_the_wire():  # NOTE: each item encoded and read back as the server does
                 decoder = push_codec.PushKvDecoder()
                 async for item in requests:
@@ -244,13 +247,16 @@ async def test_a_sent_link_is_freed_without_waiting_for_the_garbage_collector():
 
     from pdd.kv.layout import KvDtype, KvLayout
     from pdd.kv.transfer import make_header
-    from pdd.serving.prefill import _Link
+    from pdd.serving.prefill_feed import KvLink
 
     layout = KvLayout(KvDtype.FLOAT32, num_layers=2, num_kv_heads=2, head_dim=8)
     header = make_header("r", layout, 0, 6, chunk_bytes=512)  # 256 bytes per token
-    link = _Link(header)
-    link.source.advance(link.fill(torch.ones(4, 2, 2, 2, 8), 0))
-    link.source.advance(link.fill(torch.full((2, 2, 2, 2, 8), 2.0), 4))
+    link = KvLink(header)
+    # NOTE: the engine thread writes ahead of the loop's advances (two steps before either)
+    first = link.fill(torch.ones(4, 2, 2, 2, 8), 0)
+    second = link.fill(torch.full((2, 2, 2, 2, 8), 2.0), 4)
+    link.source.advance(first)
+    link.source.advance(second)
     data = await link.source.read(0, header.total_bytes)
     assert data.nbytes == header.total_bytes
     got = torch.frombuffer(bytearray(data), dtype=torch.float32).view(6, 2, 2, 2, 8)
@@ -386,33 +392,44 @@ async def test_a_prefill_never_bound_gives_up_and_frees_the_request(ckpt):
             node.prefill.bind("b5", 0)
 
 
-async def test_the_first_token_leaves_before_the_last_part_is_exported(ckpt, reference):
-    """The part computed with the token is exported after the token is handed on: in a burst that
-    ends in one step, each token used to wait for its own export behind the others' on the engine
-    thread. The relay and MainDecode still get every token's KV."""
+async def test_the_first_token_leaves_before_the_last_part_is_exported(
+    ckpt, reference, monkeypatch
+):
+    """The part computed with the token is exported on the engine thread right after its step,
+    but after the step's outputs were handed on: the token never waits for that export (in a
+    burst that ends in one step, each token used to wait behind the others' exports). Here the
+    last export is held until the token is out. The relay and MainDecode still get all the KV."""
+    import threading
+
+    from pdd.serving.prefill_feed import KvFeed
+
     token, kv = reference
-    order: list[tuple] = []
+    exports: list[tuple[int, int]] = []
+    token_out = threading.Event()
+    released: list[bool] = []
+    real = KvFeed._export
+
+    def held_export(self, start, end, links):
+        exports.append((start, end))
+        if end == self.prompt_len:
+            released.append(token_out.wait(30))  # NOTE: the engine thread waits for the token
+        return real(self, start, end, links)
+
+    monkeypatch.setattr(KvFeed, "_export", held_export)
     async with Node(ckpt) as node:
-        export = node.prefill._export
-
-        def spy(rid, start, end, links):
-            order.append(("export", start, end))
-            return export(rid, start, end, links)
-
-        node.prefill._export = spy
         stream = node.prefill.prefill(_job("t1", Pipeline.P_RLD_MD, 40))
-        # NOTE: anext in this task, not under wait_for (a task of its own): the token must be
-        # noted as the generator hands it on, before the loop runs anything else.
+        try:
+            async with asyncio.timeout(20):
+                first = await anext(stream)
+        finally:
+            token_out.set()
         async with asyncio.timeout(60):
-            first = await anext(stream)
-            order.append(("token", first.token_id))
             done = await anext(stream)
         assert first.token_id == token and done.fast_link == "shm"
-        last = max(i for i, (what, *_) in enumerate(order) if what == "export")
-        # the last export ends the prompt: [112, 120), the 16-token chunks' last part — or more,
-        # when the engine thread ran ahead of the event loop and parts arrived together
-        assert order[last][2] == 120 and order[last][1] <= 112
-        assert order.index(("token", token)) < last
+        assert released == [True], "the last export ran before the token was out"
+        # the relay's link took the prompt step by step ([0, 16), [16, 32), ...) and the WAN link
+        # joined with what was computed by then; the last export ends the prompt
+        assert exports[0][0] == 0 and exports[-1][1] == 120
         region = await node.fast.wait_complete("t1", 10)
         assert (region.header.start_token, region.header.num_tokens) == (0, 120)
         node.fast.release(region.transfer_id)
