@@ -1,5 +1,6 @@
-"""EngineLoop: its measured step interval (what MainDecode reports to the relay for pacing) and
-an idle engine gathering a burst before its first step (``Coalesce``, prefill's default)."""
+"""EngineLoop: its measured step interval (what MainDecode reports to the relay for pacing), an
+idle engine gathering a burst before its first step (``Coalesce``, prefill's default), and a
+request's own work run after each step on the engine thread (``after_step``)."""
 
 from __future__ import annotations
 
@@ -98,6 +99,43 @@ async def test_interval_measured_on_a_real_engine():
         await runner.call(engine.add_request, "r", (1, 2, 3, 4, 5), SamplingParams(max_tokens=12))
         await _drain(q)
         assert runner.step_interval_s > 0
+    finally:
+        await runner.stop()
+
+
+async def test_after_step_work_runs_on_the_engine_thread_between_steps_behind_the_outputs():
+    """A request's ``after_step`` work runs on the engine thread after every step and before the
+    next; the step's outputs are on their way first (here the work waits for the output to reach
+    the request's queue); work that raises is logged and the engine steps on; ``close`` ends it."""
+    engine = SlowEngine(0.01)
+    runner = EngineLoop(engine)
+    await runner.start()
+    seen: list[tuple[str, int]] = []
+    output_in = threading.Event()
+
+    def after() -> None:
+        assert threading.current_thread() is runner._thread
+        seen.append(("after", len(engine.batches)))
+        if len(engine.batches) == 1:
+            assert output_in.wait(30), "the step's output was held back by its after_step work"
+        if len(engine.batches) == 2:
+            raise RuntimeError("a failing export")  # NOTE: logged; the engine steps on
+
+    try:
+        q = runner.open("a")
+        runner.after_step("a", after)
+        await runner.call(engine.add, "a", 4)
+        first = await asyncio.wait_for(q.get(), 10)
+        output_in.set()
+        assert first.request_id == "a"
+        await asyncio.wait_for(_drain(q), 10)
+        await runner.call(lambda: None)  # the last step's work has run
+        assert seen == [("after", 1), ("after", 2), ("after", 3), ("after", 4)]
+        runner.close("a")
+        q = runner.open("b")
+        await runner.call(engine.add, "b", 2)
+        await asyncio.wait_for(_drain(q), 10)
+        assert len(seen) == 4  # a's work ended with its close
     finally:
         await runner.stop()
 
