@@ -196,6 +196,9 @@ class _MeteredSource:
     def total_bytes(self) -> int:
         return self._inner.total_bytes
 
+    async def ready(self, nbytes: int) -> None:
+        await self._inner.ready(nbytes)  # NOTE: no slot held yet: neither busy nor started
+
     async def read(self, offset: int, length: int) -> memoryview:
         meter, push = self._meter, self._push
         # NOTE: between two reads the push is busy on the link; waiting on the producer (prefill

@@ -31,6 +31,11 @@ class KvSource(Protocol):
         """Bytes ``[offset, offset + length)`` of the payload, once produced."""
         ...
 
+    async def ready(self, nbytes: int) -> None:
+        """Until the payload's first ``nbytes`` are produced (a push asks for a pool slot only
+        then); not a read: a meter wrapping the source counts nothing for it."""
+        ...
+
 
 def _check_span(offset: int, length: int, total: int) -> None:
     if offset < 0 or length < 0 or offset + length > total:
@@ -48,6 +53,9 @@ class BytesSource:
     @property
     def total_bytes(self) -> int:
         return self._view.nbytes
+
+    async def ready(self, nbytes: int) -> None:
+        _check_span(0, nbytes, self.total_bytes)
 
     async def read(self, offset: int, length: int) -> memoryview:
         _check_span(offset, length, self._view.nbytes)
@@ -76,6 +84,9 @@ class StreamedSource:
     def produced(self) -> int:
         """Bytes pulled from the producer so far."""
         return self._produced
+
+    async def ready(self, nbytes: int) -> None:
+        await self.read(0, nbytes)
 
     async def read(self, offset: int, length: int) -> memoryview:
         _check_span(offset, length, self._total)
@@ -149,6 +160,9 @@ class FilledSource:
         """The producer gave up: every read still waiting (and any later one) raises ``error``."""
         self._error = error
         self._progress.set()
+
+    async def ready(self, nbytes: int) -> None:
+        await self.read(0, nbytes)
 
     async def read(self, offset: int, length: int) -> memoryview:
         _check_span(offset, length, len(self._buffer))

@@ -181,7 +181,7 @@ class KvPusher:
                 "source", f"holds {source.total_bytes} bytes, header says {header.total_bytes}"
             )
         if header.num_chunks:
-            await source.read(*chunk_span(header, 0))  # NOTE: ready to send before holding a slot
+            await source.ready(chunk_span(header, 0)[1])  # NOTE: sendable before it holds a slot
         slot = self.pool.slot() if self.pool is not None else _no_wait()
         async with slot as waited:
             start = time.monotonic()

@@ -60,14 +60,18 @@ class KvFeed:
         self.links = links
         self.post = post
         self.exported = 0
+        self.error: Exception | None = None  # NOTE: an export failed: the feed is over
 
     def after_step(self) -> None:
         """Export what the last step computed (engine thread, between two steps)."""
-        if self.exported < self.prompt_len and self.engine.holds_request(self.request_id):
-            self.export_upto(self.engine.num_cached_tokens(self.request_id))
+        if self.error is None and self.exported < self.prompt_len:
+            if self.engine.holds_request(self.request_id):
+                self.export_upto(self.engine.num_cached_tokens(self.request_id))
 
     def export_upto(self, upto: int) -> None:
         """Export tokens ``[exported, upto)`` into every link joined so far (engine thread)."""
+        if self.error is not None:
+            raise self.error
         upto = min(upto, self.prompt_len)
         if upto > self.exported:
             self._export(self.exported, upto, self.links)
@@ -75,6 +79,8 @@ class KvFeed:
 
     def join(self, link: KvLink) -> None:
         """``link`` joins the feed, first taking what was computed before (engine thread)."""
+        if self.error is not None:
+            raise self.error
         if self.exported > link.header.start_token:
             self._export(link.header.start_token, self.exported, (link,))
         self.links = (*self.links, link)
@@ -86,6 +92,7 @@ class KvFeed:
                 nbytes = link.fill(kv, start)
                 self.post(lambda src=link.source, n=nbytes: src.advance(n))
         except Exception as exc:  # noqa: BLE001 — the pushes reading these buffers fail with it
-            for link in links:
+            self.error = exc
+            for link in (*self.links, *(x for x in links if x not in self.links)):
                 self.post(lambda src=link.source, e=exc: src.fail(e))
             raise

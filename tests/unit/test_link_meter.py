@@ -53,6 +53,8 @@ def test_queued_until_first_read_then_in_flight_then_gone():
         with m.push(4000) as a, m.push(1000):
             assert (m.state().queued_bytes, m.state().in_flight_bytes) == (5000, 0)
             src = a.source(BytesSource(bytes(4000)))
+            await src.ready(1000)  # computed, no slot yet: still queued, nothing sent
+            assert (m.state().queued_bytes, m.state().in_flight_bytes) == (5000, 0)
             await src.read(0, 1000)  # the pusher holds a slot: it reads
             assert (m.state().queued_bytes, m.state().in_flight_bytes) == (1000, 3000)
             await src.read(1000, 3000)

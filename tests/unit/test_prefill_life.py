@@ -271,6 +271,42 @@ async def test_a_sent_link_is_freed_without_waiting_for_the_garbage_collector():
         gc.enable()
 
 
+async def test_a_failed_export_fails_every_link_and_ends_the_feed():
+    """An export that raises on the engine thread fails the pushes reading the links' buffers
+    (on the event loop), and the feed is over: no retry on the next step, a later call raises."""
+    from pdd.kv.layout import KvDtype, KvLayout
+    from pdd.kv.transfer import make_header
+    from pdd.serving.prefill_feed import KvFeed, KvLink
+
+    class BrokenEngine:
+        exports = 0
+
+        def holds_request(self, rid):
+            return True
+
+        def num_cached_tokens(self, rid):
+            return 4
+
+        def export_kv(self, rid, start, end):
+            BrokenEngine.exports += 1
+            raise RuntimeError("the pool is gone")
+
+    layout = KvLayout(KvDtype.FLOAT32, num_layers=2, num_kv_heads=2, head_dim=8)
+    relay, wan = KvLink(make_header("r", layout, 0, 6)), KvLink(make_header("r", layout, 2, 6))
+    posted: list = []
+    feed = KvFeed(BrokenEngine(), "r", 6, (relay,), posted.append)
+    with pytest.raises(RuntimeError, match="pool is gone"):
+        feed.after_step()
+    feed.after_step()  # NOTE: over: the next step does not try again
+    assert BrokenEngine.exports == 1
+    with pytest.raises(RuntimeError, match="pool is gone"):
+        feed.join(wan)
+    for fn in posted:  # what the engine thread posted to the event loop
+        fn()
+    with pytest.raises(RuntimeError, match="pool is gone"):
+        await relay.source.read(0, 1024)
+
+
 # --- MainDecode's hit bound after the call opened (the gateway does not wait for MainDecode) ---
 
 
