@@ -24,7 +24,8 @@ submitted at once, streaming, greedy, exactly ``--output-len`` tokens each (``ig
   the vLLM venv's Python (``served_vllm``), P-MD forced, by gRPC / HTTP (not by default);
 - ``grpc-p-md@b`` (any stack contender + ``@b``): the same on stack B, a second stack whose
   services get ``--b-env NAME=VALUE`` too — a setting against the default through the same
-  noise, printed as B / A round by round (``served_ab``); without ``--b-env``, an A/A run.
+  noise, printed as B / A round by round (``served_ab``) — or run another checkout's code
+  (``--b-code DIR``: another commit against this one); without either, an A/A run.
 
 Contenders alternate round by round, so a noisy moment on the shared machine hits all alike;
 the ratios within one run are the figures to read (``served_overhead`` prints them against
@@ -365,6 +366,13 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         f"(repeatable), for the contenders named with {ON_B} (grpc-p-md{ON_B}): a setting "
         "against the default, rounds alternating",
     )
+    ap.add_argument(
+        "--b-code",
+        default=d.b_code,
+        metavar="DIR",
+        help="stack B runs the code of this checkout (git worktree add DIR COMMIT): another "
+        f"commit against this one, for the contenders named with {ON_B}",
+    )
     ap.add_argument("--json", type=Path, help="also write every round and the summary here")
     return ap.parse_args(argv)
 
@@ -385,6 +393,7 @@ def config_from(args: argparse.Namespace) -> ServedConfig:
         py_spy=args.py_spy,
         frontend_cpus=args.frontend_cpus,
         b_env=tuple(_env_pair(text) for text in args.b_env),
+        b_code=args.b_code,
     )
 
 
@@ -425,7 +434,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         overhead_table(report["results"]),
         emulator_table(report["results"]),
         budget_table(report["results"], cfg.output_len),
-        ab_table(report["rounds"], cfg.b_env),
+        ab_table(report["rounds"], tuple(cfg.stack_b_env().items())),
     ):
         if extra:
             print("", *extra, sep="\n")

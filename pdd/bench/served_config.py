@@ -6,8 +6,10 @@ field); the command line (``served._parse``) only reads them.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,6 +54,9 @@ class ServedConfig:
     frontend_cpus: int = 0
     # Stack B's services' extra environment ((name, value), ...): the ``@b`` contenders.
     b_env: tuple[tuple[str, str], ...] = ()
+    # Stack B runs the code of this checkout ("" = this one): another commit against this one
+    # (``git worktree add DIR COMMIT``), the same noise, rounds alternating.
+    b_code: str = ""
 
     def __post_init__(self) -> None:
         if not self.concurrency or any(n < 1 for n in self.concurrency):
@@ -75,6 +80,16 @@ class ServedConfig:
         for key, _ in self.b_env:
             if not ENV_NAME.fullmatch(key):
                 raise ValueError(f"b_env: {key!r} is not an environment variable's name")
+        if self.b_code:
+            if not on_b:
+                raise ValueError(
+                    f"b_code: no contender runs on stack B; name one as grpc-p-md{ON_B} (say)"
+                )
+            code = Path(self.b_code)
+            if not (code / "pdd" / "__init__.py").is_file() or not (code / "services").is_dir():
+                raise ValueError(
+                    f"b_code: {self.b_code} is not a PDD checkout (no pdd/, services/)"
+                )
         if len(set(self.contenders)) != len(self.contenders):
             raise ValueError(f"contenders: named twice in {','.join(self.contenders)}")
         for name in ("prompt_len", "output_len", "rounds", "threads"):
@@ -112,3 +127,18 @@ class ServedConfig:
                 raise ValueError(
                     f"frontend_cpus: not for {','.join(sorted(placed_not))} (the stack on vLLM)"
                 )
+
+    def stack_b_env(self) -> dict[str, str]:
+        """Stack B's services' extra environment: ``b_env``, and with ``b_code`` what makes
+        them import that checkout (``-m`` puts the working directory first on ``sys.path``
+        unless ``PYTHONSAFEPATH``) and build its kernels apart from this one's."""
+        env = dict(self.b_env)
+        if self.b_code:
+            code = Path(self.b_code).resolve()
+            tag = hashlib.sha1(str(code).encode()).hexdigest()[:10]
+            env |= {
+                "PYTHONSAFEPATH": "1",
+                "PYTHONPATH": str(code),
+                "TORCH_EXTENSIONS_DIR": str(Path(tempfile.gettempdir()) / f"pdd-kernels-{tag}"),
+            }
+        return env

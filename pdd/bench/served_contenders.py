@@ -264,7 +264,7 @@ class Contenders:
                 self.pids[c] = {**stack_pids, **me}
         on_b = [c for c in cfg.contenders if route(c).server == "stack-b"]
         if on_b:
-            self.stack_b = self._start_stack(model_dir, "b", dict(cfg.b_env))
+            self.stack_b = self._start_stack(model_dir, "b", cfg.stack_b_env())
             b_pids = _stack_pids(self.stack_b)
             for c in on_b:
                 self.pids[c] = {**b_pids, **me}

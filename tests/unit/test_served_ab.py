@@ -35,6 +35,27 @@ def test_b_env_rules():
     assert served.config_from(args).b_env == (("A", "1"), ("B", "x=y"))
 
 
+def test_b_code_runs_stack_b_on_another_checkout(tmp_path):
+    """``--b-code DIR``: stack B's services import that checkout (not the working directory's,
+    which ``python -m`` would put first) and build its kernels apart from this one's."""
+    code = tmp_path / "old"
+    (code / "pdd").mkdir(parents=True)
+    (code / "pdd" / "__init__.py").write_text("")
+    (code / "services").mkdir()
+    args = served._parse(["--contenders", "grpc-p-md,grpc-p-md@b", "--b-code", str(code)])
+    env = served.config_from(args).stack_b_env()
+    assert env["PYTHONSAFEPATH"] == "1" and env["PYTHONPATH"] == str(code.resolve())
+    assert env["TORCH_EXTENSIONS_DIR"] != "" and "pdd-kernels-" in env["TORCH_EXTENSIONS_DIR"]
+    both = ServedConfig(contenders=("grpc-md@b",), b_env=(("X", "1"),), b_code=str(code))
+    assert both.stack_b_env()["X"] == "1"
+    assert ServedConfig(contenders=("grpc-md@b",)).stack_b_env() == {}
+    with pytest.raises(ValueError, match="^b_code: .* is not a PDD checkout"):
+        ServedConfig(contenders=("grpc-md@b",), b_code=str(tmp_path))
+    with pytest.raises(ValueError, match="^b_code: no contender runs on stack B"):
+        ServedConfig(contenders=("grpc-md",), b_code=str(code))
+    assert served.main(["--contenders", "grpc-md@b", "--b-code", str(tmp_path)]) == 2
+
+
 def _round(contender: str, conc: int, wall_s: float, tokens: int = 100, **extra) -> dict:
     return {
         "contender": contender,
