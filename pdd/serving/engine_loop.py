@@ -178,8 +178,8 @@ class EngineLoop:
 
         It runs after the step's outputs were handed to the event loop, so it never holds a
         token back; a call queued once the loop has seen a step's output runs after that step's
-        ``fn``. ``fn`` must not raise: it reports its own failures (an exception is logged and
-        dropped, the engine steps on)."""
+        ``fn``. ``fn`` tells whoever waits on it of its own failures (prefill's feed fails its
+        links' buffers): an exception it raises is only logged, and the engine steps on."""
         with self._after_lock:
             self._after[request_id] = fn
 
