@@ -73,18 +73,15 @@ class ServedConfig:
                 f"contenders: {ON_B} names a stack contender run on stack B, "
                 f"not {','.join(not_stack)}"
             )
-        if self.b_env and not on_b:
-            raise ValueError(
-                f"b_env: no contender runs on stack B; name one as grpc-p-md{ON_B} (say)"
-            )
+        for name in ("b_env", "b_code"):
+            if getattr(self, name) and not on_b:
+                raise ValueError(
+                    f"{name}: no contender runs on stack B; name one as grpc-p-md{ON_B} (say)"
+                )
         for key, _ in self.b_env:
             if not ENV_NAME.fullmatch(key):
                 raise ValueError(f"b_env: {key!r} is not an environment variable's name")
         if self.b_code:
-            if not on_b:
-                raise ValueError(
-                    f"b_code: no contender runs on stack B; name one as grpc-p-md{ON_B} (say)"
-                )
             code = Path(self.b_code)
             if not (code / "pdd" / "__init__.py").is_file() or not (code / "services").is_dir():
                 raise ValueError(

@@ -325,18 +325,16 @@ class Prefill:
                 range_header(self.engine, rid, 0, n, job.prompt_token_ids, job.cache_salt)
             )
             links.append(fast)
-        joining = None
-        if job.main_decode_cached_tokens is None:
-            bound = asyncio.get_running_loop().create_future()
-            self._binds[rid] = (n, bound)
-        else:
-            link = self._wan_link(job, job.main_decode_cached_tokens)
-            links.append(link)
-            wan.set_result(link)
+        known = job.main_decode_cached_tokens is not None
+        if known:
+            links.append(self._wan_link(job, job.main_decode_cached_tokens))
+            wan.set_result(links[-1])
         feed = KvFeed(self.engine, rid, n, tuple(links), self.runner.call_threadsafe)
-        if job.main_decode_cached_tokens is None:
-            joining = asyncio.create_task(self._join_wan(job, feed, bound, wan))
-        return feed, fast, joining
+        if known:
+            return feed, fast, None
+        bound = asyncio.get_running_loop().create_future()
+        self._binds[rid] = (n, bound)
+        return feed, fast, asyncio.create_task(self._join_wan(job, feed, bound, wan))
 
     def _wan_link(self, job: PrefillJob, start: int) -> KvLink:
         """The WAN delta: prompt tokens ``[start, n)``, in the link's wire dtype and chunks."""
