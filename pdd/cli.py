@@ -91,6 +91,12 @@ def _add_stack_flags(p: argparse.ArgumentParser) -> None:
         help="keep the last N CPUs for the gateway, kvstore, Redis, the WAN emulators and the "
         "services' event loops, the engines' steps on the rest (0 = no placement)",
     )
+    p.add_argument(
+        "--core-turns",
+        action=argparse.BooleanOptionalAction,
+        default=StackConfig.core_turns,
+        help="the engines, sharing this host's cores, step in turns rather than at once",
+    )
 
 
 def _cluster(text: str) -> ClusterSpec:
@@ -140,6 +146,7 @@ def _stack_config(args: argparse.Namespace, **over) -> StackConfig:
         engine_flags=("--engine", getattr(args, "engine", "pdd"), *args.engine_flag),
         log_dir=args.log_dir,
         frontend_cpus=getattr(args, "frontend_cpus", 0),
+        core_turns=getattr(args, "core_turns", StackConfig.core_turns),
         **over,
     )
 

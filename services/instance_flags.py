@@ -51,6 +51,11 @@ INSTANCE = Settings(
         "an idle engine's first step waits up to this long for a burst's other requests; 0 = none",
     ),
     Flag("burst_gap_ms", "the burst is over when no request arrives within this long"),
+    Flag(
+        "core_turns",
+        "lock file shared by the engines of one host that share its cores: they step in turns "
+        '("" = never wait; pdd up gives its engines one)',
+    ),
     title="instance",
 )
 # NOTE: prefill and MainDecode gather a burst before an idle engine's first step (see

@@ -29,6 +29,7 @@ from pdd.engine.protocol import EngineBackend, EngineKind
 from pdd.server import cpus as cpu_lists
 from pdd.server.tls import TlsConfig, open_channel
 from pdd.serving.admission import AdmissionConfig
+from pdd.serving.core_turns import CoreTurns
 from pdd.serving.engine_loop import Coalesce, EngineLoop
 from pdd.serving.membership import DEFAULT_LEASE_TTL_MS, Membership
 from pdd.serving.model_spec import load_model
@@ -81,6 +82,10 @@ class InstanceConfig:
     # keep arriving, each within burst_gap_ms of the last, for up to burst_wait_ms; 0 = at once.
     burst_wait_ms: float = 0.0
     burst_gap_ms: float = 2.0
+    # A lock file shared by the engines of one host that share its cores: each step holds it,
+    # so they step in turns (``pdd.serving.core_turns``; ``pdd up`` gives its engines one).
+    # "" = step whenever there is work.
+    core_turns: str = ""
 
     def __post_init__(self) -> None:
         if self.lease_ttl_ms < 300:
@@ -120,6 +125,7 @@ class EngineInstance:
         self.publish_cache_events = publish_cache_events
         self.engine: EngineBackend | None = None
         self.runner: EngineLoop | None = None
+        self.turns: CoreTurns | None = None
         self.membership: Membership | None = None
         self._kvstore_channel = None  # opened by register(), closed by stop()
         # The WAN links' states reported with the load (prefill sets its meters':
@@ -135,9 +141,14 @@ class EngineInstance:
     async def start(self) -> None:
         if self.threads:
             torch.set_num_threads(self.threads)
-        self.runner = await EngineLoop.build(self._build_engine, self._coalesce())
-        self.engine = self.runner.engine
         cfg = self.config
+        if cfg.core_turns:
+            self.turns = CoreTurns(
+                cfg.core_turns, metrics.CORE_TURN_WAIT.labels(cfg.ref.role.value).inc
+            )
+            log.info("core_turns", path=cfg.core_turns)
+        self.runner = await EngineLoop.build(self._build_engine, self._coalesce(), self.turns)
+        self.engine = self.runner.engine
         metrics.LIVE.watch_engine(cfg.ref.instance_id, cfg.ref.role.value, lambda: self.engine)
 
     def _coalesce(self) -> Coalesce | None:
@@ -210,6 +221,8 @@ class EngineInstance:
             await self._kvstore_channel.close()
         if self.runner is not None:
             await self.runner.stop()
+        if self.turns is not None:
+            self.turns.close()  # NOTE: after the engine thread, which steps under it, ended
 
     def _on_cache_event(self, event: CacheEvent) -> None:
         # NOTE: runs on the engine thread; hop to the event loop to keep event order.

@@ -15,6 +15,9 @@ may also say how many more its gateway is still routing behind it (``expect``): 
 waits for those past a gap too, within ``max_s`` — the gateway's routing of a burst (kvstore's
 answers) can stall for longer than a gap while the first requests are already here.
 
+Engines of one host that share its cores may take turns at their steps (``turns``,
+``pdd.serving.core_turns``): each step then holds the host's turn lock.
+
 NOTE: the engine never waits for the event loop between steps: the loop's work of a step
 (routing outputs, one gRPC write per stream) overlaps the next step instead of following it.
 An earlier loop ran each step as an executor call awaited by a task, so every step also waited
@@ -36,6 +39,7 @@ each ``StepOutput`` lands in the queue (a failed step: ``StepFailed``), then the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import threading
 import time
@@ -45,6 +49,7 @@ from typing import Any, TypeVar
 
 import structlog
 
+from pdd.serving.core_turns import CoreTurns
 from pdd.serving.mailbox import StepFailed
 
 log = structlog.get_logger(__name__)
@@ -72,9 +77,13 @@ class Coalesce:
 
 
 class EngineLoop:
-    def __init__(self, engine: Any, coalesce: Coalesce | None = None) -> None:
+    def __init__(
+        self, engine: Any, coalesce: Coalesce | None = None, turns: CoreTurns | None = None
+    ) -> None:
         self.engine = engine
         self.coalesce = coalesce
+        # Steps taken in turns with the host's other engines (``pdd.serving.core_turns``).
+        self.turns = turns
         # Work for the engine thread between steps: (fn, future or None), or _Stop.
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
@@ -120,14 +129,19 @@ class EngineLoop:
             raise
 
     @classmethod
-    async def build(cls, build: Callable[[], Any], coalesce: Coalesce | None = None) -> EngineLoop:
+    async def build(
+        cls,
+        build: Callable[[], Any],
+        coalesce: Coalesce | None = None,
+        turns: CoreTurns | None = None,
+    ) -> EngineLoop:
         """A started loop whose engine ``build()`` makes on the engine thread itself.
 
         NOTE: the engine thread is then the process's only OpenMP master. libgomp counts every
         thread pool's workers against the CPUs, and once they outnumber them every parallel
         region's workers stop spinning (an engine built on an executor thread leaves a second
         pool behind: 3 threads on 2 CPUs)."""
-        loop = cls(None, coalesce)
+        loop = cls(None, coalesce, turns)
         await loop.start(build)
         return loop
 
@@ -306,7 +320,8 @@ class EngineLoop:
         """One engine step: its outputs, and whether anything moved."""
         eng = self.engine
         before = eng.num_computed_total()
-        outputs = eng.step()
+        with self.turns.step() if self.turns is not None else contextlib.nullcontext():
+            outputs = eng.step()
         return outputs, bool(outputs) or eng.num_computed_total() != before
 
     def _fail_all(self) -> None:

@@ -94,6 +94,12 @@ HTTP_REQUESTS = Counter(
 )
 
 # ---- instances: caches and links ----------------------------------------------------
+CORE_TURN_WAIT = Counter(
+    "pdd_engine_core_turn_wait_seconds",
+    "Time this engine's steps waited for another engine of the host to end its step "
+    "(--core-turns: engines sharing cores take turns), by role",
+    ["role"],
+)
 PREFIX_QUERIES = Counter(
     "pdd_prefix_cache_queries", "Prompt tokens looked up in the radix prefix cache", ["role"]
 )

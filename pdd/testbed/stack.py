@@ -183,6 +183,9 @@ class StackConfig:
     # the WAN emulators and every engine service's event loop run there, the engines' steps on
     # the rest (``pdd.server.cpus``: ``--cpus`` / ``--engine-cpus``). 0 = no placement.
     frontend_cpus: int = 0
+    # The engines (prefill, relay, MainDecode: one host, its cores shared) step in turns
+    # (``PDD_CORE_TURNS``, a lock file in log_dir; ``pdd.serving.core_turns``).
+    core_turns: bool = True
 
     def __post_init__(self) -> None:
         if self.restart not in RESTART_POLICIES:
@@ -310,7 +313,7 @@ class Stack:
                     name,
                     module,
                     [*full, "--log-format", "json"],
-                    env=dict(self.config.env),
+                    env=self._env(),
                     log_dir=self.config.log_dir,
                     timeout=self.config.start_timeout_s,
                 )
@@ -324,6 +327,14 @@ class Stack:
             self.processes.append(p)
             return p
         raise AssertionError("unreachable")
+
+    def _env(self) -> dict[str, str]:
+        """A service's extra environment: the engines' turn lock (``core_turns``; by variable,
+        not flag, so that another checkout's services, ``pdd bench served --b-code``, start
+        whether they know it or not), then ``env``, which wins."""
+        cfg = self.config
+        turns = {"PDD_CORE_TURNS": str(cfg.log_dir.resolve() / "core-turns.lock")}
+        return {**(turns if cfg.core_turns else {}), **cfg.env}
 
     def _place(self, p: Process) -> None:
         if self.placement is not None and p.module in UNFLAGGED_MODULES:

@@ -226,6 +226,10 @@ async def test_metrics_endpoints_expose_the_named_series_after_traffic(stack):
     assert has(md, "pdd_engine_requests")
     assert total(md, "pdd_gc_pause_seconds_count") > 0  # every collection after start-up is timed
 
+    # pdd up's engines share this host's cores: each stepped under the turn lock (PDD_CORE_TURNS)
+    for samples, role in ((p, "prefill"), (r, "relay"), (md, "main_decode")):
+        assert total(samples, "pdd_engine_core_turn_wait_seconds_total", role=role) > 0, role
+
     kv = scrape(stack.metrics["kvstore"])
     assert (
         total(kv, "pdd_grpc_server_handled_total", grpc_method="PredictHits", grpc_code="OK") >= 3
