@@ -147,3 +147,38 @@ async def test_an_engine_loop_steps_only_in_its_turn(tmp_path):
         await runner.stop()
         runner.turns.close()
         other.close()
+
+
+def test_a_peer_stopped_mid_step_delays_a_turn_once_then_steps_go_on_without(tmp_path):
+    """Every wait has a deadline: a holder that never lets go (SIGSTOP, a hang) costs the other
+    engines ``max_wait_s`` once; later steps try once and go on, until the lock comes free."""
+    path = str(tmp_path / "cores.lock")
+    stuck = CoreTurns(path)
+    turns = CoreTurns(path, max_wait_s=0.3)
+    probe = CoreTurns(path)
+    try:
+        with stuck.step():
+            t0 = time.monotonic()
+            with turns.step():
+                pass
+            first = time.monotonic() - t0
+            assert 0.25 <= first < 5, first
+            assert turns.bypassing
+            t0 = time.monotonic()
+            with turns.step():
+                pass
+            assert time.monotonic() - t0 < 0.25  # one try, no wait
+        # the holder let go: the next step holds the turn again
+        with turns.step():
+            assert not turns.bypassing
+            assert not probe._take(time.monotonic() + 0.05), "stepped without the turn"
+        with probe.step():  # and it gave it back
+            pass
+    finally:
+        for t in (stuck, turns, probe):
+            t.close()
+
+
+def test_max_wait_must_be_positive(tmp_path):
+    with pytest.raises(ValueError, match="max_wait_s"):
+        CoreTurns(str(tmp_path / "x.lock"), max_wait_s=0)
