@@ -102,6 +102,10 @@ class InstanceConfig:
             raise ValueError(f"burst_wait_ms: must be >= 0, got {self.burst_wait_ms}")
         if self.burst_gap_ms <= 0:
             raise ValueError(f"burst_gap_ms: must be > 0, got {self.burst_gap_ms}")
+        if self.core_turns and not os.path.isdir(os.path.dirname(os.path.abspath(self.core_turns))):
+            raise ValueError(
+                f"core_turns: the lock file's directory does not exist, got {self.core_turns!r}"
+            )
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size: must be >= 1, got {self.tensor_parallel_size}")
         if self.tensor_parallel_size > 1 and self.engine_kind is not EngineKind.VLLM:

@@ -48,3 +48,10 @@ def test_burst_gathering_settings_are_validated_and_prefill_and_main_decode_gath
         Role.RELAY: (0, 2.0),
         Role.MAIN_DECODE: (BURST_WAIT_MS, BURST_GAP_MS),
     }
+
+
+def test_the_core_turns_lock_file_needs_an_existing_directory(tmp_path):
+    assert config(core_turns=str(tmp_path / "cores.lock")).core_turns.endswith("cores.lock")
+    assert config().core_turns == ""  # no turns
+    with pytest.raises(ValueError, match=r"^core_turns: the lock file's directory"):
+        config(core_turns=str(tmp_path / "missing" / "cores.lock"))
