@@ -4,6 +4,8 @@ processes; an ``EngineLoop`` given turns steps only while it holds one."""
 from __future__ import annotations
 
 import asyncio
+import fcntl
+import os
 import subprocess
 import sys
 import threading
@@ -14,6 +16,16 @@ import pytest
 from pdd.serving.core_turns import CoreTurns
 from pdd.serving.engine_loop import EngineLoop
 from tests.unit.test_engine_runner import SlowEngine, _drain
+
+
+def _free(fd: int) -> bool:
+    """Whether the lock on ``fd``'s file is free (taken and given back at once if so)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return True
 
 
 def test_a_path_is_required():
@@ -155,7 +167,6 @@ def test_a_peer_stopped_mid_step_delays_a_turn_once_then_steps_go_on_without(tmp
     path = str(tmp_path / "cores.lock")
     stuck = CoreTurns(path)
     turns = CoreTurns(path, max_wait_s=0.3)
-    probe = CoreTurns(path)
     try:
         with stuck.step():
             t0 = time.monotonic()
@@ -167,20 +178,22 @@ def test_a_peer_stopped_mid_step_delays_a_turn_once_then_steps_go_on_without(tmp
             t0 = time.monotonic()
             with turns.step():
                 pass
-            assert time.monotonic() - t0 < 0.25  # one try, no wait
+            assert time.monotonic() - t0 < 0.25  # no wait while the lock is held elsewhere
         # the holder let go: the abandoned wait takes the lock and gives it back at once ...
         deadline = time.monotonic() + 5
         while turns.bypassing and time.monotonic() < deadline:
             time.sleep(0.01)
         assert not turns.bypassing
-        # ... and the next step holds the turn again
-        probe.max_wait_s = 0.05
-        with turns.step():
-            assert not probe._take(), "stepped without the turn"
-        with probe.step():  # and it gave it back
-            pass
+        # ... and the next step holds the turn again, and gives it back after
+        other = os.open(path, os.O_RDWR)
+        try:
+            with turns.step():
+                assert not _free(other), "stepped without the turn"
+            assert _free(other)
+        finally:
+            os.close(other)
     finally:
-        for t in (stuck, turns, probe):
+        for t in (stuck, turns):
             t.close()
 
 
