@@ -31,7 +31,8 @@ Contenders alternate round by round, so a noisy moment on the shared machine hit
 the ratios within one run are the figures to read (``served_overhead`` prints them against
 vLLM's server: throughput, TTFT, TPOT, CPU per token; ``served_budget`` where a round's time
 goes — TTFT, handoff, decode per token, tail, and the hops the stack's services log — against
-the round the 1.2× target allows). A round's number is output tokens / wall
+the round the 1.2× target allows; ``served_ceiling`` the throughput each contender's CPU a
+token allows on these cores). A round's number is output tokens / wall
 time (prefill included). Beside it: TTFT and TPOT P50, the P50 of the time from a request's
 last token to the end of its stream (``tail``: what the client waits for after the last token),
 and the CPU seconds each process spent per output token, from its own ``/proc/<pid>/stat``
@@ -68,6 +69,7 @@ from pdd.bench.py_spy import PySpy
 from pdd.bench.record import RequestResult
 from pdd.bench.served_ab import ab_table
 from pdd.bench.served_budget import budget_table, logged_hops, request_hops
+from pdd.bench.served_ceiling import ceiling_table, cpu_totals, mean_tok_s
 from pdd.bench.served_config import (
     CONTENDERS,
     PROFILED,
@@ -76,6 +78,7 @@ from pdd.bench.served_config import (
 )
 from pdd.bench.served_contenders import CLIENT, ON_B, Contenders, random_model
 from pdd.bench.served_overhead import emulator_table, overhead_table
+from pdd.server import cpus as cpu_lists
 
 
 def _int_list(text: str, name: str) -> tuple[int, ...]:
@@ -169,6 +172,7 @@ def summarize(rounds: Sequence[Round]) -> dict:
     known = [s for n, s in cpu.items() if s is not None and n != CLIENT]
     return {
         "median_tok_s": statistics.median(r.tok_s for r in rounds),
+        "mean_tok_s": mean_tok_s([r.output_tokens for r in rounds], [r.wall_s for r in rounds]),
         "best_tok_s": max(r.tok_s for r in rounds),
         "errors": sum(r.errors for r in rounds),
         "ttft_p50_ms": p50("ttft_ms"),
@@ -180,6 +184,8 @@ def summarize(rounds: Sequence[Round]) -> dict:
             n: None if s is None or not tokens else 1000.0 * s / tokens for n, s in cpu.items()
         },
         "cpu_ms_per_token_total": 1000.0 * sum(known) / tokens if known and tokens else None,
+        # every process, the client included, and the cores they kept busy (``served_ceiling``)
+        **cpu_totals(cpu, sum(r.wall_s for r in rounds), tokens),
     }
 
 
@@ -251,6 +257,8 @@ def _same(a: Sequence[RequestResult], b: Sequence[RequestResult]) -> int:
 async def run(cfg: ServedConfig, workdir: Path) -> dict:
     from pdd.bench.peer_bench import wait_for_quiet
 
+    # NOTE: before anything is placed: the CPUs every contender shares (``served_ceiling``).
+    cores = len(cpu_lists.allowed())
     model_dir = Path(cfg.model) if cfg.model else random_model(workdir)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     fresh = FreshPrompts(vocab, cfg.prompt_len, seed=0)
@@ -314,6 +322,7 @@ async def run(cfg: ServedConfig, workdir: Path) -> dict:
         "config": asdict(cfg),
         "model": str(model_dir),
         "results": results,
+        "cores": cores,
         "rounds": rounds,
         "profile": profile,
     }
@@ -433,6 +442,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for extra in (
         overhead_table(report["results"]),
         emulator_table(report["results"]),
+        ceiling_table(report["results"], report["cores"]),
         budget_table(report["results"], cfg.output_len),
         ab_table(report["rounds"], tuple(cfg.stack_b_env().items())),
     ):
