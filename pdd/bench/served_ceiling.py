@@ -90,8 +90,9 @@ def ceiling_table(results: Mapping[int, Mapping[str, Mapping[str, Any]]], cores:
         f"{'conc':>4} {'contender':<16}{'CPU ms/tok':>11}{'busy':>8}{'tok/s':>9}"
         f"{'ceiling':>13}{'x vLLM':>8}{'achieved':>10}{'all cores':>13}{'x vLLM':>8}"
     )
+    where = f"{cores} cores" if cores > 0 else "this host (its core count unknown)"
     return [
-        f"what the CPU a token allows on {cores} cores (every process, the client included; "
+        f"what the CPU a token allows on {where} (every process, the client included; "
         "ceiling: at our engine's busy cores)",
         head,
         *rows,

@@ -88,5 +88,8 @@ def test_table_lines_and_ratios_to_vllm():
     assert vllm[5] == "400.0" and vllm[6] == "0.95"  # vLLM's own ceiling at our engine's cores
     no_vllm = ceiling_table({16: {k: v for k, v in results[16].items() if k != "vllm"}}, 2)
     assert next(line for line in no_vllm if "grpc-p-md" in line).split()[6] == "-"
+    unknown = ceiling_table(results, cores=0)  # no affinity to read: no bound at every core
+    assert "core count unknown" in unknown[0]
+    assert next(line for line in unknown if "grpc-p-md" in line).split()[-2:] == ["-", "-"]
     # Without our engine in the run there is no measured utilisation to stand on.
     assert ceiling_table({16: {"grpc-p-md": results[16]["grpc-p-md"]}}, 2) == []
