@@ -26,8 +26,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-ENGINE = "engine"
-REFERENCE = "vllm"
+from pdd.bench.served_overhead import ENGINE, REFERENCE, divide
 
 
 def cpu_totals(cpu_s: Mapping[str, float | None], wall_s: float, tokens: int) -> dict[str, Any]:
@@ -62,10 +61,6 @@ def _cell(value: float | None, width: int, spec: str) -> str:
     return f"{'-' if value is None else format(value, spec):>{width}}"
 
 
-def _over(value: float | None, reference: float | None) -> float | None:
-    return None if value is None or not reference else value / reference
-
-
 def ceiling_table(results: Mapping[int, Mapping[str, Mapping[str, Any]]], cores: int) -> list[str]:
     """The printed lines; none when the run has no ``engine`` contender to take the busy cores
     from. The ``x vLLM`` columns divide by vLLM's mean tok/s in the same run."""
@@ -80,9 +75,9 @@ def ceiling_table(results: Mapping[int, Mapping[str, Mapping[str, Any]]], cores:
             rows.append(
                 f"{conc:>4} {name:<16}{_cell(s.get('cpu_ms_per_token_all'), 11, '.2f')}"
                 f"{_cell(s.get('busy_cores'), 8, '.2f')}{_cell(s.get('mean_tok_s'), 9, '.1f')}"
-                f"{_cell(c['at_engine'], 13, '.1f')}{_cell(_over(c['at_engine'], ref), 8, '.2f')}"
+                f"{_cell(c['at_engine'], 13, '.1f')}{_cell(divide(c['at_engine'], ref), 8, '.2f')}"
                 f"{_cell(c['achieved'], 10, '.0%')}{_cell(c['at_cores'], 13, '.1f')}"
-                f"{_cell(_over(c['at_cores'], ref), 8, '.2f')}"
+                f"{_cell(divide(c['at_cores'], ref), 8, '.2f')}"
             )
     if not rows:
         return []

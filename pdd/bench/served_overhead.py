@@ -26,13 +26,14 @@ RATIOS = (
 )
 
 
-def _div(value: float | None, reference: float | None) -> float | None:
+def divide(value: float | None, reference: float | None) -> float | None:
+    """``value / reference``; None where either is unknown or the reference is 0."""
     return None if value is None or not reference else value / reference
 
 
 def overhead(summary: Mapping[str, Any], reference: Mapping[str, Any]) -> dict[str, float | None]:
     """One contender's summary over the reference's, key by key (None where either is unknown)."""
-    return {key: _div(summary.get(key), reference.get(key)) for key, _ in RATIOS}
+    return {key: divide(summary.get(key), reference.get(key)) for key, _ in RATIOS}
 
 
 def heaviest(cpu_ms_per_token: Mapping[str, float | None], n: int = 3) -> list[tuple[str, float]]:
