@@ -69,7 +69,7 @@ from pdd.bench.py_spy import PySpy
 from pdd.bench.record import RequestResult
 from pdd.bench.served_ab import ab_table
 from pdd.bench.served_budget import budget_table, logged_hops, request_hops
-from pdd.bench.served_ceiling import ceiling_table, cpu_totals, mean_tok_s
+from pdd.bench.served_ceiling import ceiling_table, cpu_totals
 from pdd.bench.served_config import (
     CONTENDERS,
     PROFILED,
@@ -170,9 +170,10 @@ def summarize(rounds: Sequence[Round]) -> dict:
         return percentile([v for r in rounds for v in getattr(r, field)], 50)
 
     known = [s for n, s in cpu.items() if s is not None and n != CLIENT]
+    wall = sum(r.wall_s for r in rounds)
     return {
         "median_tok_s": statistics.median(r.tok_s for r in rounds),
-        "mean_tok_s": mean_tok_s([r.output_tokens for r in rounds], [r.wall_s for r in rounds]),
+        "mean_tok_s": tokens / wall if wall > 0 else None,  # the ceiling's measure
         "best_tok_s": max(r.tok_s for r in rounds),
         "errors": sum(r.errors for r in rounds),
         "ttft_p50_ms": p50("ttft_ms"),
@@ -185,7 +186,7 @@ def summarize(rounds: Sequence[Round]) -> dict:
         },
         "cpu_ms_per_token_total": 1000.0 * sum(known) / tokens if known and tokens else None,
         # every process, the client included, and the cores they kept busy (``served_ceiling``)
-        **cpu_totals(cpu, sum(r.wall_s for r in rounds), tokens),
+        **cpu_totals(cpu, wall, tokens),
     }
 
 

@@ -23,7 +23,7 @@ is within reach of arrangement at all on this host, or needs less CPU a token.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from pdd.bench.served_overhead import ENGINE, REFERENCE, divide
@@ -92,9 +92,3 @@ def ceiling_table(results: Mapping[int, Mapping[str, Mapping[str, Any]]], cores:
         head,
         *rows,
     ]
-
-
-def mean_tok_s(tokens: Sequence[int], walls: Sequence[float]) -> float | None:
-    """Tokens over wall time across rounds (the ceiling's own measure, not the median)."""
-    wall = sum(walls)
-    return sum(tokens) / wall if wall > 0 else None
