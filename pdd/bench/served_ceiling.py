@@ -32,10 +32,14 @@ from pdd.bench.served_overhead import ENGINE, REFERENCE, divide
 def cpu_totals(cpu_s: Mapping[str, float | None], wall_s: float, tokens: int) -> dict[str, Any]:
     """CPU ms a token over every process a contender is charged with, and the cores it kept
     busy (its CPU seconds over ``wall_s``); both None unless every process's CPU was read —
-    a part left out would raise the ceiling."""
+    a part left out would raise the ceiling — and came to more than nothing (CPU time counts in
+    clock ticks, 10 ms here: rounds shorter than a tick can read none)."""
+    unknown = {"cpu_ms_per_token_all": None, "busy_cores": None}
     if not cpu_s or any(v is None for v in cpu_s.values()) or tokens <= 0 or wall_s <= 0:
-        return {"cpu_ms_per_token_all": None, "busy_cores": None}
+        return unknown
     total = sum(v for v in cpu_s.values() if v is not None)
+    if total <= 0:
+        return unknown
     return {"cpu_ms_per_token_all": 1000.0 * total / tokens, "busy_cores": total / wall_s}
 
 
@@ -53,7 +57,7 @@ def ceiling(
     return {
         "at_engine": at_engine,
         "at_cores": 1000.0 * cores / per_token if cores > 0 else None,
-        "achieved": None if at_engine is None or tok_s is None else tok_s / at_engine,
+        "achieved": divide(tok_s, at_engine),
     }
 
 

@@ -22,6 +22,7 @@ def test_cpu_totals_count_every_process_the_client_too():
         ({}, 2.0, 1000),
         ({"engine": 1.0}, 0.0, 1000),
         ({"engine": 1.0}, 2.0, 0),
+        ({"engine": 0.0, CLIENT: 0.0}, 0.05, 100),  # a round shorter than a clock tick
     ],
 )
 def test_cpu_totals_are_unknown_rather_than_partial(cpu, wall, tokens):
@@ -38,6 +39,7 @@ def test_ceiling_at_the_engines_busy_cores_and_at_every_core():
     # The engine against itself: its ceiling is what it served.
     assert ceiling(engine, engine, 2)["achieved"] == pytest.approx(1.0)
     assert ceiling(stack, None, 2)["at_engine"] is None
+    assert ceiling(stack, {"busy_cores": 0.0}, 2)["achieved"] is None  # no share of nothing
     assert ceiling({"cpu_ms_per_token_all": None}, engine, 2) == {
         "at_engine": None,
         "at_cores": None,
